@@ -1,0 +1,1 @@
+"""gf_tf: GradientFlow gradient communication for TensorFlow / Keras."""
