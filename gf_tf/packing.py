@@ -1,0 +1,133 @@
+"""The pack plan of lazy all-reduce: which gradients travel together, in what order.
+
+Pure Python over an ordered list of (shape, dtype) pairs, so every worker that
+sees the same variable list derives the same plan (never from `id`, hashing
+or set order). Source: GradientFlow (arXiv 1902.06855), "lazy all-reduce":
+gradients are packed into buffers of at least a threshold size, in backprop
+order (the reverse of the variable order), so the first pack can be
+all-reduced while backprop still computes the rest.
+"""
+
+import dataclasses
+import functools
+import zlib
+from typing import Callable, Optional, Sequence, Tuple
+
+import tensorflow as tf
+
+# One entry per value in the caller's list: (shape, dtype) when it can be
+# packed, None when it goes to the wrapped cross-device ops untouched.
+Signature = Sequence[Optional[Tuple[tf.TensorShape, tf.DType]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class PackSpec:
+    """One pack: a 1-D wire buffer made of several flattened gradients.
+
+    key: stable name of this pack, derived only from the ordered signature and
+      the plan options (e.g. "a1b2c3d4_p0_float32_n1024"); per-pack state such
+      as CSC residuals is keyed by it.
+    indices: positions in the caller's value list, in pack (backprop) order.
+    shapes, dtypes: of those values, same order.
+    num_elements: total elements (sum of the sizes).
+    wire_dtype: dtype of the buffer sent through the all-reduce.
+    """
+    key: str
+    indices: Tuple[int, ...]
+    shapes: Tuple[tf.TensorShape, ...]
+    dtypes: Tuple[tf.DType, ...]
+    num_elements: int
+    wire_dtype: tf.DType
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of the wire buffer (num_elements x wire dtype size)."""
+        return self.num_elements * self.wire_dtype.size
+
+
+def plan_fingerprint(signature: Signature, bytes_per_pack: int,
+                     wire_dtype_of: Callable[[tf.DType], tf.DType]) -> int:
+    """A 32-bit CRC of the signature and the options; equal on every worker iff they agree."""
+    text = repr((_canonical(signature), int(bytes_per_pack),
+                 tuple(sorted({wire_dtype_of(s[1]).name for s in signature if s}))))
+    return zlib.crc32(text.encode())
+
+
+def plan_packs(signature: Signature, bytes_per_pack: int,
+               wire_dtype_of: Callable[[tf.DType], tf.DType]) -> Tuple[PackSpec, ...]:
+    """Cuts the packable values of `signature` into packs.
+
+    Args:
+      signature: per caller value, (fully defined shape, dtype) or None (not
+        packed).
+      bytes_per_pack: the lazy all-reduce threshold, in wire bytes. A pack is
+        closed when the next value of its dtype would take it beyond this; a
+        value bigger than it gets a pack of its own. 0 means one pack per
+        dtype.
+      wire_dtype_of: maps a value dtype to its wire dtype. Values are grouped
+        per value dtype (a pack holds one dtype only).
+
+    Returns:
+      The packs, ordered by the backprop position of their first value.
+      Cached: equal arguments return the same tuple.
+    """
+    if bytes_per_pack < 0:
+        raise ValueError(f"bytes_per_pack must be >= 0 bytes, got {bytes_per_pack}")
+    return _plan_cached(_canonical(signature), int(bytes_per_pack), wire_dtype_of)
+
+
+def _canonical(signature: Signature):
+    """Hashable, order-preserving form: ((dims...), dtype name) or None."""
+    out = []
+    for i, entry in enumerate(signature):
+        if entry is None:
+            out.append(None)
+            continue
+        shape, dtype = tf.TensorShape(entry[0]), tf.as_dtype(entry[1])
+        if not shape.is_fully_defined():
+            raise ValueError(f"value {i} has shape {shape}; packing needs fully defined "
+                             "shapes (pass it as None to leave it unpacked)")
+        out.append((tuple(shape.as_list()), dtype.name))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_cached(signature, bytes_per_pack, wire_dtype_of):
+    wire = {name: wire_dtype_of(tf.as_dtype(name)) for name in
+            {entry[1] for entry in signature if entry is not None}}
+    fingerprint = plan_fingerprint(signature, bytes_per_pack, wire_dtype_of)
+
+    closed = []   # lists of caller indices
+    open_packs = {}  # dtype name -> (indices, bytes)
+    backprop_order = [i for i in reversed(range(len(signature))) if signature[i] is not None]
+    for i in backprop_order:
+        dims, dtype = signature[i]
+        size = _num_elements(dims) * wire[dtype].size
+        members, used = open_packs.get(dtype, ([], 0))
+        if members and bytes_per_pack and used + size > bytes_per_pack:
+            closed.append(members)
+            members, used = [], 0
+        open_packs[dtype] = (members + [i], used + size)
+    closed.extend(members for members, _ in open_packs.values())
+    rank = {i: r for r, i in enumerate(backprop_order)}
+    closed.sort(key=lambda members: rank[members[0]])
+
+    packs = []
+    for p, members in enumerate(closed):
+        dtype = signature[members[0]][1]
+        n = sum(_num_elements(signature[i][0]) for i in members)
+        packs.append(PackSpec(
+            key=f"{fingerprint:08x}_p{p}_{dtype}_n{n}",
+            indices=tuple(members),
+            shapes=tuple(tf.TensorShape(signature[i][0]) for i in members),
+            dtypes=tuple(tf.as_dtype(signature[i][1]) for i in members),
+            num_elements=n,
+            wire_dtype=wire[dtype]))
+    return tuple(packs)
+
+
+def _num_elements(dims) -> int:
+    n = 1
+    for d in dims:
+        n *= d
+    return n
