@@ -1,0 +1,109 @@
+"""Minimal fixes Keras 3 needs for `model.fit` under MultiWorkerMirroredStrategy.
+
+Keras 3.15's TensorFlow trainer fails under `tf.distribute.MultiWorkerMirroredStrategy`
+(public report keras-team/keras#20585):
+1. `TensorFlowTrainer._maybe_symbolic_build` calls
+   `strategy.reduce("MEAN", <tuple of PerReplica>)` on a data batch:
+   "Attempt to convert a value (PerReplica:{...}) to a Tensor". The build only
+   needs the batch's structure and shapes, so we hand it local replica 0's batch.
+2. `trainer.reduce_per_replica` reduces the (scalar) logs with
+   `strategy.reduce("MEAN", v, axis=0)`: "Invalid reduction dimension 0 for input
+   with 0 dimensions". For scalars we reduce with axis=None (the mean over
+   replicas); other values keep Keras's behaviour.
+3. `steps_per_execution > 1` fails deep in TF ("You must feed a value for
+   placeholder tensor ... has_next"); we raise a clear ValueError instead.
+
+Every patch is active only for a MultiWorkerMirroredStrategy in multi-worker
+mode and delegates to Keras's own code otherwise. These are the only private
+Keras attributes gf_tf touches (keras.src.backend.tensorflow.trainer:
+TensorFlowTrainer._maybe_symbolic_build, TensorFlowTrainer._make_function,
+reduce_per_replica), guarded by `check_keras_version`.
+"""
+
+import functools
+
+import keras
+import tensorflow as tf
+
+TESTED_KERAS_VERSIONS = ("3.15",)
+
+
+def check_keras_version(version: str = None) -> None:
+    """Raises RuntimeError unless Keras is a version these patches were written and tested for."""
+    version = version or keras.__version__
+    if ".".join(version.split(".")[:2]) not in TESTED_KERAS_VERSIONS:
+        raise RuntimeError(
+            f"gf_tf patches Keras's TensorFlow trainer for multi-worker fit "
+            f"(keras-team/keras#20585) and was tested with Keras "
+            f"{', '.join(TESTED_KERAS_VERSIONS)}.x only; found Keras {version}. "
+            f"Install keras=={TESTED_KERAS_VERSIONS[-1]}.* or port gf_tf/keras_compat.py.")
+
+
+def in_multi_worker_mode(strategy) -> bool:
+    """True for a MultiWorkerMirroredStrategy spanning more than one worker."""
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return False
+    resolver = strategy.cluster_resolver
+    spec = resolver.cluster_spec().as_dict() if resolver else {}
+    return sum(len(spec.get(job, [])) for job in ("chief", "worker")) > 1
+
+
+def install() -> None:
+    """Installs the patches once (idempotent). Called by gf_tf.MultiWorkerMirroredStrategy.
+
+    Raises RuntimeError on an untested Keras version.
+    """
+    check_keras_version()
+    from keras.src.backend.tensorflow import trainer as tf_trainer  # pylint: disable=import-outside-toplevel
+    cls = tf_trainer.TensorFlowTrainer
+    if getattr(cls, "_gf_tf_patched", False):
+        return
+    cls._maybe_symbolic_build = _patched_symbolic_build(cls._maybe_symbolic_build)
+    cls._make_function = _patched_make_function(cls._make_function)
+    tf_trainer.reduce_per_replica = _patched_reduce_per_replica(tf_trainer.reduce_per_replica)
+    cls._gf_tf_patched = True
+
+
+def _patched_symbolic_build(original):
+    @functools.wraps(original)
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        strategy = self._distribute_strategy  # pylint: disable=protected-access
+        if iterator is None or not in_multi_worker_mode(strategy):
+            return original(self, iterator=iterator, data_batch=data_batch)
+        for _, _, it in iterator:
+            batch = next(it)
+            data_batch = tf.nest.map_structure(
+                lambda x: strategy.experimental_local_results(x)[0]
+                if isinstance(x, tf.distribute.DistributedValues) else x, batch)
+            break
+        return original(self, iterator=None, data_batch=data_batch)
+    return _maybe_symbolic_build
+
+
+def _patched_make_function(original):
+    @functools.wraps(original)
+    def _make_function(self, step_function):
+        if self.steps_per_execution > 1 and in_multi_worker_mode(self.distribute_strategy):
+            raise ValueError(
+                f"steps_per_execution={self.steps_per_execution} does not work under "
+                f"MultiWorkerMirroredStrategy with Keras {keras.__version__} (its multi-step loop "
+                f"fails with an unfed 'has_next' placeholder); compile the model with "
+                f"steps_per_execution=1.")
+        return original(self, step_function)
+    return _make_function
+
+
+def _patched_reduce_per_replica(original):
+    @functools.wraps(original)
+    def reduce_per_replica(values, strategy, reduction):
+        if reduction not in ("auto", "mean") or not in_multi_worker_mode(strategy):
+            return original(values, strategy, reduction)
+
+        def reduce_one(v):
+            parts = (strategy.experimental_local_results(v)
+                     if isinstance(v, tf.distribute.DistributedValues) else [v])
+            if all(isinstance(x, tf.Tensor) and x.shape.rank == 0 for x in parts):
+                return strategy.reduce("MEAN", v, axis=None)
+            return original(v, strategy, reduction)
+        return tf.nest.map_structure(reduce_one, values)
+    return reduce_per_replica
