@@ -2,11 +2,33 @@
 
 TF_CONFIG format: the one `tf.distribute.cluster_resolver.TFConfigClusterResolver`
 reads: {"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": i}}.
+
+Usage:
+  gf-tf-run -n 2 -- python -m models.train           # 2 workers on this machine
+  gf-tf-run --workers h1:2222,h2:2222 --index 0 -- python -m models.train
+                                                     # task 0 of a 2-host cluster
+  TF_CONFIG='{...}' gf-tf-run -- python -m models.train
+                                                     # the task TF_CONFIG names
+
+Security: TensorFlow's worker gRPC servers listen on all interfaces and have
+no authentication, even when TF_CONFIG names 127.0.0.1. Keep the ports on a
+trusted network (firewalled from everything else) while a job runs.
 """
 
+import argparse
 import json
+import os
+import signal
 import socket
-from typing import Dict, List
+import subprocess
+import sys
+import threading
+import time
+from typing import Dict, List, Optional, Sequence
+
+# Seconds a worker gets to exit after SIGINT/SIGTERM before it is killed.
+GRACE_SECONDS = 5.0
+_POLL_SECONDS = 0.05
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> List[int]:
@@ -33,3 +55,250 @@ def local_cluster(num_workers: int, host: str = "127.0.0.1") -> Dict[str, List[s
 def tf_config(cluster: Dict[str, List[str]], index: int, task_type: str = "worker") -> str:
     """The TF_CONFIG JSON string for task `task_type`:`index` of `cluster`."""
     return json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})
+
+
+def _check_address(field: str, address) -> None:
+    """Raises ValueError naming `field` unless `address` is "host:port", port 1-65535."""
+    if not isinstance(address, str):
+        raise ValueError(f"TF_CONFIG {field}: expected a \"host:port\" string, got {address!r}")
+    host, sep, port = address.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"TF_CONFIG {field}: {address!r} is not \"host:port\"")
+    if host.startswith("[") != host.endswith("]"):
+        raise ValueError(f"TF_CONFIG {field}: {address!r} has an unbalanced IPv6 bracket")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"TF_CONFIG {field}: port {port!r} of {address!r} is not in 1-65535")
+
+
+def validate_tf_config(text: str) -> dict:
+    """Parses and checks one TF_CONFIG string the way a worker will read it.
+
+    Returns the parsed dict. Raises ValueError naming the bad field
+    (e.g. `cluster.worker[1]`, `task.index`) and what was expected: invalid
+    JSON, a missing/empty cluster, a task list that is not host:port strings
+    with port 1-65535, the same address twice, a task type not in the cluster,
+    or an index out of range.
+    """
+    try:
+        config = json.loads(text)
+    except (TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"TF_CONFIG is not valid JSON ({e}); text: {text!r}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"TF_CONFIG must be a JSON object with \"cluster\" and \"task\", got {text!r}")
+    cluster = config.get("cluster")
+    if not isinstance(cluster, dict) or not cluster:
+        raise ValueError("TF_CONFIG cluster: expected a non-empty object such as "
+                         "{\"worker\": [\"host:port\", ...]}, got " + repr(cluster))
+    seen = {}
+    for task_type, addresses in cluster.items():
+        if not isinstance(addresses, list) or not addresses:
+            raise ValueError(f"TF_CONFIG cluster.{task_type}: expected a non-empty list of "
+                             f"\"host:port\" strings, got {addresses!r}")
+        for i, address in enumerate(addresses):
+            field = f"cluster.{task_type}[{i}]"
+            _check_address(field, address)
+            if address in seen:
+                raise ValueError(f"TF_CONFIG {field}: address {address!r} is also {seen[address]}; "
+                                 "every task needs its own host:port")
+            seen[address] = field
+    task = config.get("task")
+    if not isinstance(task, dict):
+        raise ValueError("TF_CONFIG task: expected an object such as "
+                         "{\"type\": \"worker\", \"index\": 0}, got " + repr(task))
+    task_type = task.get("type")
+    if task_type not in cluster:
+        raise ValueError(f"TF_CONFIG task.type: {task_type!r} is not a task type of the cluster "
+                         f"(valid: {sorted(cluster)})")
+    index = task.get("index")
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise ValueError(f"TF_CONFIG task.index: expected an integer, got {index!r}")
+    if not 0 <= index < len(cluster[task_type]):
+        raise ValueError(f"TF_CONFIG task.index: {index} is out of range for "
+                         f"cluster.{task_type} with {len(cluster[task_type])} tasks "
+                         f"(valid: 0-{len(cluster[task_type]) - 1})")
+    return config
+
+
+def validate_tf_configs(texts: Sequence[str]) -> List[dict]:
+    """Checks the TF_CONFIGs of all tasks of one job against each other.
+
+    Each must pass `validate_tf_config`; all must name the identical cluster;
+    no two may name the same (task.type, task.index). Raises ValueError
+    naming the field and the tasks (by position in `texts`) that disagree.
+    """
+    configs = [validate_tf_config(t) for t in texts]
+    owner = {}
+    for i, config in enumerate(configs):
+        if config["cluster"] != configs[0]["cluster"]:
+            raise ValueError(f"TF_CONFIG cluster: task {i} has {config['cluster']!r} but task 0 has "
+                             f"{configs[0]['cluster']!r}; every task needs the identical cluster")
+        key = (config["task"]["type"], config["task"]["index"])
+        if key in owner:
+            raise ValueError(f"TF_CONFIG task.index: tasks {owner[key]} and {i} are both "
+                             f"{key[0]} {key[1]}; every task needs a unique index")
+        owner[key] = i
+    return configs
+
+
+class _Worker:
+    """One child process in its own process group, its output prefixed line by line."""
+
+    def __init__(self, label: str, argv: Sequence[str], env: Dict[str, str], out, lock):
+        # A new session keeps terminal Ctrl-C away from the child (we forward it)
+        # and lets us signal the worker together with anything it started.
+        self.label = label
+        self.proc = subprocess.Popen(list(argv), env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
+        self._thread = threading.Thread(target=self._copy_output, args=(out, lock), daemon=True)
+        self._thread.start()
+
+    def _copy_output(self, out, lock):
+        prefix = f"[{self.label}] ".encode()
+        for line in iter(self.proc.stdout.readline, b""):
+            with lock:
+                out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+                out.flush()
+
+    def signal_group(self, sig) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def finish_output(self) -> None:
+        self._thread.join(timeout=2.0)
+
+
+def _stop(workers: List[_Worker], first_signal) -> None:
+    """Sends `first_signal` to every live worker group, then SIGKILL after GRACE_SECONDS."""
+    for w in workers:
+        if w.proc.poll() is None:
+            w.signal_group(first_signal)
+    deadline = time.monotonic() + GRACE_SECONDS
+    while time.monotonic() < deadline and any(w.proc.poll() is None for w in workers):
+        time.sleep(_POLL_SECONDS)
+    for w in workers:
+        # Also reaps grandchildren left in the group by a worker that exited.
+        w.signal_group(signal.SIGKILL)
+        w.proc.wait()
+
+
+def run_tasks(tf_configs: Sequence[str], argv: Sequence[str], env: Optional[Dict[str, str]] = None,
+              out=None) -> int:
+    """Runs `argv` once per TF_CONFIG string, in parallel, until all exit.
+
+    Returns 0 if every task exits 0. If one fails, the others are stopped
+    (SIGTERM, then SIGKILL after GRACE_SECONDS) and its exit code is returned
+    (1 if it was killed by a signal). SIGINT/SIGTERM to this process are
+    forwarded to every task; then 130 (SIGINT) or 143 (SIGTERM) is returned.
+    Must run in the main thread (it installs signal handlers).
+    """
+    if not argv:
+        raise ValueError("no command given: use gf-tf-run -n N -- python -m models.train ...")
+    configs = validate_tf_configs(tf_configs)
+    out = out if out is not None else sys.stdout.buffer
+    base_env = dict(os.environ if env is None else env)
+    lock = threading.Lock()
+    received = []
+    handlers = {sig: signal.signal(sig, lambda s, _frame: received.append(s))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    workers: List[_Worker] = []
+    try:
+        for text, config in zip(tf_configs, configs):
+            task = config["task"]
+            workers.append(_Worker(f"{task['type']} {task['index']}", argv,
+                                   {**base_env, "TF_CONFIG": text}, out, lock))
+        while True:
+            if received:
+                sig = received[0]
+                with lock:
+                    out.write(f"[gf-tf-run] got {signal.Signals(sig).name}: stopping all tasks\n".encode())
+                    out.flush()
+                _stop(workers, sig)
+                return 128 + sig
+            codes = [w.proc.poll() for w in workers]
+            failed = [(w, c) for w, c in zip(workers, codes) if c not in (None, 0)]
+            if failed:
+                w, code = failed[0]
+                with lock:
+                    out.write(f"[gf-tf-run] {w.label} exited with code {code}: "
+                              f"stopping the other tasks\n".encode())
+                    out.flush()
+                _stop(workers, signal.SIGTERM)
+                return code if code > 0 else 1
+            if all(c == 0 for c in codes):
+                _stop(workers, signal.SIGTERM)  # reaps leftover grandchildren only
+                return 0
+            time.sleep(_POLL_SECONDS)
+    finally:
+        if workers and any(w.proc.poll() is None for w in workers):
+            _stop(workers, signal.SIGTERM)
+        for w in workers:
+            w.finish_output()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def run_workers(num_workers: int, argv: Sequence[str], env: Optional[Dict[str, str]] = None,
+                host: str = "127.0.0.1", out=None) -> int:
+    """Runs `argv` as `num_workers` local workers of one TF cluster; returns the exit code.
+
+    Each worker gets TF_CONFIG for task worker:i of a cluster on free ports of
+    `host`. Exit code and signal handling as in `run_tasks`.
+    """
+    cluster = local_cluster(num_workers, host)
+    return run_tasks([tf_config(cluster, i) for i in range(num_workers)], argv, env, out)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of `gf-tf-run` and `python -m gf_tf.launch`."""
+    parser = argparse.ArgumentParser(
+        prog="gf-tf-run",
+        description="Run a command as the workers of a TensorFlow multi-worker job, with TF_CONFIG set.",
+        epilog="Examples:\n"
+               "  gf-tf-run -n 2 -- python -m models.train\n"
+               "  gf-tf-run --workers 10.0.0.1:2222,10.0.0.2:2222 --index 0 -- python -m models.train\n"
+               "  TF_CONFIG='{...}' gf-tf-run -- python -m models.train\n\n"
+               "TensorFlow's worker servers listen on ALL interfaces without authentication,\n"
+               "even for 127.0.0.1 clusters: run only where those ports are firewalled from\n"
+               "untrusted networks.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-n", "--num_workers", type=int, default=None,
+                        help="start this many local workers on free 127.0.0.1 ports (default 2)")
+    parser.add_argument("--workers", default=None,
+                        help="comma-separated host:port of every worker of a multi-host job; with --index")
+    parser.add_argument("--index", type=int, default=None,
+                        help="which worker of --workers this host runs (0 is the chief)")
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="the command each worker runs, after --")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no command given: gf-tf-run -n 2 -- python -m models.train")
+    try:
+        if args.workers is not None:
+            if args.num_workers is not None:
+                parser.error("give either -n (local workers) or --workers/--index (one task), not both")
+            if args.index is None:
+                parser.error("--workers needs --index (which of the workers this host runs)")
+            cluster = {"worker": [a.strip() for a in args.workers.split(",")]}
+            return run_tasks([tf_config(cluster, args.index)], command)
+        if args.index is not None:
+            parser.error("--index needs --workers")
+        if "TF_CONFIG" in os.environ:
+            if args.num_workers is not None:
+                parser.error("TF_CONFIG is set, so this host runs the one task it names; "
+                             "unset TF_CONFIG to use -n")
+            return run_tasks([os.environ["TF_CONFIG"]], command)
+        num_workers = 2 if args.num_workers is None else args.num_workers
+        if num_workers < 1:
+            parser.error(f"-n must be >= 1, got {num_workers}")
+        return run_workers(num_workers, command)
+    except ValueError as e:
+        print(f"gf-tf-run: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,339 @@
+"""Datasets for `models.train`, one loader per source, each worker reading its own shard.
+
+Every loader returns a `Source`: metadata plus `examples(split, num_shards,
+shard_index, training, seed)`, a `tf.data.Dataset` of unbatched
+(image float32 (H, W, C), label int32 ()) pairs holding only shard
+`shard_index` of `num_shards`. `input_pipeline` shuffles, repeats and batches
+it; `distributed_dataset` wires it into a tf.distribute strategy so that each
+worker (input pipeline) reads a disjoint shard with the per-replica batch size.
+
+Training datasets repeat forever and every worker runs the same
+`steps_per_epoch(num_examples, global_batch_size)` steps, so no worker waits
+in a collective for another whose shard ran out early (uneven last batch).
+
+Sources:
+  digits    the 1797 8x8 handwritten digits bundled with scikit-learn (offline); 1437 train / 360 test.
+  mnist     28x28 digits through keras.datasets (downloads once to ~/.keras/datasets).
+  cifar10   32x32 colour images through keras.datasets (downloads once).
+  imagenet  a TFRecord directory in the layout of TF's build_imagenet_data.py:
+            train-*-of-* and validation-*-of-* with image/encoded (JPEG) and
+            image/class/label (1-1000); 224x224 crops.
+  tfrecord  any TFRecord directory with train* and test*/validation* files of
+            image/encoded (JPEG/PNG) and image/class/label (0-based) at one image size
+            (e.g. CIFAR); counts, size and classes are read from the files.
+  synthetic seeded random images for throughput runs, at the model's input size.
+"""
+
+import dataclasses
+import glob
+import os
+from typing import Callable, Dict, Optional, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+TRAIN, TEST = "train", "test"
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """A dataset: metadata plus a function making one shard of one split.
+
+    input_shape: (height, width, channels) of the float32 images.
+    num_examples: examples per split ("train", "test") over all shards.
+    """
+    name: str
+    input_shape: Tuple[int, int, int]
+    num_classes: int
+    num_examples: Dict[str, int]
+    _make: Callable[..., tf.data.Dataset]
+
+    def examples(self, split: str, num_shards: int = 1, shard_index: int = 0,
+                 training: bool = False, seed: int = 0) -> tf.data.Dataset:
+        """Unbatched (image float32 input_shape, label int32 ()) of shard `shard_index` of `split`.
+
+        Shards are disjoint and together hold the whole split. `training`
+        turns on data augmentation where the source has one. Raises
+        ValueError for an unknown split or a shard index out of range.
+        """
+        if split not in self.num_examples:
+            raise ValueError(f"split must be one of {sorted(self.num_examples)}, got {split!r}")
+        if not 0 <= shard_index < num_shards:
+            raise ValueError(f"shard_index must be in 0-{num_shards - 1}, got {shard_index}")
+        return self._make(split, num_shards, shard_index, training, seed)
+
+
+def steps_per_epoch(num_examples: int, global_batch_size: int) -> int:
+    """Full global batches in one pass over `num_examples` (the same on every worker).
+
+    Raises ValueError if there is not a single full batch.
+    """
+    if global_batch_size < 1:
+        raise ValueError(f"global batch size must be >= 1, got {global_batch_size}")
+    if num_examples < global_batch_size:
+        raise ValueError(f"the global batch size {global_batch_size} is larger than the "
+                         f"{num_examples} examples of the dataset; use a smaller --batch_size")
+    return num_examples // global_batch_size
+
+
+def input_pipeline(source: Source, split: str, batch_size: int, num_shards: int = 1,
+                   shard_index: int = 0, training: bool = False, seed: int = 0) -> tf.data.Dataset:
+    """Batches of `batch_size` from one shard; training: shuffled, augmented, repeated, full batches only."""
+    ds = source.examples(split, num_shards, shard_index, training=training, seed=seed)
+    if training:
+        shard_size = -(-source.num_examples[split] // num_shards)
+        ds = ds.shuffle(min(shard_size, 10_000), seed=seed, reshuffle_each_iteration=True).repeat()
+    ds = ds.batch(batch_size, drop_remainder=training)
+    options = tf.data.Options()
+    # The shard is already this worker's: no second sharding by tf.distribute.
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    options.deterministic = True
+    return ds.with_options(options).prefetch(tf.data.AUTOTUNE)
+
+
+def distributed_dataset(strategy: tf.distribute.Strategy, source: Source, split: str,
+                        global_batch_size: int, training: bool, seed: int = 0):
+    """The split as a `tf.distribute.DistributedDataset` for `model.fit`.
+
+    Each input pipeline (one per worker) reads shard `input_pipeline_id` of
+    `num_input_pipelines` in batches of the per-replica size
+    (global_batch_size / replicas; ValueError if it does not divide).
+    """
+    if global_batch_size % strategy.num_replicas_in_sync:
+        raise ValueError(f"--batch_size {global_batch_size} (global) must be divisible by the "
+                         f"{strategy.num_replicas_in_sync} replicas")
+
+    def dataset_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
+        return input_pipeline(source, split, ctx.get_per_replica_batch_size(global_batch_size),
+                              ctx.num_input_pipelines, ctx.input_pipeline_id, training, seed)
+
+    return strategy.distribute_datasets_from_function(dataset_fn)
+
+
+# ---------------------------------------------------------------------------------------------
+# In-memory sources (digits, mnist, cifar10)
+
+def _from_arrays(name, arrays: Dict[str, Tuple[np.ndarray, np.ndarray]], num_classes,
+                 preprocess: Optional[Callable] = None, augment: Optional[Callable] = None) -> Source:
+    """A Source over in-memory images (N, H, W, C) and integer labels (N,) per split.
+
+    preprocess maps a stored image to float32 (e.g. uint8 -> [0, 1]) inside
+    tf.data, so large sets stay uint8 in memory; augment runs on training data.
+    """
+    for split, (x, y) in arrays.items():
+        if x.ndim != 4 or len(x) != len(y):
+            raise ValueError(f"{name} {split}: images {x.shape} and labels {y.shape} do not match")
+
+    def make(split, num_shards, shard_index, training, seed):
+        x, y = arrays[split]
+        # Strided shard of the fixed example order: shard i holds examples i, i+n, i+2n, ...
+        ds = tf.data.Dataset.from_tensor_slices((x[shard_index::num_shards],
+                                                 y[shard_index::num_shards].astype(np.int32)))
+        if preprocess is not None:
+            ds = ds.map(lambda image, label: (preprocess(image), label),
+                        num_parallel_calls=tf.data.AUTOTUNE)
+        if training and augment is not None:
+            ds = ds.map(augment, num_parallel_calls=tf.data.AUTOTUNE)
+        return ds
+
+    return Source(name, tuple(arrays[TRAIN][0].shape[1:]), num_classes,
+                  {s: len(a[0]) for s, a in arrays.items()}, make)
+
+
+def load_digits(seed: int = 0) -> Source:
+    """scikit-learn's 1797 8x8 digits (UCI), pixels scaled from 0-16 to [0, 1]; a stratified 80/20 split.
+
+    The split is fixed (random_state=0), independent of `seed`, so test
+    accuracy is comparable across runs.
+    """
+    from sklearn.datasets import load_digits as sklearn_digits
+    from sklearn.model_selection import train_test_split
+
+    data = sklearn_digits()
+    x = (data.images / 16.0).astype(np.float32)[..., None]
+    x_train, x_test, y_train, y_test = train_test_split(
+        x, data.target, test_size=0.2, random_state=0, stratify=data.target)
+    return _from_arrays("digits", {TRAIN: (x_train, y_train), TEST: (x_test, y_test)}, 10)
+
+
+def _download(name, load_data):
+    try:
+        return load_data()
+    except Exception as e:  # URLError, OSError, ... depending on how the network fails
+        raise RuntimeError(
+            f"could not load {name} through keras.datasets ({type(e).__name__}: {e}). It downloads "
+            f"once into ~/.keras/datasets; offline, copy the file there from a machine that has it, "
+            f"or use --dataset digits (bundled with scikit-learn, no download).") from e
+
+
+def load_mnist(seed: int = 0) -> Source:
+    """MNIST 28x28x1 (60000 train / 10000 test) through keras.datasets, pixels in [0, 1]."""
+    import keras
+    (x_train, y_train), (x_test, y_test) = _download("mnist", keras.datasets.mnist.load_data)
+    return _from_arrays("mnist", {TRAIN: (x_train[..., None], y_train), TEST: (x_test[..., None], y_test)},
+                        10, preprocess=lambda x: tf.cast(x, tf.float32) / 255.0)
+
+
+def _cifar_augment(image, label):
+    """Pad 4 pixels, random 32x32 crop, random horizontal flip (He et al. 2016, sec. 4.2)."""
+    image = tf.image.resize_with_crop_or_pad(image, 40, 40)
+    image = tf.image.random_crop(image, tf.shape(image) - [8, 8, 0])
+    return tf.image.random_flip_left_right(image), label
+
+
+def load_cifar10(seed: int = 0) -> Source:
+    """CIFAR-10 32x32x3 (50000 / 10000) through keras.datasets, per-channel standardised."""
+    import keras
+    (x_train, y_train), (x_test, y_test) = _download("cifar10", keras.datasets.cifar10.load_data)
+    mean = tf.constant(x_train.mean(axis=(0, 1, 2)), tf.float32)
+    std = tf.constant(x_train.std(axis=(0, 1, 2)), tf.float32)
+    return _from_arrays("cifar10", {TRAIN: (x_train, y_train.ravel()), TEST: (x_test, y_test.ravel())},
+                        10, preprocess=lambda x: (tf.cast(x, tf.float32) - mean) / std,
+                        augment=_cifar_augment)
+
+
+# ---------------------------------------------------------------------------------------------
+# TFRecord directories
+
+_FEATURES = {"image/encoded": tf.io.FixedLenFeature([], tf.string),
+             "image/class/label": tf.io.FixedLenFeature([], tf.int64)}
+
+
+def _record_files(data_dir: str, patterns) -> list:
+    for pattern in patterns:
+        files = sorted(glob.glob(os.path.join(data_dir, pattern)))
+        if files:
+            return files
+    return []
+
+
+def _tfrecord_source(name, data_dir, split_patterns, input_shape, num_classes, num_examples,
+                     decode) -> Source:
+    files = {split: _record_files(data_dir, patterns) for split, patterns in split_patterns.items()}
+
+    def make(split, num_shards, shard_index, training, seed):
+        split_files = files[split]
+        if len(split_files) >= num_shards:
+            # Whole files per shard: each file is read by exactly one worker.
+            ds = tf.data.Dataset.from_tensor_slices(split_files[shard_index::num_shards])
+            if training:
+                ds = ds.shuffle(len(split_files), seed=seed)
+            ds = ds.interleave(tf.data.TFRecordDataset, cycle_length=4,
+                               num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        else:
+            # Fewer files than workers: every worker reads all, keeps every num_shards-th record.
+            ds = tf.data.TFRecordDataset(split_files).shard(num_shards, shard_index)
+        return ds.map(lambda record: decode(tf.io.parse_single_example(record, _FEATURES), training),
+                      num_parallel_calls=tf.data.AUTOTUNE)
+
+    return Source(name, input_shape, num_classes, num_examples, make)
+
+
+def _count_and_inspect(files):
+    """(record count, largest label, image shape of the first record) of TFRecord files."""
+    count, max_label, shape = 0, -1, None
+    for record in tf.data.TFRecordDataset(files):
+        example = tf.io.parse_single_example(record, _FEATURES)
+        if shape is None:
+            shape = tuple(tf.io.decode_image(example["image/encoded"]).shape)
+        max_label = max(max_label, int(example["image/class/label"]))
+        count += 1
+    return count, max_label, shape
+
+
+def load_tfrecord(data_dir: str, seed: int = 0) -> Source:
+    """A CIFAR-style TFRecord directory: train* and test* (or validation*) files of
+    image/encoded (JPEG or PNG, all one size) and image/class/label (int64, 0-based).
+
+    Record counts, image size and the number of classes (largest label + 1)
+    are read from the files once. Pixels are scaled to [0, 1]; training adds
+    random horizontal flips. Raises ValueError if files or features are missing.
+    """
+    patterns = {TRAIN: ["train*"], TEST: ["test*", "validation*", "val*"]}
+    if not data_dir or not os.path.isdir(data_dir):
+        raise ValueError(f"--data_dir must be a directory of TFRecord files for --dataset tfrecord, "
+                         f"got {data_dir!r}")
+    counts, labels, shapes = {}, [], []
+    for split, split_patterns in patterns.items():
+        files = _record_files(data_dir, split_patterns)
+        if not files:
+            raise ValueError(f"no {split} files in --data_dir {data_dir!r}: expected names matching "
+                             f"{' or '.join(split_patterns)}")
+        counts[split], max_label, shape = _count_and_inspect(files)
+        labels.append(max_label)
+        shapes.append(shape)
+    if shapes[0] != shapes[1] or None in shapes:
+        raise ValueError(f"train and test images in {data_dir!r} differ in shape: {shapes}")
+    shape = shapes[0]
+
+    def decode(example, training):
+        image = tf.io.decode_image(example["image/encoded"], channels=shape[-1], expand_animations=False)
+        image = tf.ensure_shape(tf.cast(image, tf.float32) / 255.0, shape)
+        if training:
+            image = tf.image.random_flip_left_right(image)
+        return image, tf.cast(example["image/class/label"], tf.int32)
+
+    return _tfrecord_source("tfrecord", data_dir, patterns, shape, max(labels) + 1, counts, decode)
+
+
+# Plain lists: a tf.constant at import time would initialise TF's devices too early.
+_IMAGENET_MEAN = [0.485 * 255, 0.456 * 255, 0.406 * 255]
+_IMAGENET_STD = [0.229 * 255, 0.224 * 255, 0.225 * 255]
+
+
+def load_imagenet(data_dir: str, seed: int = 0, image_size: int = 224) -> Source:
+    """ImageNet-1k as TFRecords from TF's build_imagenet_data.py: train-* / validation-*,
+    JPEG image/encoded, image/class/label 1-1000 (mapped to 0-999).
+
+    Training: a random crop covering 8-100% of the image (aspect 3/4-4/3),
+    resized to image_size, random flip; evaluation: central 87.5% crop, resized.
+    Standardised with the usual ImageNet channel mean/std. 1281167 / 50000 examples.
+    """
+    patterns = {TRAIN: ["train-*"], TEST: ["validation-*"]}
+    for split, split_patterns in patterns.items():
+        if not _record_files(data_dir or "", split_patterns):
+            raise ValueError(f"--data_dir {data_dir!r} has no ImageNet {split} files "
+                             f"({split_patterns[0]}); see TF models' build_imagenet_data.py")
+
+    def decode(example, training):
+        image = tf.io.decode_jpeg(example["image/encoded"], channels=3)
+        if training:
+            begin, size, _ = tf.image.sample_distorted_bounding_box(
+                tf.shape(image), tf.zeros([0, 0, 4]), min_object_covered=0.1,
+                aspect_ratio_range=(0.75, 1.33), area_range=(0.08, 1.0), max_attempts=10,
+                use_image_if_no_bounding_boxes=True)
+            image = tf.image.random_flip_left_right(tf.slice(image, begin, size))
+        else:
+            image = tf.image.central_crop(image, 0.875)
+        image = tf.image.resize(image, [image_size, image_size])
+        image = (image - _IMAGENET_MEAN) / _IMAGENET_STD
+        return image, tf.cast(example["image/class/label"], tf.int32) - 1
+
+    return _tfrecord_source("imagenet", data_dir, patterns, (image_size, image_size, 3), 1000,
+                            {TRAIN: 1281167, TEST: 50000}, decode)
+
+
+# ---------------------------------------------------------------------------------------------
+# Synthetic
+
+def load_synthetic(input_shape, num_classes, num_train: int = 2560, num_test: int = 256,
+                   seed: int = 0) -> Source:
+    """Seeded random images (uniform [0, 1), `input_shape`) and labels, for throughput runs.
+
+    Example i of a split is a pure function of (seed, split, i), so shards can
+    be checked against each other and runs are repeatable.
+    """
+    split_ids = {TRAIN: 0, TEST: 1}
+    input_shape = tuple(int(d) for d in input_shape)
+
+    def make(split, num_shards, shard_index, training, _seed):
+        def example(i):
+            key = tf.stack([tf.constant(seed, tf.int64), split_ids[split] * (1 << 32) + i])
+            image = tf.random.stateless_uniform(input_shape, seed=key)
+            label = tf.random.stateless_uniform([], seed=key + 1, maxval=num_classes, dtype=tf.int32)
+            return image, label
+        count = {TRAIN: num_train, TEST: num_test}[split]
+        return tf.data.Dataset.range(count).shard(num_shards, shard_index).map(
+            example, num_parallel_calls=tf.data.AUTOTUNE)
+
+    return Source("synthetic", input_shape, num_classes, {TRAIN: num_train, TEST: num_test}, make)

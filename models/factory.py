@@ -1,0 +1,167 @@
+"""Flag values -> objects: models, datasets, strategies, GradientFlow, precision policies.
+
+One table per kind and one `choose` for all of them, so every unknown value
+fails the same way: a ValueError naming the flag and listing the valid values.
+"""
+
+import json
+import os
+from typing import Callable, Dict, Mapping, Optional, Tuple
+
+import keras
+import tensorflow as tf
+
+import gf_tf
+from gf_tf import launch
+from models import datasets, networks
+
+# name -> (builder(input_shape, num_classes), default input shape (used by --dataset synthetic))
+MODELS: Dict[str, Tuple[Callable[..., keras.Model], Tuple[int, int, int]]] = {
+    "digits_cnn": (networks.digits_cnn, (8, 8, 1)),
+    "resnet20": (lambda s, n: networks.resnet_cifar(20, s, n), (32, 32, 3)),
+    "resnet32": (lambda s, n: networks.resnet_cifar(32, s, n), (32, 32, 3)),
+    "resnet56": (lambda s, n: networks.resnet_cifar(56, s, n), (32, 32, 3)),
+    "resnet50": (networks.resnet50, (224, 224, 3)),
+    "alexnet": (networks.alexnet, (224, 224, 3)),
+}
+
+# name -> loader(data_dir, model_input_shape, seed) -> datasets.Source
+DATASETS: Dict[str, Callable[[str, Tuple[int, int, int], int], datasets.Source]] = {
+    "digits": lambda data_dir, shape, seed: datasets.load_digits(seed),
+    "mnist": lambda data_dir, shape, seed: datasets.load_mnist(seed),
+    "cifar10": lambda data_dir, shape, seed: datasets.load_cifar10(seed),
+    "imagenet": lambda data_dir, shape, seed: datasets.load_imagenet(data_dir, seed),
+    "tfrecord": lambda data_dir, shape, seed: datasets.load_tfrecord(data_dir, seed),
+    "synthetic": lambda data_dir, shape, seed: datasets.load_synthetic(
+        shape, 1000 if shape[0] >= 128 else 10, seed=seed),
+}
+
+STRATEGIES = ("multi_worker_mirrored", "mirrored", "one_device")
+# flag value -> gf_tf compression argument
+COMPRESSIONS = {"fp16": "fp16", "bf16": "bf16", "none": None}
+MIXED_PRECISION = {"none": "float32", "mixed_float16": "mixed_float16",
+                   "mixed_bfloat16": "mixed_bfloat16"}
+
+
+def choose(flag: str, value: str, table: Mapping):
+    """table[value]; ValueError "unknown --flag 'value'; valid values: ..." otherwise."""
+    if value not in table:
+        raise ValueError(f"unknown --{flag} {value!r}; valid values: {', '.join(table)}")
+    return table[value]
+
+
+def build_model(name: str, input_shape, num_classes: int) -> keras.Model:
+    """An uncompiled reference model (see models.networks) for these inputs."""
+    builder, _ = choose("model", name, MODELS)
+    return builder(tuple(input_shape), num_classes)
+
+
+def default_input_shape(model: str) -> Tuple[int, int, int]:
+    """The input shape a model was designed for (what --dataset synthetic generates)."""
+    return choose("model", model, MODELS)[1]
+
+
+def load_dataset(name: str, data_dir: str = "", model: str = "digits_cnn",
+                 seed: int = 0) -> datasets.Source:
+    """The dataset source; `model` only sets the synthetic image size."""
+    loader = choose("dataset", name, DATASETS)
+    return loader(data_dir, default_input_shape(model), seed)
+
+
+def set_precision(policy: str) -> None:
+    """Sets the global Keras dtype policy (float32, mixed_float16 or mixed_bfloat16)."""
+    keras.mixed_precision.set_global_policy(choose("mixed_precision", policy, MIXED_PRECISION))
+
+
+def configure_local_devices(num_devices: int) -> None:
+    """Splits the CPU into `num_devices` logical devices (one replica each).
+
+    Must run before TensorFlow initialises its devices (before any op runs).
+    """
+    if num_devices < 1:
+        raise ValueError(f"--num_devices must be >= 1, got {num_devices}")
+    if num_devices > 1:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * num_devices)
+
+
+def build_gradient_flow(compression: str = "fp16", bytes_per_pack: int = 4 << 20,
+                        density: float = 1.0, chunk_size: int = 1024, warmup_steps: int = 0,
+                        momentum: float = 0.0):
+    """A gf_tf.GradientFlowAllReduce for these flags, or None for TF's own all-reduce.
+
+    density 1.0 means dense (no CSC); --compression none with density 1.0 means
+    plain TF (float32, TF's packing). Raises ValueError for a density outside
+    (0, 1] or a non-positive chunk_size / bytes_per_pack.
+    """
+    wire = choose("compression", compression, COMPRESSIONS)
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"--density must be in (0, 1] (fraction of chunks sent), got {density}")
+    if chunk_size < 1:
+        raise ValueError(f"--chunk_size must be >= 1 (elements), got {chunk_size}")
+    if bytes_per_pack < 1:
+        raise ValueError(f"--bytes_per_pack must be >= 1, got {bytes_per_pack}")
+    if warmup_steps < 0:
+        raise ValueError(f"--warmup_steps must be >= 0, got {warmup_steps}")
+    sparsity = None
+    if density < 1.0:
+        sparsity = gf_tf.ChunkSparsity(density=density, chunk_size=chunk_size,
+                                       warmup_steps=warmup_steps, momentum=momentum)
+    if wire is None and sparsity is None:
+        return None
+    return gf_tf.GradientFlowAllReduce(compression=wire, bytes_per_pack=bytes_per_pack,
+                                       sparsity=sparsity)
+
+
+def build_strategy(name: str, num_devices: int = 1, gradient_flow=None,
+                   timeout_seconds: float = 300.0) -> tf.distribute.Strategy:
+    """The tf.distribute strategy for --strategy, with GradientFlow installed when given.
+
+    multi_worker_mirrored: gf_tf.MultiWorkerMirroredStrategy over the cluster in
+      TF_CONFIG (checked first with gf_tf.launch.validate_tf_config; without
+      TF_CONFIG a one-worker cluster of this process), each worker with
+      `num_devices` CPU replicas.
+    mirrored: tf.distribute.MirroredStrategy over `num_devices` logical CPUs.
+    one_device: tf.distribute.OneDeviceStrategy on the CPU (no all-reduce;
+      gradient_flow must be None).
+    Collectives fail after `timeout_seconds` instead of hanging.
+    """
+    choose("strategy", name, {s: s for s in STRATEGIES})
+    devices = [f"/cpu:{i}" for i in range(num_devices)]
+    if name == "one_device":
+        if gradient_flow is not None:
+            raise ValueError("--strategy one_device has no all-reduce to compress; use "
+                             "--compression none --density 1, or --strategy mirrored --num_devices 2")
+        return tf.distribute.OneDeviceStrategy("/cpu:0")
+    if name == "mirrored":
+        return tf.distribute.MirroredStrategy(
+            devices, cross_device_ops=gradient_flow or tf.distribute.ReductionToOneDevice())
+    if "TF_CONFIG" in os.environ:
+        launch.validate_tf_config(os.environ["TF_CONFIG"])
+    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout_seconds)
+    return gf_tf.MultiWorkerMirroredStrategy(communication_options=options,
+                                             gradient_flow=gradient_flow)
+
+
+def task_info(strategy: tf.distribute.Strategy) -> Tuple[Optional[str], int, bool]:
+    """(task_type, task_id, is_chief) of this process, as in TF's multi-worker guide.
+
+    The chief is task "chief", or worker 0 when the cluster has no chief; a
+    process outside any cluster is its own chief.
+    """
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None or not resolver.task_type:
+        return None, 0, True
+    task_type, task_id = resolver.task_type, resolver.task_id or 0
+    has_chief = "chief" in resolver.cluster_spec().as_dict()
+    is_chief = task_type == "chief" or (task_type == "worker" and task_id == 0 and not has_chief)
+    return task_type, task_id, is_chief
+
+
+def tf_config_summary() -> str:
+    """One line describing the TF_CONFIG of this process, for logs."""
+    if "TF_CONFIG" not in os.environ:
+        return "TF_CONFIG not set"
+    config = json.loads(os.environ["TF_CONFIG"])
+    return f"task {config['task']['type']}:{config['task']['index']} of {config['cluster']}"
