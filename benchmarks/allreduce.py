@@ -1,0 +1,422 @@
+"""All-reduce benchmark on an emulated network: GradientFlow vs TensorFlow's default vs the ring bound.
+
+    sudo python -m benchmarks.allreduce --quick                  # smoke test, < 2 min
+    sudo python -m benchmarks.allreduce --preset targets --out benchmarks/results/allreduce.json
+    sudo python -m benchmarks.allreduce --sets resnet50 --workers 2 --rates 100,1000,none \
+        --methods tf_fp32,gf_fp16,csc_1
+
+For every cell (gradient set x workers N x link rate x method) N worker
+processes run in their own network namespaces (benchmarks/netem.py) and
+all-reduce a gradient list shaped like the named network
+(benchmarks/workers/gradients.py). Reported per cell:
+
+- s/all-reduce: worker 0's median wall time over the timed iterations
+  (after warm-up iterations that trace the function and build the plan).
+- wire MB/worker: bytes each worker's eth0 transmitted per all-reduce, read
+  from the namespace's interface counters (TCP/IP and gRPC framing included).
+- bound s: the ring lower bound 2(N-1)/N * payload / goodput, where payload
+  is the bytes the method must put into collectives per worker (fp32: 4 B x
+  elements; fp16: 2 B x elements; CSC: the bytes GradientFlow's CommStats
+  report, i.e. selected chunks in fp16 plus the fp32 chunk norms) and goodput
+  is the TCP payload rate measured in the same run around the ring
+  (EmulatedCluster.measure_goodput: all links at once, best link).
+- x bound: measured / bound; speedup: TF default fp32 time / this time.
+- pack+unpack % (gf_fp16 only): gf_tf.ops pack+unpack of the same list timed
+  locally in the same worker processes right after the all-reduce loop, as a
+  share of the all-reduce time.
+
+Needs root; without it, exits with status 2 and changes nothing.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional, Tuple
+
+from benchmarks import netem, report
+from benchmarks.workers import gradients, methods
+
+BASE_PORT = 23000
+DEFAULT_RATES = [100.0, 1000.0, None]
+ALL_SETS = list(gradients.GRADIENT_SETS)
+
+Launch = Tuple[int, Optional[float], str, List[str]]   # (num_workers, rate_mbit, method, sets)
+
+
+def parse_rates(text: str) -> List[Optional[float]]:
+    rates = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        if item in ("none", "unshaped", "0"):
+            rates.append(None)
+        else:
+            try:
+                rates.append(float(item))
+            except ValueError:
+                raise SystemExit(f"--rates: {item!r} is not a number of Mbit/s or 'none'")
+    return rates
+
+
+def parse_list(text: str, valid: List[str], flag: str) -> List[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in items if x not in valid]
+    if bad:
+        raise SystemExit(f"{flag}: unknown {bad}; choose from {valid}")
+    return items
+
+
+def preset_launches(name: str) -> List[Launch]:
+    """The matrices. `targets` covers every issue target within ~30-40 min on 2 cores."""
+    launches: List[Launch] = []
+    if name == "quick":
+        return [(2, 100.0, m, ["resnet20"]) for m in ("tf_fp32", "tf_fp16", "gf_fp16", "csc_1")]
+    if name == "targets":
+        for n in (2, 4):
+            for rate in DEFAULT_RATES:
+                for m in methods.METHODS:
+                    sets = ["resnet20", "resnet50"]
+                    if n == 2 and m in ("tf_fp32", "gf_fp16", "csc_1"):
+                        sets.append("alexnet")
+                    launches.append((n, rate, m, sets))
+        for rate in (1000.0, None):
+            for m in ("tf_fp32", "gf_fp16", "csc_1"):
+                launches.append((3, rate, m, ["resnet50"]))
+        return sorted(launches, key=lambda l: (l[0], l[1] is None, l[1] or 0))
+    if name == "full":
+        for n in (2, 3, 4):
+            for rate in DEFAULT_RATES:
+                for m in methods.METHODS:
+                    launches.append((n, rate, m, list(ALL_SETS)))
+        return launches
+    raise SystemExit(f"--preset: unknown {name!r}; choose quick, targets or full")
+
+
+def payload_bytes_estimate(method: str, elements: int) -> float:
+    if method == "tf_fp32":
+        return 4.0 * elements
+    if method in methods.CSC_DENSITY:
+        return 2.0 * elements * methods.CSC_DENSITY[method]
+    return 2.0 * elements
+
+
+def estimate_iter_seconds(method: str, elements: int, n: int, rate_mbit: Optional[float]) -> float:
+    """Rough model for time budgets and timeouts: link time + a CPU floor seen on this machine."""
+    rate_bps = (rate_mbit or 8000.0) * 1e6 * 0.95
+    link = 2 * (n - 1) / n * payload_bytes_estimate(method, elements) * 8 / rate_bps
+    cpu = 1.9e-8 * elements * n
+    return link + cpu + 0.05
+
+
+def estimate_launch_seconds(launch: Launch, iters: int, warmup: int) -> float:
+    n, rate, method, sets = launch
+    per_iter = sum(estimate_iter_seconds(method, gradients.num_elements(gradients.GRADIENT_SETS[s]), n, rate)
+                   for s in sets)
+    return 8.0 + 1.5 * n + (iters + warmup + 1) * per_iter
+
+
+def gradient_flow_available() -> Tuple[bool, str]:
+    probe = subprocess.run(
+        [sys.executable, "-c", "import gf_tf; gf_tf.GradientFlowAllReduce; gf_tf.ChunkSparsity; "
+                               "gf_tf.MultiWorkerMirroredStrategy"],
+        capture_output=True, text=True, cwd=netem.REPO_ROOT, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    if probe.returncode == 0:
+        return True, ""
+    return False, (probe.stderr.strip().splitlines() or ["unknown error"])[-1]
+
+
+def run_launch(cluster: netem.EmulatedCluster, launch: Launch, port: int, iters: int, warmup: int,
+               log_dir: str) -> Dict:
+    """Runs one method on one cluster configuration; returns worker results or an error."""
+    n, rate, method, sets = launch
+    budget = estimate_launch_seconds(launch, iters, warmup)
+    per_iter_max = max(estimate_iter_seconds(method, gradients.num_elements(gradients.GRADIENT_SETS[s]), n, rate)
+                       for s in sets)
+    collective_timeout = max(60.0, 6 * per_iter_max + 30)
+    cluster_spec = {"worker": [f"{addr}:{port}" for addr in cluster.addresses[:n]]}
+    argv = [sys.executable, "-m", "benchmarks.workers.allreduce_worker", "--method", method,
+            "--sets", ",".join(sets), "--iters", str(iters), "--warmup", str(warmup),
+            "--timeout", str(collective_timeout)]
+    if method == "gf_fp16":
+        argv.append("--pack-overhead")
+    procs, logs = [], []
+    for i in range(n):
+        out = open(os.path.join(log_dir, f"{method}_n{n}_{rate}_w{i}.out"), "w+")
+        err = open(os.path.join(log_dir, f"{method}_n{n}_{rate}_w{i}.err"), "w+")
+        tf_config = json.dumps({"cluster": cluster_spec, "task": {"type": "worker", "index": i}})
+        procs.append(cluster.popen(i, argv, env={"TF_CONFIG": tf_config}, stdout=out, stderr=err))
+        logs.append((out, err))
+    deadline = time.time() + 120 + 4 * budget
+    error = None
+    for i, proc in enumerate(procs):
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            error = f"worker {i} did not finish within {deadline - time.time() + 0:.0f}s budget"
+            break
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    results = []
+    for i, (proc, (out, err)) in enumerate(zip(procs, logs)):
+        out.seek(0)
+        err.seek(0)
+        lines = [l for l in out.read().splitlines() if l.startswith("RESULT ")]
+        if proc.returncode == 0 and lines:
+            results.append(json.loads(lines[-1][len("RESULT "):]))
+        elif error is None:
+            tail = [l for l in err.read().splitlines() if l.strip()][-3:]
+            error = f"worker {i} exited {proc.returncode}: " + " | ".join(tail)
+        out.close()
+        err.close()
+    return {"error": error, "workers": results}
+
+
+def derive_cells(launch: Launch, outcome: Dict, goodput_bps: float) -> List[Dict]:
+    n, rate, method, sets = launch
+    cells = []
+    for name in sets:
+        elements = gradients.num_elements(gradients.GRADIENT_SETS[name])
+        cell = {"set": name, "workers": n, "rate_mbit": rate, "method": method, "elements": elements,
+                "tensors": len(gradients.GRADIENT_SETS[name]), "goodput_bps": goodput_bps}
+        if outcome["error"] or len(outcome["workers"]) != n:
+            cell["error"] = outcome["error"] or "missing worker results"
+            cells.append(cell)
+            continue
+        per_worker = [w["sets"][name] for w in sorted(outcome["workers"], key=lambda w: w["worker"])]
+        chief = per_worker[0]
+        if "sent_payload_bytes_per_iter" in chief:
+            payload, source = chief["sent_payload_bytes_per_iter"], "GradientFlow CommStats"
+        else:
+            payload, source = payload_bytes_estimate(method, elements), "dtype size x elements"
+        ring = 2 * (n - 1) / n
+        bound = ring * payload * 8 / goodput_bps
+        cell.update({
+            "median_s": chief["median_s"], "times_s": chief["times_s"], "warmup_s": chief["warmup_s"],
+            "median_s_per_worker": [w["median_s"] for w in per_worker],
+            "wire_tx_bytes_per_worker": statistics.mean(w["tx_bytes_per_iter"] for w in per_worker),
+            "wire_rx_bytes_per_worker": statistics.mean(w["rx_bytes_per_iter"] for w in per_worker),
+            "payload_bytes": payload, "payload_source": source,
+            "ring_ideal_bytes_per_worker": ring * payload,
+            "bound_s": bound, "ratio_to_bound": chief["median_s"] / bound,
+        })
+        cell["wire_over_ideal"] = cell["wire_tx_bytes_per_worker"] / cell["ring_ideal_bytes_per_worker"]
+        for key in ("max_rel_error", "nonzero_fraction", "stats_steps_per_iter"):
+            if key in chief:
+                cell[key] = chief[key]
+        if "pack_unpack_s" in chief:
+            cell["pack_unpack_s"] = statistics.median(w["pack_unpack_s"] for w in per_worker)
+            cell["pack_unpack_share"] = cell["pack_unpack_s"] / chief["median_s"]
+        cells.append(cell)
+    return cells
+
+
+def add_speedups(cells: List[Dict]) -> None:
+    base = {(c["set"], c["workers"], c["rate_mbit"]): c["median_s"]
+            for c in cells if c["method"] == "tf_fp32" and "median_s" in c}
+    for c in cells:
+        b = base.get((c["set"], c["workers"], c["rate_mbit"]))
+        if b and "median_s" in c:
+            c["speedup_vs_tf_fp32"] = b / c["median_s"]
+    # Link- or CPU-bound: the link is the bottleneck when the method's bound at this rate
+    # exceeds what the same method takes unshaped (its CPU cost).
+    unshaped = {(c["set"], c["workers"], c["method"]): c["median_s"]
+                for c in cells if c["rate_mbit"] is None and "median_s" in c}
+    for c in cells:
+        u = unshaped.get((c["set"], c["workers"], c["method"]))
+        if c["rate_mbit"] is not None and u is not None and "bound_s" in c:
+            c["bottleneck"] = "link" if c["bound_s"] > u else "CPU"
+
+
+def results_table(cells: List[Dict]) -> str:
+    headers = ["gradients", "N", "link", "method", "s/all-reduce", "wire MB/worker", "wire/ideal",
+               "bound s", "x bound", "speedup vs TF fp32", "bottleneck", "pack+unpack %", "check"]
+    rows = []
+    order = {m: i for i, m in enumerate(methods.METHODS)}
+    for c in sorted(cells, key=lambda c: (ALL_SETS.index(c["set"]), c["workers"],
+                                          c["rate_mbit"] is None, c["rate_mbit"] or 0, order[c["method"]])):
+        gradients_label = f"{c['set']} ({c['elements'] / 1e6:.2f}M)"
+        if "error" in c:
+            rows.append([gradients_label, c["workers"], report.link_label(c["rate_mbit"]), c["method"],
+                         "FAILED", None, None, None, None, None, None, None, c["error"][:80]])
+            continue
+        check = (f"err {c['max_rel_error']:.1e}" if "max_rel_error" in c else
+                 f"nnz {100 * c['nonzero_fraction']:.2g}%" if "nonzero_fraction" in c else "")
+        rows.append([gradients_label, c["workers"], report.link_label(c["rate_mbit"]), c["method"],
+                     c["median_s"], c["wire_tx_bytes_per_worker"] / 1e6, c["wire_over_ideal"], c["bound_s"],
+                     c["ratio_to_bound"], c.get("speedup_vs_tf_fp32"), c.get("bottleneck"),
+                     100 * c["pack_unpack_share"] if "pack_unpack_share" in c else None, check])
+    return report.markdown_table(headers, rows)
+
+
+def targets_table(cells: List[Dict]) -> str:
+    def find(set_, n, rate, method):
+        for c in cells:
+            if (c["set"], c["workers"], c["rate_mbit"], c["method"]) == (set_, n, rate, method) and "median_s" in c:
+                return c
+        return None
+
+    rows = []
+    for n in (2, 4):
+        for rate in (100.0, 1000.0):
+            gf = find("resnet50", n, rate, "gf_fp16")
+            where = f"ResNet-50, N={n}, {report.link_label(rate)}"
+            if gf is None:
+                rows.append([where, "GF fp16 <= 1.2x bound, >= 1.85x TF fp32", "not measured", "-"])
+            else:
+                bound_ok = gf["ratio_to_bound"] <= 1.2
+                speed = gf.get("speedup_vs_tf_fp32")
+                rows.append([where, "GF fp16 within 1.2x of its ring bound", f"{gf['ratio_to_bound']:.2f}x",
+                             _verdict(bound_ok, gf)])
+                rows.append([where, "GF fp16 >= 1.85x faster than TF fp32",
+                             f"{speed:.2f}x" if speed else "-", _verdict(speed is not None and speed >= 1.85, gf)])
+            if rate == 100.0:
+                csc = find("resnet50", n, rate, "csc_1")
+                speed = csc.get("speedup_vs_tf_fp32") if csc else None
+                rows.append([where, "CSC 1% >= 30x faster than TF fp32",
+                             f"{speed:.1f}x" if speed else "not measured",
+                             _verdict(speed is not None and speed >= 30, csc) if csc else "-"])
+    for c in cells:
+        if c["method"] == "gf_fp16" and c["rate_mbit"] == 1000.0 and "pack_unpack_share" in c:
+            rows.append([f"{c['set']}, N={c['workers']}, 1 Gbit/s", "pack+unpack < 5% of all-reduce",
+                         f"{100 * c['pack_unpack_share']:.1f}%", "met" if c["pack_unpack_share"] < 0.05 else "MISSED"])
+    return report.markdown_table(["where", "target", "measured", "verdict"], rows)
+
+
+def _verdict(ok: bool, cell: Dict) -> str:
+    suffix = f" ({cell['bottleneck']}-bound)" if cell.get("bottleneck") else ""
+    return ("met" if ok else "MISSED") + suffix
+
+
+def plot(cells: List[Dict], path: str) -> Optional[str]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install '.[plot]'); plot skipped"
+    groups = sorted({(c["set"], c["workers"]) for c in cells if "median_s" in c},
+                    key=lambda g: (ALL_SETS.index(g[0]), g[1]))
+    if not groups:
+        return "nothing to plot"
+    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4.2), squeeze=False)
+    for ax, (set_, n) in zip(axes[0], groups):
+        for i, method in enumerate(methods.METHODS):
+            pts = sorted((c["goodput_bps"] / 1e6, c["median_s"], c["bound_s"]) for c in cells
+                         if (c["set"], c["workers"], c["method"]) == (set_, n, method) and "median_s" in c)
+            if not pts:
+                continue
+            color = f"C{i}"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=methods.LABELS[method])
+            ax.plot([p[0] for p in pts], [p[2] for p in pts], ":", color=color)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("measured goodput per link, Mbit/s (rightmost: unshaped)")
+        ax.set_ylabel("seconds per all-reduce")
+        ax.set_title(f"{set_}, N={n} (dotted: ring bound)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smoke test: resnet20, N=2, 100 Mbit/s, 2 iterations")
+    parser.add_argument("--preset", default=None, help="quick | targets | full (default: full unless lists given)")
+    parser.add_argument("--sets", help=f"comma-separated subset of {ALL_SETS}")
+    parser.add_argument("--workers", help="comma-separated N, e.g. 2,4")
+    parser.add_argument("--rates", help="comma-separated Mbit/s or 'none' for unshaped, e.g. 100,1000,none")
+    parser.add_argument("--methods", help=f"comma-separated subset of {methods.METHODS}")
+    parser.add_argument("--iters", type=int, default=None, help="timed iterations (default 5; quick: 2)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--goodput-seconds", type=float, default=3.0)
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/allreduce.json)")
+    parser.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
+    parser.add_argument("--dry-run", action="store_true", help="print the matrix and its time estimate only")
+    args = parser.parse_args(argv)
+
+    custom = any([args.sets, args.workers, args.rates, args.methods])
+    preset = "quick" if args.quick else (args.preset or ("custom" if custom else "full"))
+    if preset == "custom":
+        sets = parse_list(args.sets, ALL_SETS, "--sets") if args.sets else ALL_SETS
+        meths = parse_list(args.methods, methods.METHODS, "--methods") if args.methods else methods.METHODS
+        ns = [int(x) for x in args.workers.split(",")] if args.workers else [2, 3, 4]
+        rates = parse_rates(args.rates) if args.rates else DEFAULT_RATES
+        launches = [(n, r, m, sets) for n in ns for r in rates for m in meths]
+    else:
+        launches = preset_launches(preset)
+    iters = args.iters if args.iters is not None else (2 if preset == "quick" else 5)
+    if iters < 1:
+        raise SystemExit("--iters must be >= 1")
+    estimate = sum(estimate_launch_seconds(l, iters, args.warmup) for l in launches)
+    print(f"matrix '{preset}': {len(launches)} launches, estimated {estimate / 60:.1f} min "
+          f"(rough, 2-core machine)", flush=True)
+    if args.dry_run:
+        for l in launches:
+            print(f"  N={l[0]} {report.link_label(l[1])} {l[2]} {','.join(l[3])}: "
+                  f"~{estimate_launch_seconds(l, iters, args.warmup):.0f}s")
+        return 0
+    netem.require_root()
+
+    out_path = args.out or os.path.join(netem.REPO_ROOT, "benchmarks", "results", "allreduce.json")
+    plot_path = args.plot or os.path.splitext(out_path)[0] + ".png"
+    available, why = gradient_flow_available()
+    if not available:
+        print(f"GradientFlow methods skipped: gf_tf is not usable yet ({why})", flush=True)
+        launches = [l for l in launches if not methods.is_gradient_flow(l[2])]
+    command = "python -m benchmarks.allreduce " + " ".join(sys.argv[1:] if argv is None else argv)
+    meta = report.machine_description(command)
+    meta.update({"iters": iters, "warmup": args.warmup, "preset": preset, "gradient_flow_available": available})
+    cells: List[Dict] = []
+    goodputs: List[Dict] = []
+    log_dir = tempfile.mkdtemp(prefix="gf_allreduce_logs_")
+    started = time.time()
+    port = BASE_PORT
+    for n in sorted({l[0] for l in launches}):
+        with netem.EmulatedCluster(n) as cluster:
+            for rate in sorted({l[1] for l in launches if l[0] == n}, key=lambda r: (r is None, r or 0)):
+                cluster.set_rate(rate)
+                gp = cluster.measure_goodput(seconds=args.goodput_seconds)
+                goodput = max(gp["per_link_bps"])
+                goodputs.append({"workers": n, "rate_mbit": rate, **gp, "used_bps": goodput})
+                print(f"N={n} {report.link_label(rate)}: goodput {goodput / 1e6:.1f} Mbit/s "
+                      f"(links: {', '.join(f'{b / 1e6:.1f}' for b in gp['per_link_bps'])})", flush=True)
+                for launch in [l for l in launches if l[0] == n and l[1] == rate]:
+                    port += 1
+                    t0 = time.time()
+                    outcome = run_launch(cluster, launch, port, iters, args.warmup, log_dir)
+                    new = derive_cells(launch, outcome, goodput)
+                    cells += new
+                    summary = ", ".join(f"{c['set']} {c['median_s']:.3f}s" if "median_s" in c else
+                                        f"{c['set']} FAILED" for c in new)
+                    print(f"  {launch[2]:8s} {summary}  [{time.time() - t0:.0f}s]"
+                          + (f"  error: {outcome['error']}" if outcome["error"] else ""), flush=True)
+                    report.write_json(out_path, {"meta": meta, "goodput": goodputs, "cells": cells})
+    add_speedups(cells)
+    meta["wall_seconds"] = time.time() - started
+    meta["worker_logs"] = log_dir
+    report.write_json(out_path, {"meta": meta, "goodput": goodputs, "cells": cells})
+    plot_note = plot(cells, plot_path)
+    print(f"\nJSON: {out_path}")
+    print(f"plot: {plot_note}" if plot_note else f"plot: {plot_path}")
+    print(f"worker logs: {log_dir}")
+    print(f"\nAll-reduce benchmark, {meta['date_utc']}, {meta['cpu']} x{meta['logical_cpus']}, "
+          f"TF {meta['tensorflow']}, {iters} timed iterations after {args.warmup} warm-up, "
+          f"wall {meta['wall_seconds'] / 60:.1f} min\n")
+    if any(c["set"] == "resnet50" for c in cells) and preset != "quick":
+        print(targets_table(cells) + "\n")
+    print(results_table(cells))
+    failed = [c for c in cells if "error" in c]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Scripts that run inside the emulated hosts' network namespaces (`ip netns exec`)."""

@@ -1,0 +1,153 @@
+"""One worker of the all-reduce benchmark; runs inside an emulated host (TF_CONFIG set).
+
+    python -m benchmarks.workers.allreduce_worker --method gf_fp16 --sets resnet20,resnet50 \
+        --iters 5 --warmup 1 --timeout 120
+
+For each gradient set: variables of those shapes (identical values on every
+worker, so the exact sum is known), a tf.function that all-reduces them with
+`ReplicaContext.all_reduce(SUM, ...)` exactly as Keras does for gradients,
+`warmup` untimed calls, then `iters` timed calls. Bytes on the wire are the
+delta of this namespace's eth0 counters over the timed calls. Prints one line
+`RESULT <json>` at the end.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from benchmarks.workers import gradients, methods
+
+
+def read_counters(dev: str = "eth0") -> dict:
+    base = f"/sys/class/net/{dev}/statistics"
+    with open(f"{base}/tx_bytes") as tx, open(f"{base}/rx_bytes") as rx:
+        return {"tx": int(tx.read()), "rx": int(rx.read())}
+
+
+def make_values(shapes, seed):
+    rng = np.random.default_rng(seed)
+    with tf.device("/cpu:0"):
+        # Created outside the strategy scope: plain per-worker variables, not mirrored.
+        return [tf.Variable(rng.standard_normal(s, dtype=np.float32) * 0.01, trainable=False)
+                for s in shapes]
+
+
+def build_step(strategy, values, method):
+    by_hand_fp16 = method == "tf_fp16"
+
+    @tf.function
+    def step():
+        def replica_fn():
+            grads = [tf.identity(v) for v in values]
+            if by_hand_fp16:
+                grads = [tf.cast(g, tf.float16) for g in grads]
+            reduced = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, grads)
+            if by_hand_fp16:
+                reduced = [tf.cast(r, tf.float32) for r in reduced]
+            return reduced
+        return strategy.run(replica_fn)
+    return step
+
+
+def check_result(method, values, reduced, num_workers):
+    """Max relative error against the exact sum (dense methods) or the non-zero fraction (CSC)."""
+    out = [np.asarray(r) for r in reduced]
+    if method in methods.CSC_DENSITY:
+        nonzero = sum(int(np.count_nonzero(o)) for o in out)
+        return {"nonzero_fraction": nonzero / sum(o.size for o in out)}
+    worst = 0.0
+    for v, o in zip(values, out):
+        ref = num_workers * v.numpy().astype(np.float64)
+        worst = max(worst, float(np.max(np.abs(o - ref)) / (np.max(np.abs(ref)) + 1e-30)))
+    return {"max_rel_error": worst}
+
+
+def pack_unpack_seconds(values, num_workers, iters):
+    """Local time of gf_tf.ops.pack (fp32 -> fp16, prescale) + unpack (postscale) of the whole list."""
+    from gf_tf import ops
+    shapes = [v.shape for v in values]
+    dtypes = [v.dtype for v in values]
+
+    @tf.function
+    def pack_unpack():
+        buf = ops.pack([tf.identity(v) for v in values], tf.float16, 1.0 / num_workers)
+        return ops.unpack(buf, shapes, dtypes, float(num_workers))
+
+    pack_unpack()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        pack_unpack()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def stats_totals(gradient_flow):
+    if gradient_flow is None or getattr(gradient_flow, "stats", None) is None:
+        return None
+    s = gradient_flow.stats
+    return {"steps": int(s.steps.numpy()), "sent_bytes": float(s.sent_bytes.numpy()),
+            "dense_bytes": float(s.dense_bytes.numpy())}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--method", required=True, choices=methods.METHODS)
+    parser.add_argument("--sets", required=True, help="comma-separated: " + ",".join(gradients.GRADIENT_SETS))
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--pack-overhead", action="store_true",
+                        help="also time gf_tf.ops pack+unpack of each set locally")
+    args = parser.parse_args()
+
+    t_start = time.perf_counter()
+    strategy, gradient_flow = methods.make_strategy(args.method, args.timeout)
+    num_workers = strategy.num_replicas_in_sync
+    task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    results = {"method": args.method, "worker": task, "num_workers": num_workers,
+               "startup_s": time.perf_counter() - t_start, "sets": {}}
+    for name in args.sets.split(","):
+        shapes = gradients.GRADIENT_SETS[name]
+        values = make_values(shapes, seed=len(shapes))
+        step = build_step(strategy, values, args.method)
+        t0 = time.perf_counter()
+        for _ in range(args.warmup):
+            out = step()
+        warmup_s = time.perf_counter() - t0
+        before_stats = stats_totals(gradient_flow)
+        before = read_counters()
+        times = []
+        for _ in range(args.iters):
+            t0 = time.perf_counter()
+            out = step()
+            times.append(time.perf_counter() - t0)
+        after = read_counters()
+        after_stats = stats_totals(gradient_flow)
+        entry = {
+            "tensors": len(shapes), "elements": gradients.num_elements(shapes),
+            "times_s": times, "median_s": statistics.median(times), "warmup_s": warmup_s,
+            "tx_bytes_per_iter": (after["tx"] - before["tx"]) / args.iters,
+            "rx_bytes_per_iter": (after["rx"] - before["rx"]) / args.iters,
+        }
+        if before_stats is not None and after_stats["steps"] > before_stats["steps"]:
+            steps = after_stats["steps"] - before_stats["steps"]
+            entry["stats_steps_per_iter"] = steps / args.iters
+            entry["sent_payload_bytes_per_iter"] = (after_stats["sent_bytes"] - before_stats["sent_bytes"]) / args.iters
+            entry["dense_payload_bytes_per_iter"] = (after_stats["dense_bytes"] - before_stats["dense_bytes"]) / args.iters
+        local = [strategy.experimental_local_results(r)[0] for r in out]
+        entry.update(check_result(args.method, values, local, num_workers))
+        if args.pack_overhead:
+            entry["pack_unpack_s"] = pack_unpack_seconds(values, num_workers, max(args.iters, 3))
+        results["sets"][name] = entry
+        del values, step, out
+    print("RESULT " + json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    main()

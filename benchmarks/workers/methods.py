@@ -1,0 +1,55 @@
+"""The all-reduce methods under comparison, by name, and the strategy each one needs.
+
+    tf_fp32   TensorFlow's MultiWorkerMirroredStrategy, float32, RING (the baseline)
+    tf_fp16   the same strategy, gradients cast to float16 by hand before the
+              all-reduce and back after (separates the dtype from our overhead)
+    gf_fp16   gf_tf.GradientFlowAllReduce(compression="fp16"), dense
+    csc_10 / csc_1 / csc_0.1
+              gf_tf.GradientFlowAllReduce(compression="fp16",
+              sparsity=gf_tf.ChunkSparsity(density=0.1 / 0.01 / 0.001, warmup_steps=0))
+"""
+
+from typing import Dict, Optional
+
+METHODS = ["tf_fp32", "tf_fp16", "gf_fp16", "csc_10", "csc_1", "csc_0.1"]
+CSC_DENSITY: Dict[str, float] = {"csc_10": 0.10, "csc_1": 0.01, "csc_0.1": 0.001}
+LABELS = {
+    "tf_fp32": "TF default fp32",
+    "tf_fp16": "TF default, fp16 by hand",
+    "gf_fp16": "GradientFlow fp16 dense",
+    "csc_10": "GradientFlow CSC 10%",
+    "csc_1": "GradientFlow CSC 1%",
+    "csc_0.1": "GradientFlow CSC 0.1%",
+}
+
+
+def is_gradient_flow(method: str) -> bool:
+    return method.startswith("gf_") or method in CSC_DENSITY
+
+
+def make_strategy(method: str, timeout_seconds: float, keras_fit: bool = False):
+    """Returns (strategy, gradient_flow or None) for `method`.
+
+    Every method uses RING collectives with a timeout. With keras_fit=True the
+    TF default goes through gf_tf.MultiWorkerMirroredStrategy(gradient_flow=None)
+    so that Keras 3 `fit` works under multi-worker (keras-team/keras#20585);
+    the all-reduce itself is then TensorFlow's.
+    """
+    import tensorflow as tf
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+    options = tf.distribute.experimental.CommunicationOptions(
+        implementation=tf.distribute.experimental.CommunicationImplementation.RING,
+        timeout_seconds=timeout_seconds)
+    if not is_gradient_flow(method):
+        if keras_fit:
+            import gf_tf
+            return gf_tf.MultiWorkerMirroredStrategy(communication_options=options, gradient_flow=None), None
+        return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options), None
+    import gf_tf
+    sparsity: Optional[object] = None
+    if method in CSC_DENSITY:
+        sparsity = gf_tf.ChunkSparsity(density=CSC_DENSITY[method], warmup_steps=0)
+    gradient_flow = gf_tf.GradientFlowAllReduce(compression="fp16", sparsity=sparsity)
+    strategy = gf_tf.MultiWorkerMirroredStrategy(communication_options=options, gradient_flow=gradient_flow)
+    return strategy, gradient_flow
