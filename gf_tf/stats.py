@@ -1,6 +1,18 @@
-"""Communication statistics of a GradientFlowAllReduce (bytes, chunks, residual)."""
+"""Communication statistics of a GradientFlowAllReduce (bytes, chunks, residual).
 
+`CommStats` holds running totals as tf.Variables updated inside the traced
+step; `GradientFlowStats` is the Keras callback that turns them into per-step
+figures in the `fit` logs (hence `History` and TensorBoard).
+"""
+
+from typing import Dict, Optional
+
+import keras
 import tensorflow as tf
+
+# Per-step figures reported by CommStats.result and GradientFlowStats.
+FIGURES = ("dense_bytes_per_step", "sent_bytes_per_step", "compression_ratio",
+           "selected_chunks_per_step", "total_chunks_per_step", "residual_norm")
 
 
 class CommStats:
@@ -8,7 +20,8 @@ class CommStats:
 
     Created with the cross-device ops object (outside any strategy scope) on
     the host CPU. `update` is called once per all-reduce step from inside the
-    traced step function; `result` reads per-step means eagerly.
+    traced step function; `totals` and `result` read them eagerly.
+    Figures are those of this worker (every worker sends the same amount).
     """
 
     def __init__(self):
@@ -30,8 +43,13 @@ class CommStats:
         """Adds one step. Byte counts are per worker replica, in bytes.
 
         dense_bytes: what float32 dense all-reduce would have sent (4 bytes x
-        elements); sent_bytes: what actually went into the collectives.
-        Arguments may be Python numbers or scalar tensors.
+        elements); sent_bytes: what actually went into the collectives (for
+        CSC: chunk norms, 4 bytes per chunk, plus the selected elements in the
+        wire dtype). selected_chunks / total_chunks: CSC chunks sent / existing
+        (dense steps of CSC count all chunks as sent). residual_norm: L1 norm
+        (sum of |x|) of the CSC residual of the first local replica over all
+        packs after this step. Arguments may be Python numbers or scalar
+        tensors.
         """
         with tf.device("/cpu:0"):
             self.steps.assign_add(1)
@@ -42,17 +60,79 @@ class CommStats:
             if residual_norm is not None:
                 self.residual_norm.assign(tf.cast(residual_norm, tf.float32))
 
-    def result(self) -> dict:
-        """Per-step means: dense/sent bytes, compression ratio, chunks; last residual norm."""
-        steps = max(int(self.steps.numpy()), 1)
-        dense = float(self.dense_bytes.numpy()) / steps
-        sent = float(self.sent_bytes.numpy()) / steps
+    def totals(self) -> Dict[str, float]:
+        """The running totals since creation (eager): steps, bytes, chunks, last residual norm."""
         return {
             "steps": int(self.steps.numpy()),
+            "dense_bytes": float(self.dense_bytes.numpy()),
+            "sent_bytes": float(self.sent_bytes.numpy()),
+            "selected_chunks": float(self.selected_chunks.numpy()),
+            "total_chunks": float(self.total_chunks.numpy()),
+            "residual_norm": float(self.residual_norm.numpy()),
+        }
+
+    def result(self, since: Optional[Dict[str, float]] = None) -> dict:
+        """Per-step means since creation, or since an earlier `totals()` snapshot.
+
+        Returns a dict with "steps" and the FIGURES: dense_bytes_per_step,
+        sent_bytes_per_step (bytes), compression_ratio (dense / sent; 0 if
+        nothing was sent), selected_chunks_per_step, total_chunks_per_step,
+        residual_norm (the latest value, not a mean).
+        """
+        now = self.totals()
+        if since:
+            now = {k: (v if k == "residual_norm" else v - since[k]) for k, v in now.items()}
+        steps = max(now["steps"], 1)
+        dense = now["dense_bytes"] / steps
+        sent = now["sent_bytes"] / steps
+        return {
+            "steps": now["steps"],
             "dense_bytes_per_step": dense,
             "sent_bytes_per_step": sent,
             "compression_ratio": dense / sent if sent else 0.0,
-            "selected_chunks_per_step": float(self.selected_chunks.numpy()) / steps,
-            "total_chunks_per_step": float(self.total_chunks.numpy()) / steps,
-            "residual_norm": float(self.residual_norm.numpy()),
+            "selected_chunks_per_step": now["selected_chunks"] / steps,
+            "total_chunks_per_step": now["total_chunks"] / steps,
+            "residual_norm": now["residual_norm"],
         }
+
+
+class GradientFlowStats(keras.callbacks.Callback):
+    """Keras callback: GradientFlow's communication figures in the `fit` logs.
+
+    At the end of every epoch it adds, per all-reduce step of that epoch,
+    `gf_dense_bytes_per_step` (float32 dense-equivalent bytes),
+    `gf_sent_bytes_per_step` (bytes put into the collectives),
+    `gf_compression_ratio`, `gf_selected_chunks_per_step`,
+    `gf_total_chunks_per_step` and `gf_residual_norm` (L1 norm of the CSC
+    residual at the end of the epoch) to the epoch logs. `History`
+    (model.fit's return value) records them; a `keras.callbacks.TensorBoard`
+    listed AFTER this callback writes them as epoch scalars.
+
+    Args:
+      gradient_flow: the `gf_tf.GradientFlowAllReduce` (or its `CommStats`)
+        that carries the model's gradients.
+      prefix: prefix of the log keys.
+
+    Raises:
+      TypeError if `gradient_flow` has no statistics.
+    """
+
+    def __init__(self, gradient_flow, prefix: str = "gf_"):
+        super().__init__()
+        stats = getattr(gradient_flow, "stats", gradient_flow)
+        if not isinstance(stats, CommStats):
+            raise TypeError(f"GradientFlowStats needs a gf_tf.GradientFlowAllReduce or its "
+                            f"CommStats, got {type(gradient_flow).__name__}")
+        self.stats = stats
+        self.prefix = prefix
+        self._epoch_start = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch_start = self.stats.totals()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None:
+            return
+        figures = self.stats.result(since=self._epoch_start)
+        for name in FIGURES:
+            logs[self.prefix + name] = figures[name]
