@@ -1,9 +1,15 @@
 """GradientFlow tensor ops: pack/unpack and the chunk ops of CSC.
 
 Every function here has two implementations with the same contract:
-the compiled custom ops of ``ops/`` (loaded once from ``_gf_tf_ops.so``) and
-an equivalent composite of stock TensorFlow ops, used where the library
-cannot run (not built, a GPU device, XLA).
+the compiled custom ops of ``ops/`` (loaded once, lazily, from
+``gf_tf/_gf_tf_ops.so``) and an equivalent composite of stock TensorFlow ops.
+The public functions pick one per call: the compiled kernels when the library
+loaded, every input tensor is on the CPU and the call is not being compiled by
+XLA; the composite otherwise (library not built or built for another
+TensorFlow, GPU/TPU tensors, ``tf.function(jit_compile=True)``).
+``library_status()`` says which one runs; ``compiled`` and ``composite`` call
+one explicitly (tests, benchmarks). ``GF_TF_OPS_LIBRARY=<path>`` loads another
+build of the library (e.g. the Bazel one).
 
 Terms: a *pack* (bucket) is the 1-D concatenation of several flattened
 tensors; a *chunk* is a run of ``chunk_size`` consecutive pack elements
@@ -13,10 +19,24 @@ Source: GradientFlow (arXiv 1902.06855), sections on lazy all-reduce,
 mixed-precision communication and coarse-grained sparse communication.
 """
 
-import math
+import ctypes
+import os
+import threading
+import types
+import warnings
 from typing import List, Optional, Sequence, Tuple
 
 import tensorflow as tf
+
+LIBRARY_ENV = "GF_TF_OPS_LIBRARY"
+LIBRARY_FILE = "_gf_tf_ops.so"
+# Written next to the library by setup.py: the TensorFlow version it was built against.
+VERSION_FILE_SUFFIX = ".tf_version"
+BUILD_COMMAND = ("pip install --no-build-isolation -e .   "
+                 "(or: python setup.py build_ext --inplace) in the gf_tf checkout")
+
+_FLOATING = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+_WIRE = (tf.float16, tf.bfloat16, tf.float32)
 
 
 def num_chunks(num_elements: int, chunk_size: int) -> int:
@@ -34,73 +54,369 @@ def chunk_lengths_total(num_elements: int, chunk_size: int, indices: Sequence[in
 
 
 # ---------------------------------------------------------------------------
+# The compiled library: found, version-checked and loaded once, on first use.
+# ---------------------------------------------------------------------------
+
+class _Library:
+    module = None          # the tf.load_op_library module, or None
+    status = ""            # one line for library_status()
+    loaded = False
+
+
+_library = _Library()
+_library_lock = threading.Lock()
+
+
+def library_path() -> str:
+    """Path of the op library this process loads ($GF_TF_OPS_LIBRARY or the package's)."""
+    return os.environ.get(LIBRARY_ENV) or os.path.join(os.path.dirname(__file__), LIBRARY_FILE)
+
+
+def _fall_back(reason: str) -> None:
+    _library.status = f"composite ({reason})"
+    warnings.warn(f"gf_tf: {reason}; using the composite TensorFlow ops instead "
+                  f"(same results, slower). Build it with: {BUILD_COMMAND}",
+                  RuntimeWarning, stacklevel=4)
+
+
+def _load_library() -> None:
+    path = library_path()
+    if not os.path.exists(path):
+        return _fall_back(f"compiled ops library not built ({path} is missing)")
+    version_file = os.path.splitext(path)[0] + VERSION_FILE_SUFFIX
+    if os.path.exists(version_file):
+        with open(version_file) as f:
+            built = f.read().strip()
+        if built != tf.__version__:
+            return _fall_back(f"compiled ops library {path} was built against TensorFlow "
+                              f"{built}, but TensorFlow {tf.__version__} is running")
+    try:
+        module = tf.load_op_library(path)
+    except (tf.errors.OpError, OSError) as e:
+        first_line = (getattr(e, "message", None) or str(e)).strip().splitlines()[0]
+        return _fall_back(f"compiled ops library {path} failed to load ({first_line})")
+    simd = bool(ctypes.CDLL(path).gf_tf_cpu_has_simd())
+    _library.module = module
+    _library.status = (f"compiled ({path}, "
+                       f"{'AVX2+F16C' if simd else 'scalar'} kernels)")
+
+
+def _lib():
+    """The loaded op module, or None (after one warning saying why)."""
+    if not _library.loaded:
+        with _library_lock:
+            if not _library.loaded:
+                _load_library()
+                _library.loaded = True
+    return _library.module
+
+
+def library_status() -> str:
+    """One line: 'compiled (<path>, AVX2+F16C kernels)' or 'composite (<why>)'.
+
+    Says what runs for CPU tensors outside XLA; GPU tensors and XLA always use
+    the composite ops.
+    """
+    _lib()
+    return _library.status
+
+
+def _in_xla_compilation() -> bool:
+    if tf.executing_eagerly():
+        return False
+    # No public API tells whether the graph being built is an XLA cluster
+    # (tf.function(jit_compile=True)); this is the check TensorFlow itself uses.
+    from tensorflow.python.ops import control_flow_util  # pylint: disable=g-import-not-at-top
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+def _on_cpu(tensors) -> bool:
+    for t in tensors:
+        device = (getattr(t, "device", "") or "").upper()
+        if "GPU" in device or "TPU" in device:
+            return False
+    return True
+
+
+def _implementation(tensors):
+    if _lib() is not None and _on_cpu(tensors) and not _in_xla_compilation():
+        return compiled
+    return composite
+
+
+# ---------------------------------------------------------------------------
+# Argument checks shared by both implementations.
+# ---------------------------------------------------------------------------
+
+def _floating_tensors(tensors, what: str) -> List[tf.Tensor]:
+    out = []
+    for i, t in enumerate(tensors):
+        t = tf.convert_to_tensor(t)
+        if t.dtype not in _FLOATING:
+            raise TypeError(f"{what}: tensors[{i}] has dtype {t.dtype.name}; only float16, "
+                            "bfloat16, float32 and float64 tensors can be packed")
+        out.append(t)
+    return out
+
+
+def _wire(wire_dtype) -> tf.DType:
+    wire_dtype = tf.as_dtype(wire_dtype)
+    if wire_dtype not in _WIRE:
+        raise ValueError(f"wire_dtype must be float16, bfloat16 or float32, got {wire_dtype.name}")
+    return wire_dtype
+
+
+def _shapes_and_sizes(shapes, dtypes, what: str):
+    shapes = [tf.TensorShape(s) for s in shapes]
+    dtypes = [tf.as_dtype(d) for d in dtypes]
+    if len(shapes) != len(dtypes):
+        raise ValueError(f"{what}: {len(shapes)} shapes but {len(dtypes)} dtypes")
+    for i, (s, d) in enumerate(zip(shapes, dtypes)):
+        if not s.is_fully_defined():
+            raise ValueError(f"{what}: shapes[{i}] = {s} is not fully defined")
+        if d not in _FLOATING:
+            raise TypeError(f"{what}: dtypes[{i}] = {d.name} is not a floating dtype")
+    return shapes, dtypes, [s.num_elements() for s in shapes]
+
+
+def _check_static_length(t, expected: int, what: str, name: str) -> None:
+    n = t.shape[0] if t.shape.rank == 1 else None
+    if t.shape.rank not in (None, 1):
+        raise ValueError(f"{what}: {name} must be 1-D, got shape {t.shape}")
+    if n is not None and n != expected:
+        raise ValueError(f"{what}: {name} has {n} elements but {expected} are expected")
+
+
+def _flat_float32(t, what: str, name: str) -> tf.Tensor:
+    t = tf.convert_to_tensor(t)
+    if t.dtype != tf.float32:
+        raise TypeError(f"{what}: {name} must be float32, got {t.dtype.name}")
+    if t.shape.rank not in (None, 1):
+        raise ValueError(f"{what}: {name} must be 1-D, got shape {t.shape}")
+    return t
+
+
+def _indices(indices) -> tf.Tensor:
+    indices = tf.convert_to_tensor(indices)
+    if indices.dtype not in (tf.int32, tf.int64):
+        raise TypeError(f"indices must be int32 or int64, got {indices.dtype.name}")
+    return indices
+
+
+# ---------------------------------------------------------------------------
 # Composite reference implementations (stock TF ops only).
 # ---------------------------------------------------------------------------
 
+def _round_to_odd_float32(x64):
+    """float64 -> float32 rounded toward zero, last bit set if inexact.
+
+    Casting that to float16/bfloat16 (nearest even) equals rounding the float64
+    directly; a plain float64->float32->float16 cast can round twice.
+    """
+    f = tf.cast(x64, tf.float32)
+    back = tf.cast(f, tf.float64)
+    bits = tf.bitcast(f, tf.int32)
+    bits = tf.where(tf.abs(back) > tf.abs(x64), bits - 1, bits)   # toward zero
+    inexact = tf.logical_and(tf.not_equal(back, x64), tf.logical_not(tf.math.is_nan(x64)))
+    bits = tf.where(inexact, tf.bitwise.bitwise_or(bits, 1), bits)
+    return tf.bitcast(bits, tf.float32)
+
+
+def _composite_to_wire(flat, wire_dtype, scale):
+    if flat.dtype == tf.float64:
+        x = flat * scale if scale != 1.0 else flat
+        return tf.cast(x, tf.float32) if wire_dtype == tf.float32 else \
+            tf.cast(_round_to_odd_float32(x), wire_dtype)
+    x = tf.cast(flat, tf.float32)
+    if scale != 1.0:
+        x = x * scale
+    return tf.cast(x, wire_dtype)
+
+
 def _composite_pack(tensors, wire_dtype, scale):
+    tensors = _floating_tensors(tensors, "pack")
+    wire_dtype = _wire(wire_dtype)
     if not tensors:
         return tf.zeros([0], wire_dtype)
-    flat = [tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tensors]
-    buf = tf.concat(flat, axis=0) if len(flat) > 1 else flat[0]
+    # Cast each tensor, then concatenate: the cheaper order (the casts read
+    # the inputs once; one concat writes the small wire buffer).
+    parts = [_composite_to_wire(tf.reshape(t, [-1]), wire_dtype, float(scale)) for t in tensors]
+    return tf.concat(parts, axis=0) if len(parts) > 1 else parts[0]
+
+
+def _composite_from_wire(part, dtype, scale):
+    x = tf.cast(part, tf.float32)
     if scale != 1.0:
-        buf = buf * scale
-    return tf.cast(buf, wire_dtype)
+        x = x * scale
+    return tf.cast(x, dtype)
 
 
 def _composite_unpack(buffer, shapes, dtypes, scale):
-    sizes = [int(tf.TensorShape(s).num_elements()) for s in shapes]
-    buf = tf.cast(buffer, tf.float32)
-    if scale != 1.0:
-        buf = buf * scale
-    parts = tf.split(buf, sizes) if sizes else []
-    return [tf.cast(tf.reshape(p, s), d) for p, s, d in zip(parts, shapes, dtypes)]
+    shapes, dtypes, sizes = _shapes_and_sizes(shapes, dtypes, "unpack")
+    buffer = tf.convert_to_tensor(buffer)
+    _check_static_length(buffer, sum(sizes), "unpack", "the packed buffer")
+    if not sizes:
+        return []
+    # Split first (it returns views), then cast each part.
+    parts = tf.split(buffer, sizes) if len(sizes) > 1 else [buffer]
+    return [tf.reshape(_composite_from_wire(p, d, float(scale)), s)
+            for p, s, d in zip(parts, shapes, dtypes)]
 
 
 def _chunk_ids(n, chunk_size):
-    return tf.range(n, dtype=tf.int32) // chunk_size
+    return tf.range(n, dtype=tf.int64) // chunk_size
 
 
 def _composite_accumulate(residual, tensors, chunk_size, velocity, momentum):
+    num_chunks(0, chunk_size)  # validates chunk_size
+    residual = _flat_float32(residual, "accumulate", "residual")
     grad = _composite_pack(tensors, tf.float32, 1.0)
+    if residual.shape[0] is not None:
+        _check_static_length(grad, residual.shape[0], "accumulate", "the packed tensors")
     new_velocity = None
     if velocity is not None:
+        velocity = _flat_float32(velocity, "accumulate", "velocity")
         new_velocity = momentum * velocity + grad
         grad = new_velocity
     acc = residual + grad
-    n = acc.shape[0]
-    norms = tf.math.unsorted_segment_sum(tf.abs(acc), _chunk_ids(n, chunk_size),
-                                         num_chunks(n, chunk_size))
+    n = tf.shape(acc, out_type=tf.int64)[0]
+    chunks = (n + chunk_size - 1) // chunk_size
+    norms = tf.math.unsorted_segment_sum(tf.abs(acc), _chunk_ids(n, chunk_size), chunks)
     return acc, norms, new_velocity
 
 
+def _composite_check_indices(indices, n, chunk_size, what):
+    """Asserts indices are in [0, num_chunks), ascending and unique."""
+    indices = tf.cast(indices, tf.int64)
+    chunks = (n + chunk_size - 1) // chunk_size
+    checks = [
+        tf.debugging.assert_non_negative(indices, message=f"{what}: indices must be >= 0"),
+        tf.debugging.assert_less(indices, chunks, message=(
+            f"{what}: indices out of range: every index must be < num_chunks "
+            f"(ceil(n / chunk_size), chunk_size={chunk_size})")),
+        tf.debugging.assert_greater(indices[1:], indices[:-1], message=(
+            f"{what}: indices must be sorted ascending without duplicates")),
+    ]
+    with tf.control_dependencies(checks):
+        return tf.identity(indices)
+
+
 def _element_mask(n, chunk_size, indices):
-    """bool[n], True inside the chunks `indices`."""
+    """bool[n], True inside the chunks `indices` (int64, validated)."""
+    chunks = (n + chunk_size - 1) // chunk_size
     chunk_selected = tf.scatter_nd(tf.expand_dims(indices, 1),
-                                   tf.ones_like(indices, tf.bool),
-                                   [num_chunks(n, chunk_size)])
+                                   tf.ones_like(indices, tf.bool), [chunks])
     return tf.gather(chunk_selected, _chunk_ids(n, chunk_size))
 
 
 def _composite_gather_chunks(acc, indices, chunk_size, wire_dtype, scale, velocity):
-    n = acc.shape[0]
+    num_chunks(0, chunk_size)
+    acc = _flat_float32(acc, "gather_chunks", "acc")
+    wire_dtype = _wire(wire_dtype)
+    n = tf.shape(acc, out_type=tf.int64)[0]
+    indices = _composite_check_indices(_indices(indices), n, chunk_size, "gather_chunks")
     mask = _element_mask(n, chunk_size, indices)
-    selected = tf.boolean_mask(acc, mask)
-    if scale != 1.0:
-        selected = selected * scale
+    selected = _composite_to_wire(tf.boolean_mask(acc, mask), wire_dtype, float(scale))
     zeros = tf.zeros_like(acc)
     residual = tf.where(mask, zeros, acc)
-    new_velocity = None if velocity is None else tf.where(mask, zeros, velocity)
-    return tf.cast(selected, wire_dtype), residual, new_velocity
+    new_velocity = None
+    if velocity is not None:
+        velocity = _flat_float32(velocity, "gather_chunks", "velocity")
+        new_velocity = tf.where(mask, zeros, velocity)
+    return selected, residual, new_velocity
 
 
 def _composite_scatter_chunks(selected, indices, chunk_size, shapes, dtypes, scale):
-    sizes = [int(tf.TensorShape(s).num_elements()) for s in shapes]
+    num_chunks(0, chunk_size)
+    shapes, dtypes, sizes = _shapes_and_sizes(shapes, dtypes, "scatter_chunks")
     n = sum(sizes)
+    selected = tf.convert_to_tensor(selected)
+    indices = _composite_check_indices(_indices(indices), tf.constant(n, tf.int64),
+                                       chunk_size, "scatter_chunks")
     mask = _element_mask(n, chunk_size, indices)
     positions = tf.where(mask)
-    values = tf.cast(selected, tf.float32)
-    full = tf.scatter_nd(positions, values, [n])
+    check = tf.debugging.assert_equal(
+        tf.shape(selected, out_type=tf.int64)[0], tf.shape(positions, out_type=tf.int64)[0],
+        message="scatter_chunks: selected must have as many elements as the chunks in indices cover")
+    with tf.control_dependencies([check]):
+        full = tf.scatter_nd(positions, tf.cast(selected, tf.float32), [n])
     return _composite_unpack(full, shapes, dtypes, scale)
+
+
+composite = types.SimpleNamespace(
+    pack=_composite_pack, unpack=_composite_unpack, accumulate=_composite_accumulate,
+    gather_chunks=_composite_gather_chunks, scatter_chunks=_composite_scatter_chunks)
+composite.__doc__ = "The composite-TF implementation, called explicitly (same arguments as the public functions)."
+
+
+# ---------------------------------------------------------------------------
+# Compiled implementations (the kernels of ops/*.cc). `simd=False` forces
+# their portable scalar code (tests); they validate in the kernels.
+# ---------------------------------------------------------------------------
+
+def _require_lib():
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError(f"gf_tf compiled ops are unavailable: {_library.status}. "
+                           f"Build them with: {BUILD_COMMAND}")
+    return lib
+
+
+def _compiled_pack(tensors, wire_dtype, scale, simd=True):
+    lib = _require_lib()
+    tensors = _floating_tensors(tensors, "pack")
+    wire_dtype = _wire(wire_dtype)
+    if not tensors:
+        return tf.zeros([0], wire_dtype)
+    return lib.gf_pack(tensors, wire_dtype=wire_dtype, scale=float(scale), simd=simd)
+
+
+def _compiled_unpack(buffer, shapes, dtypes, scale, simd=True):
+    lib = _require_lib()
+    shapes, dtypes, sizes = _shapes_and_sizes(shapes, dtypes, "unpack")
+    buffer = tf.convert_to_tensor(buffer)
+    _check_static_length(buffer, sum(sizes), "unpack", "the packed buffer")
+    if not sizes:
+        return []
+    return lib.gf_unpack(buffer, Tout=dtypes, shapes=shapes, scale=float(scale), simd=simd)
+
+
+def _compiled_accumulate(residual, tensors, chunk_size, velocity, momentum, simd=True):
+    lib = _require_lib()
+    residual = _flat_float32(residual, "accumulate", "residual")
+    tensors = _floating_tensors(tensors, "accumulate")
+    velocities = [] if velocity is None else [_flat_float32(velocity, "accumulate", "velocity")]
+    acc, norms, new_velocity = lib.gf_accumulate(
+        residual, tensors, velocities, chunk_size=int(chunk_size),
+        momentum=float(momentum), simd=simd)
+    return acc, norms, (new_velocity[0] if new_velocity else None)
+
+
+def _compiled_gather_chunks(acc, indices, chunk_size, wire_dtype, scale, velocity, simd=True):
+    lib = _require_lib()
+    acc = _flat_float32(acc, "gather_chunks", "acc")
+    velocities = [] if velocity is None else [_flat_float32(velocity, "gather_chunks", "velocity")]
+    selected, residual, new_velocity = lib.gf_gather_chunks(
+        acc, _indices(indices), velocities, chunk_size=int(chunk_size),
+        wire_dtype=_wire(wire_dtype), scale=float(scale), simd=simd)
+    return selected, residual, (new_velocity[0] if new_velocity else None)
+
+
+def _compiled_scatter_chunks(selected, indices, chunk_size, shapes, dtypes, scale, simd=True):
+    lib = _require_lib()
+    shapes, dtypes, _ = _shapes_and_sizes(shapes, dtypes, "scatter_chunks")
+    if not shapes:
+        return []
+    return lib.gf_scatter_chunks(
+        tf.convert_to_tensor(selected), _indices(indices), chunk_size=int(chunk_size),
+        Tout=dtypes, shapes=shapes, scale=float(scale), simd=simd)
+
+
+compiled = types.SimpleNamespace(
+    pack=_compiled_pack, unpack=_compiled_unpack, accumulate=_compiled_accumulate,
+    gather_chunks=_compiled_gather_chunks, scatter_chunks=_compiled_scatter_chunks)
+compiled.__doc__ = ("The compiled kernels, called explicitly (same arguments as the public "
+                    "functions plus simd=True; RuntimeError if the library is unavailable).")
 
 
 # ---------------------------------------------------------------------------
@@ -115,14 +431,19 @@ def pack(tensors: Sequence[tf.Tensor], wire_dtype: tf.DType = tf.float16,
       tensors: N floating tensors (float16, bfloat16, float32, float64), any
         shapes, possibly empty.
       wire_dtype: dtype of the buffer: tf.float16, tf.bfloat16 or tf.float32.
-      scale: every element is multiplied by `scale` in float32 before the
-        cast (prescale, e.g. 1/num_replicas). Round to nearest even; values
-        beyond the wire range become +-inf; NaN stays NaN.
+      scale: every element is multiplied by `scale` before the cast (prescale,
+        e.g. 1/num_replicas), in float32 (in float64 for float64 inputs, which
+        are then rounded once, to the wire dtype). Round to nearest even;
+        values beyond the wire range become +-inf; NaN stays NaN.
 
     Returns:
       1-D `wire_dtype` tensor of sum(size(t)) elements, in list order.
+
+    Raises:
+      TypeError: a tensor is not floating. ValueError: bad wire_dtype.
     """
-    return _composite_pack(list(tensors), wire_dtype, float(scale))
+    tensors = list(tensors)
+    return _implementation(tensors).pack(tensors, wire_dtype, scale)
 
 
 def unpack(buffer: tf.Tensor, shapes: Sequence[tf.TensorShape],
@@ -130,10 +451,14 @@ def unpack(buffer: tf.Tensor, shapes: Sequence[tf.TensorShape],
     """Inverse of `pack`: splits `buffer` into tensors of `shapes`/`dtypes`.
 
     Each element is cast to float32, multiplied by `scale` (postscale) and
-    cast to its output dtype. Raises ValueError if the buffer's length is not
-    the sum of the shapes' sizes.
+    cast to its output dtype. Shapes must be fully defined.
+
+    Raises:
+      ValueError: the buffer's static length is not the sum of the shapes'
+        sizes (tf.errors.InvalidArgumentError when only known at run time),
+        or a shape is not fully defined.
     """
-    return _composite_unpack(buffer, list(shapes), list(dtypes), float(scale))
+    return _implementation([buffer]).unpack(buffer, list(shapes), list(dtypes), scale)
 
 
 def accumulate(residual: tf.Tensor, tensors: Sequence[tf.Tensor], chunk_size: int,
@@ -153,9 +478,14 @@ def accumulate(residual: tf.Tensor, tensors: Sequence[tf.Tensor], chunk_size: in
     Returns:
       (acc float32 [n], norms float32 [ceil(n / chunk_size)] = per-chunk L1
       norm of acc, new velocity float32 [n] or None).
+
+    Raises:
+      ValueError or tf.errors.InvalidArgumentError naming the problem:
+      chunk_size < 1, sizes that do not match.
     """
-    return _composite_accumulate(residual, list(tensors), int(chunk_size),
-                                 velocity, float(momentum))
+    tensors = list(tensors)
+    return _implementation([residual] + tensors).accumulate(
+        residual, tensors, chunk_size, velocity, momentum)
 
 
 def gather_chunks(acc: tf.Tensor, indices: tf.Tensor, chunk_size: int,
@@ -166,7 +496,7 @@ def gather_chunks(acc: tf.Tensor, indices: tf.Tensor, chunk_size: int,
 
     Args:
       acc: float32 [n].
-      indices: int32 [k], sorted ascending, unique, in [0, num_chunks).
+      indices: int32 (or int64) [k], sorted ascending, unique, in [0, num_chunks).
       chunk_size: elements per chunk (>= 1).
       wire_dtype, scale: as in `pack`.
       velocity: optional float32 [n], masked like the residual.
@@ -175,9 +505,13 @@ def gather_chunks(acc: tf.Tensor, indices: tf.Tensor, chunk_size: int,
       (selected `wire_dtype` [m], m = elements in those chunks; residual
       float32 [n] = acc with those chunks set to 0; velocity with those
       chunks set to 0, or None).
+
+    Raises:
+      ValueError or tf.errors.InvalidArgumentError naming the problem:
+      chunk_size < 1, out-of-range, unsorted or duplicate indices.
     """
-    return _composite_gather_chunks(acc, indices, int(chunk_size), wire_dtype,
-                                    float(scale), velocity)
+    return _implementation([acc]).gather_chunks(acc, indices, chunk_size, wire_dtype,
+                                                scale, velocity)
 
 
 def scatter_chunks(selected: tf.Tensor, indices: tf.Tensor, chunk_size: int,
@@ -186,7 +520,11 @@ def scatter_chunks(selected: tf.Tensor, indices: tf.Tensor, chunk_size: int,
     """Inverse of `gather_chunks` straight into unpacked tensors.
 
     Positions outside the chunks `indices` are 0; inside, the `selected`
-    values times `scale`, cast to each output dtype.
+    values times `scale` (in float32), cast to each output dtype.
+
+    Raises:
+      ValueError or tf.errors.InvalidArgumentError naming the problem: bad
+      indices (as in `gather_chunks`), `selected` not as long as the chunks.
     """
-    return _composite_scatter_chunks(selected, indices, int(chunk_size),
-                                     list(shapes), list(dtypes), float(scale))
+    return _implementation([selected]).scatter_chunks(
+        selected, indices, chunk_size, list(shapes), list(dtypes), scale)

@@ -1,0 +1,69 @@
+// Shared pieces of the GradientFlow CPU kernels: dtype conversion with a
+// scale factor (runtime-dispatched AVX2/F16C or portable scalar code), the
+// walk over a packed range that spans several tensors, and sharding onto the
+// device's thread pool.
+#ifndef GF_TF_OPS_GF_KERNELS_H_
+#define GF_TF_OPS_GF_KERNELS_H_
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/types.h"
+
+namespace gf_tf {
+
+using tensorflow::DataType;
+
+// True if this CPU (and OS) supports AVX2 and F16C; checked once.
+bool CpuHasSimd();
+
+// dst[i] = wire(src[i] * scale) for i < n.
+// src dtype: half, bfloat16, float or double; wire: half, bfloat16 or float.
+// The product is formed in float (in double for double inputs, which are then
+// rounded once, to the wire dtype). Rounding is to nearest even, values beyond
+// the wire range become +-inf, NaN stays NaN.
+void ToWire(DataType src_dtype, const void* src, DataType wire_dtype, void* dst,
+            int64_t n, float scale, bool simd);
+
+// dst[i] = out(float(src[i]) * scale) for i < n; out: half, bfloat16, float, double.
+void FromWire(DataType wire_dtype, const void* src, DataType out_dtype, void* dst,
+              int64_t n, float scale, bool simd);
+
+// acc[i] = residual[i] + u[i], u[i] = momentum * velocity[i] + grad[i] when
+// velocity is given (then velocity_out[i] = u[i]), else u[i] = grad[i].
+// grad has dtype grad_dtype. In-place (acc == residual, velocity_out ==
+// velocity) is allowed. Returns sum |acc[i]|.
+double AccumulateSegment(const float* residual, DataType grad_dtype,
+                         const void* grad, const float* velocity,
+                         float* velocity_out, float momentum, float* acc,
+                         int64_t n, bool simd);
+
+// Element offsets of a list of tensors laid end to end: offsets[i] is where
+// tensor i starts, offsets.back() the total.
+std::vector<int64_t> PrefixOffsets(const std::vector<int64_t>& sizes);
+
+// Calls fn(tensor_index, offset_in_tensor, offset_in_range, length) for each
+// maximal piece of the packed range [begin, end) lying in one tensor.
+void ForEachSegment(
+    const std::vector<int64_t>& offsets, int64_t begin, int64_t end,
+    const std::function<void(int, int64_t, int64_t, int64_t)>& fn);
+
+// Runs work(begin, end) over [0, total) on the device's CPU thread pool.
+// cost_per_unit is a rough count of cycles per unit of work.
+void ParallelFor(tensorflow::OpKernelContext* ctx, int64_t total,
+                 int64_t cost_per_unit,
+                 const std::function<void(int64_t, int64_t)>& work);
+
+inline int64_t NumChunks(int64_t n, int64_t chunk_size) {
+  return (n + chunk_size - 1) / chunk_size;
+}
+
+// The wire, input and output dtype sets the ops accept (see REGISTER_OP).
+#define GF_TF_WIRE_TYPES "{half, bfloat16, float}"
+#define GF_TF_GRAD_TYPES "{half, bfloat16, float, double}"
+
+}  // namespace gf_tf
+
+#endif  // GF_TF_OPS_GF_KERNELS_H_
