@@ -1,0 +1,407 @@
+"""CSC (gf_tf.ChunkSparsity) against a NumPy float64 model, on real TF collectives.
+
+Every all-reduce here runs through gf_tf.GradientFlowAllReduce(sparsity=...)
+inside tf.distribute.MirroredStrategy over 2 or 3 logical CPU devices. The
+buffers travel through TF's ReductionToOneDevice: MirroredStrategy's
+CollectiveAllReduce numbers its groups from the same key in every strategy
+object, so one process cannot mix 2- and 3-device collective groups.
+Collectives across processes are covered by test_sparsity_multiworker.py.
+"""
+
+import math
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import gf_tf
+from gf_tf.sparsity import select_chunks, selected_chunk_count
+
+
+def _logical_cpus(n=3):
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * n)
+    except RuntimeError:
+        pass  # already initialized (e.g. by a conftest or another test module)
+    names = [d.name for d in tf.config.list_logical_devices("CPU")]
+    assert len(names) >= n, f"need {n} logical CPUs, have {names}"
+    return names
+
+
+DEVICES = _logical_cpus(3)
+SUM = tf.distribute.ReduceOp.SUM
+
+
+class Runner:
+    """One traced all-reduce step of `num_replicas` replicas through GradientFlowAllReduce."""
+
+    def __init__(self, num_replicas, sparsity, compression="fp16"):
+        self.sparsity = sparsity
+        self.gfar = gf_tf.GradientFlowAllReduce(
+            compression=compression, sparsity=sparsity,
+            cross_device_ops=tf.distribute.ReductionToOneDevice())
+        self.strategy = tf.distribute.MirroredStrategy(DEVICES[:num_replicas],
+                                                       cross_device_ops=self.gfar)
+
+        @tf.function
+        def step(inputs):
+            def replica_fn(*tensors):
+                tensors = [tf.identity(t) for t in tensors]  # gives them the replica's device
+                return tf.distribute.get_replica_context().all_reduce(SUM, tensors)
+            return self.strategy.run(replica_fn, args=inputs)
+
+        self._step = step
+
+    def __call__(self, grads):
+        """grads[r] = list of arrays of replica r -> per replica, list of reduced arrays."""
+        inputs = self.strategy.experimental_distribute_values_from_function(
+            lambda ctx: tuple(tf.constant(a) for a in grads[ctx.replica_id_in_sync_group]))
+        out = self._step(inputs)
+        per_value = [self.strategy.experimental_local_results(o) for o in out]
+        return [[v[r].numpy() for v in per_value] for r in range(len(grads))]
+
+    def state(self):
+        (state,) = self.sparsity.states().values()
+        return state
+
+    def residuals(self):
+        return [v.numpy() for v in self.state().residuals]
+
+
+class NumpyCSC:
+    """The algorithm of gf_tf/sparsity.py in float64, for one pack (no wire rounding)."""
+
+    def __init__(self, n, num_replicas, chunk_size, momentum=0.0):
+        self.n, self.cs, self.m = n, chunk_size, momentum
+        self.c = -(-n // chunk_size)
+        self.residual = np.zeros([num_replicas, n])
+        self.velocity = np.zeros([num_replicas, n])
+
+    def chunk_norms(self, x):
+        return np.array([np.abs(x[i * self.cs:(i + 1) * self.cs]).sum() for i in range(self.c)])
+
+    def step(self, g, density):
+        """g: [replicas, n] -> (output [n], selected chunk indices or None for dense)."""
+        g = np.asarray(g, np.float64)
+        k = max(1, math.ceil(density * self.c))
+        u = self.m * self.velocity + g if self.m else g
+        if k >= self.c:  # dense step: residual stays zero, plain momentum
+            if np.all(np.isfinite(u.sum(0))):
+                self.velocity = u
+            return u.sum(0), None
+        acc = self.residual + u
+        norms = sum(self.chunk_norms(a) for a in acc)
+        finite = np.all(np.isfinite(norms))
+        norms = np.where(np.isnan(norms), np.inf, norms)
+        order = np.lexsort((np.arange(self.c), -norms))  # largest first, ties: lower index
+        idx = np.sort(order[:k])
+        mask = np.zeros(self.n, bool)
+        for i in idx:
+            mask[i * self.cs:(i + 1) * self.cs] = True
+        out = np.where(mask, acc.sum(0), 0.0)
+        if finite:
+            self.residual = np.where(mask, 0.0, acc)
+            self.velocity = np.where(mask, 0.0, u) if self.m else self.velocity
+        return out, idx
+
+
+def _pack_order(shapes):
+    """Element order of the single pack: tensors in backprop (reverse) order."""
+    return list(reversed(range(len(shapes))))
+
+
+def _flat(arrays, order):
+    return np.concatenate([np.ravel(arrays[i]) for i in order]).astype(np.float64)
+
+
+def _chunks_zero(x, cs):
+    c = -(-len(x) // cs)
+    return np.array([not np.any(x[i * cs:(i + 1) * cs]) for i in range(c)])
+
+
+# --- k and selection -----------------------------------------------------------
+
+def test_selected_chunk_count_for_10_chunks():
+    assert [selected_chunk_count(10, d) for d in (0.25, 1.0, 1e-6)] == [3, 10, 1]
+
+
+def test_selected_chunk_count_is_not_fooled_by_binary_rounding():
+    assert 0.07 * 100 > 7  # 7.000000000000001
+    assert selected_chunk_count(100, 0.07) == 7
+    assert selected_chunk_count(0, 0.5) == 0
+    assert selected_chunk_count(3, 0.9) == 3
+
+
+def test_select_chunks_breaks_ties_by_lower_index_and_sorts():
+    norms = tf.constant([1.0, 3.0, 3.0, 0.0, 3.0, 2.0])
+    assert select_chunks(norms, 2).numpy().tolist() == [1, 2]
+    assert select_chunks(norms, 4).numpy().tolist() == [1, 2, 4, 5]
+    assert select_chunks(tf.zeros([5]), 3).numpy().tolist() == [0, 1, 2]
+
+
+def test_select_chunks_ranks_nan_and_inf_first():
+    norms = tf.constant([5.0, np.nan, 1.0, np.inf])
+    assert select_chunks(norms, 2).numpy().tolist() == [1, 3]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(density=0.0), "density"), (dict(density=1.5), "density"),
+    (dict(chunk_size=0), "chunk_size"), (dict(chunk_size=2.5), "chunk_size"),
+    (dict(warmup_steps=-1), "warmup_steps"), (dict(momentum=1.0), "momentum"),
+    (dict(warmup="linear"), "warmup"),
+])
+def test_bad_arguments_name_the_argument(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        gf_tf.ChunkSparsity(**kwargs)
+
+
+def test_schedules_are_documented_functions_of_the_step():
+    dense = gf_tf.ChunkSparsity(density=0.001, warmup_steps=400)
+    assert dense.schedule() == ((0, 1.0), (400, 0.001))
+    expo = gf_tf.ChunkSparsity(density=0.001, warmup_steps=400, warmup="exponential")
+    assert expo.schedule() == ((0, 0.25), (100, 0.0625), (200, 0.015625),
+                               (300, 0.00390625), (400, 0.001))
+    assert [expo.density_at(s) for s in (0, 99, 100, 399, 400, 10**6)] == \
+        [0.25, 0.25, 0.0625, 0.00390625, 0.001, 0.001]
+    assert gf_tf.ChunkSparsity(density=0.3, warmup_steps=0).schedule() == ((0, 0.3),)
+
+
+# --- the algorithm against NumPy ----------------------------------------------------
+
+@pytest.mark.parametrize("num_replicas", [2, 3])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_matches_numpy_model_over_steps(num_replicas, momentum):
+    cs, density, steps = 16, 0.1, 5
+    shapes = [(7, 3), (1009,)]            # 1030 elements: 65 chunks, the last of 6
+    csc = gf_tf.ChunkSparsity(density=density, chunk_size=cs, momentum=momentum)
+    run = Runner(num_replicas, csc)
+    order = _pack_order(shapes)
+    model = NumpyCSC(1030, num_replicas, cs, momentum)
+    rng = np.random.default_rng(num_replicas)
+    for step in range(steps):
+        # Chunk scales make the top-k well separated (no float32-vs-float64 near ties).
+        scale = rng.permutation(np.repeat(np.linspace(0.1, 10.0, 65), cs)[:1030])
+        grads = [[(rng.normal(size=s)).astype(np.float32) for s in shapes]
+                 for _ in range(num_replicas)]
+        for r in range(num_replicas):
+            flat = _flat(grads[r], order) * scale
+            sizes = [int(np.prod(shapes[i])) for i in order]
+            parts = np.split(flat, np.cumsum(sizes)[:-1])
+            for i, p in zip(order, parts):
+                grads[r][i] = p.reshape(shapes[i]).astype(np.float32)
+        out = run(grads)
+        ref, idx = model.step([_flat(g, order) for g in grads], density)
+        assert len(idx) == 7
+        for r in range(num_replicas):
+            got = _flat(out[r], order)
+            np.testing.assert_array_equal(got, _flat(out[0], order))  # identical everywhere
+            np.testing.assert_allclose(got, ref, rtol=4e-3, atol=4e-3 * np.abs(ref).max())
+            sent_chunks = np.flatnonzero(~_chunks_zero(got, cs))
+            np.testing.assert_array_equal(sent_chunks, idx)
+        for r, residual in enumerate(run.residuals()):
+            np.testing.assert_allclose(residual, model.residual[r], rtol=1e-5, atol=1e-4)
+            np.testing.assert_array_equal(np.flatnonzero(_chunks_zero(residual, cs)), idx)
+        if momentum:
+            for r, u in enumerate(run.state().velocities):
+                np.testing.assert_allclose(u.numpy(), model.velocity[r], rtol=1e-5, atol=1e-4)
+    assert int(run.state().step.numpy()) == steps
+
+
+@pytest.mark.parametrize("num_replicas", [2, 3])
+def test_replicas_disagreeing_on_importance_select_the_same_chunks(num_replicas):
+    # 6 chunks of 4; replica 0 is large in chunk 0, replica 1 in chunk 3.
+    for density, expected in [(1 / 6, [3]), (2 / 6, [0, 3])]:
+        csc = gf_tf.ChunkSparsity(density=density, chunk_size=4)
+        run = Runner(num_replicas, csc)
+        grads = [np.full(24, 0.01, np.float32) for _ in range(num_replicas)]
+        grads[0][0:4] = 10.0
+        grads[1][12:16] = 11.0
+        out = run([[g] for g in grads])
+        for r in range(num_replicas):
+            np.testing.assert_array_equal(out[r][0], out[0][0])
+            np.testing.assert_array_equal(np.flatnonzero(~_chunks_zero(out[r][0], 4)), expected)
+        total = np.sum(grads, axis=0)
+        for c in expected:
+            np.testing.assert_allclose(out[0][0][4 * c:4 * c + 4], total[4 * c:4 * c + 4],
+                                       rtol=1e-3)
+        for r, residual in enumerate(run.residuals()):  # each replica keeps its own rest
+            keep = ~np.isin(np.arange(24) // 4, expected)
+            np.testing.assert_array_equal(residual[keep], grads[r][keep])
+            np.testing.assert_array_equal(residual[~keep], 0.0)
+
+
+@pytest.mark.parametrize("num_replicas", [2, 3])
+def test_conservation_per_replica(num_replicas):
+    """sum(sent) + final residual == sum(raw gradients), per replica, in float32.
+
+    Replica r's gradient is nonzero only at positions p % num_replicas == r, so
+    with a float32 wire the all-reduced output at those positions is exactly
+    what replica r sent."""
+    n, cs = 200, 8
+    csc = gf_tf.ChunkSparsity(density=0.2, chunk_size=cs)
+    run = Runner(num_replicas, csc, compression=None)
+    rng = np.random.default_rng(7)
+    owner = np.arange(n) % num_replicas
+    sent = np.zeros([num_replicas, n], np.float32)
+    raw = np.zeros([num_replicas, n], np.float32)
+    for _ in range(6):
+        grads = [np.where(owner == r, rng.normal(size=n), 0.0).astype(np.float32)
+                 for r in range(num_replicas)]
+        out = run([[g] for g in grads])
+        for r in range(num_replicas):
+            sent[r] += np.where(owner == r, out[0][0], 0.0)
+            raw[r] += grads[r]
+    for r, residual in enumerate(run.residuals()):
+        np.testing.assert_array_equal(residual[owner != r], 0.0)
+        np.testing.assert_allclose(sent[r] + residual, raw[r], rtol=1e-5, atol=1e-5)
+        assert np.any(residual != 0)  # something is still held back
+
+
+def test_residual_comes_from_own_accumulator_not_the_average():
+    csc = gf_tf.ChunkSparsity(density=0.5, chunk_size=1)
+    run = Runner(2, csc)
+    run([[np.array([1.0, 2.0, 30.0, 40.0], np.float32)], [np.array([5.0, 6.0, 7.0, 8.0],
+                                                                     np.float32)]])
+    r0, r1 = run.residuals()
+    np.testing.assert_array_equal(r0, [1.0, 2.0, 0.0, 0.0])
+    np.testing.assert_array_equal(r1, [5.0, 6.0, 0.0, 0.0])
+    out = run([[np.array([0.0, 0.0, 0.0, 0.0], np.float32)],
+               [np.array([0.0, 0.0, 0.0, 0.0], np.float32)]])
+    np.testing.assert_array_equal(out[0][0], [6.0, 8.0, 0.0, 0.0])  # the residuals' sum
+
+
+def test_density_one_equals_the_dense_fp16_path_exactly():
+    rng = np.random.default_rng(3)
+    sparse = Runner(3, gf_tf.ChunkSparsity(density=1.0, chunk_size=16))
+    dense = Runner(3, None)
+    for _ in range(3):
+        grads = [[rng.normal(size=(33, 5)).astype(np.float32) * 1e3,
+                  rng.normal(size=(7,)).astype(np.float32)] for _ in range(3)]
+        a, b = sparse(grads), dense(grads)
+        for r in range(3):
+            for x, y in zip(a[r], b[r]):
+                np.testing.assert_array_equal(x, y)
+        assert a[0][0].dtype == np.float32
+    assert not np.any(sparse.residuals()[0])
+
+
+def test_partial_last_chunk_is_sent_whole_and_the_wire_stays_static():
+    # 1009 elements in chunks of 16: the last chunk (63) holds 1 element.
+    csc = gf_tf.ChunkSparsity(density=2 / 64, chunk_size=16)
+    run = Runner(2, csc)
+    g = np.full(1009, 0.01, np.float32)
+    g[1008] = 1000.0
+    g[0:16] = 5.0
+    out = run([[g], [g]])
+    expected = np.zeros(1009)
+    expected[0:16] = 10.0
+    expected[1008] = 2000.0
+    np.testing.assert_array_equal(out[0][0], expected)
+    # Next step: the last chunk is not selected; chunks 1 and 2 (residual 2 x 0.01 x 16).
+    g2 = np.zeros(1009, np.float32)
+    g2[16:48] = 1.0
+    out = run([[g2], [g2]])
+    np.testing.assert_array_equal(np.flatnonzero(~_chunks_zero(out[0][0], 16)), [1, 2])
+    np.testing.assert_allclose(out[0][0][16:48], 2 * 1.01, rtol=1e-3)
+    stats = run.gfar.stats.totals()
+    # Per step: 64 float32 norms + 2 chunks x 16 float16 elements, padded when partial.
+    assert stats["sent_bytes"] == 2 * (4 * 64 + 2 * 16 * 2)
+    assert stats["dense_bytes"] == 2 * 4 * 1009
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_non_finite_step_leaves_the_residual_as_it_was(bad):
+    csc = gf_tf.ChunkSparsity(density=0.5, chunk_size=1, momentum=0.5)
+    run = Runner(2, csc)
+    out = run([[np.array([bad, 1.0], np.float32)], [np.array([1.0, 1.0], np.float32)]])
+    assert not np.isfinite(out[0][0][0])  # the overflow stays visible to the optimizer
+    for r in range(2):
+        np.testing.assert_array_equal(run.residuals()[r], [0.0, 0.0])
+        np.testing.assert_array_equal(run.state().velocities[r].numpy(), [0.0, 0.0])
+    out = run([[np.array([1.0, 1.0], np.float32)], [np.array([1.0, 1.0], np.float32)]])
+    np.testing.assert_array_equal(out[0][0], [2.0, 0.0])   # tie: the lower chunk index
+    for r in range(2):
+        residual = run.residuals()[r]
+        assert np.all(np.isfinite(residual))
+        np.testing.assert_array_equal(residual, [0.0, 1.0])
+
+
+# --- warm-up and statistics -------------------------------------------------------
+
+def _per_step(run, grads, steps):
+    rows, before = [], run.gfar.stats.totals()
+    for _ in range(steps):
+        run(grads)
+        now = run.gfar.stats.totals()
+        rows.append((now["sent_bytes"] - before["sent_bytes"],
+                     now["selected_chunks"] - before["selected_chunks"]))
+        before = now
+    return rows
+
+
+def test_dense_warmup_then_sparse():
+    csc = gf_tf.ChunkSparsity(density=0.1, chunk_size=10, warmup_steps=2)
+    run = Runner(2, csc)
+    grads = [[np.arange(100, dtype=np.float32)], [np.ones(100, np.float32)]]
+    rows = _per_step(run, grads, 4)
+    dense, sparse = 100 * 2, 4 * 10 + 1 * 10 * 2
+    assert rows == [(dense, 10), (dense, 10), (sparse, 1), (sparse, 1)]
+    # Dense steps leave no residual; sparse step 3 sends chunk 9, step 4 chunk 8.
+    expected = np.full(100, 2.0, np.float32)
+    expected[80:90], expected[90:] = 0.0, 1.0
+    np.testing.assert_array_equal(run.residuals()[1], expected)
+
+
+def test_exponential_warmup_stages_send_k_per_stage():
+    csc = gf_tf.ChunkSparsity(density=0.01, chunk_size=1, warmup_steps=3, warmup="exponential")
+    assert csc.schedule() == ((0, 0.25), (1, 0.0625), (2, 0.015625), (3, 0.01))
+    run = Runner(2, csc)
+    grads = [[np.linspace(1, 2, 400).astype(np.float32)]] * 2
+    rows = _per_step(run, grads, 5)
+    ks = [100, 25, 7, 4, 4]
+    assert [k for _, k in rows] == ks
+    assert [b for b, _ in rows] == [4 * 400 + 2 * k for k in ks]
+
+
+def test_stats_report_bytes_ratio_chunks_and_residual_l1():
+    csc = gf_tf.ChunkSparsity(density=0.25, chunk_size=4)
+    run = Runner(2, csc)
+    g = np.arange(16, dtype=np.float32)
+    run([[g], [g]])
+    result = run.gfar.stats.result()
+    assert result["steps"] == 1
+    assert result["dense_bytes_per_step"] == 64
+    assert result["sent_bytes_per_step"] == 4 * 4 + 4 * 2
+    assert result["compression_ratio"] == pytest.approx(64 / 24)
+    assert result["selected_chunks_per_step"] == 1
+    assert result["total_chunks_per_step"] == 4
+    assert result["residual_norm"] == pytest.approx(float(np.sum(g[:12])))
+
+
+def test_new_pack_plan_resets_state_with_a_warning(caplog):
+    csc = gf_tf.ChunkSparsity(density=0.5, chunk_size=2)
+    run = Runner(2, csc)
+    run([[np.ones(8, np.float32)], [np.ones(8, np.float32)]])
+    (old_key,) = csc.states()
+    run([[np.ones(6, np.float32), np.ones(2, np.float32)]] * 2)  # a different variable list
+    assert "pack plan changed" in caplog.text
+    (new_key,) = csc.states()
+    assert new_key != old_key
+    assert int(csc.states()[new_key].step.numpy()) == 1
+
+
+def test_state_variables_are_plain_local_variables_on_each_replica_device():
+    csc = gf_tf.ChunkSparsity(density=0.5, chunk_size=2, momentum=0.9)
+    run = Runner(3, csc)
+    with run.strategy.scope():  # as Keras does around fit
+        run([[np.ones(8, np.float32)]] * 3)
+    state = run.state()
+    for r, (res, vel) in enumerate(zip(state.residuals, state.velocities)):
+        assert not isinstance(res, tf.distribute.DistributedValues)
+        assert res.device.endswith(f"CPU:{r}") and vel.device.endswith(f"CPU:{r}")
+        assert res.dtype == tf.float32 and res.shape == [8]
