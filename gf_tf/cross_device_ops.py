@@ -63,7 +63,10 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         CollectiveAllReduce; set by gf_tf.MultiWorkerMirroredStrategy).
 
     Attributes:
-      stats: `gf_tf.stats.CommStats`, updated once per batch all-reduce.
+      stats: `gf_tf.stats.CommStats`, updated once per batch all-reduce. Its
+        variables are created on first use, not in the constructor: creating
+        variables initialises the TF runtime, which must not happen before a
+        MultiWorkerMirroredStrategy configures its collectives.
 
     Raises:
       ValueError: bad compression / bytes_per_pack; settings differing across
@@ -86,11 +89,18 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         self.sparsity = sparsity
         self._wrapped = cross_device_ops
         self._workers = None  # strategy.WorkerInfo, set by gf_tf.MultiWorkerMirroredStrategy
-        self.stats = CommStats()
+        self._stats = None
 
     def __repr__(self):
         return (f"GradientFlowAllReduce(compression={self.compression.name!r}, "
                 f"bytes_per_pack={self.bytes_per_pack}, sparsity={self.sparsity!r})")
+
+    @property
+    def stats(self) -> CommStats:
+        if self._stats is None:
+            with tf.init_scope():
+                self._stats = CommStats()
+        return self._stats
 
     # --- wiring -------------------------------------------------------------
 
@@ -100,6 +110,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
             raise ValueError("this GradientFlowAllReduce already serves another strategy; "
                              "create one instance per strategy")
         self._wrapped, self._workers = wrapped, workers
+        self.stats  # pylint: disable=pointless-statement  # now, outside any scope and trace
 
     def _cross_ops(self) -> tf.distribute.CrossDeviceOps:
         if self._wrapped is None:
