@@ -405,3 +405,94 @@ def test_state_variables_are_plain_local_variables_on_each_replica_device():
         assert not isinstance(res, tf.distribute.DistributedValues)
         assert res.device.endswith(f"CPU:{r}") and vel.device.endswith(f"CPU:{r}")
         assert res.dtype == tf.float32 and res.shape == [8]
+
+
+# --- Keras: statistics callback and restarts -----------------------------------------
+
+import keras  # noqa: E402  (after TF's logical devices are configured)
+
+
+def _keras_setup(sparsity, seed=0):
+    gfar = gf_tf.GradientFlowAllReduce(sparsity=sparsity,
+                                       cross_device_ops=tf.distribute.ReductionToOneDevice())
+    strategy = tf.distribute.MirroredStrategy(DEVICES[:2], cross_device_ops=gfar)
+    with strategy.scope():
+        keras.utils.set_random_seed(seed)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dense(3)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(64, 8)).astype(np.float32)
+    y = (x @ rng.normal(size=(8, 3))).astype(np.float32)
+    return gfar, model, x, y
+
+
+def test_gradient_flow_stats_in_fit_history_and_tensorboard(tmp_path):
+    csc = gf_tf.ChunkSparsity(density=0.1, chunk_size=8, warmup_steps=2)
+    gfar, model, x, y = _keras_setup(csc)
+    n = model.count_params()   # 8*16 + 16 + 16*3 + 3 = 195 elements, one pack, 25 chunks
+    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[
+        gf_tf.GradientFlowStats(gfar), keras.callbacks.TensorBoard(str(tmp_path))])
+    h = history.history
+    c, k = 25, 3
+    dense_step, sparse_step = 2 * n, 4 * c + 2 * k * 8
+    assert h["gf_dense_bytes_per_step"] == [4 * n, 4 * n]
+    # Epoch 1: 2 dense warm-up steps + 2 sparse; epoch 2: 4 sparse.
+    assert h["gf_sent_bytes_per_step"] == [(2 * dense_step + 2 * sparse_step) / 4, sparse_step]
+    assert h["gf_selected_chunks_per_step"] == [(2 * c + 2 * k) / 4, k]
+    assert h["gf_compression_ratio"][1] == pytest.approx(4 * n / sparse_step)
+    assert h["gf_residual_norm"][1] > 0
+    events = tf.io.gfile.glob(str(tmp_path / "train" / "events.out.tfevents.*"))
+    tags = {v.tag for e in events for record in tf.compat.v1.train.summary_iterator(e)
+            for v in record.summary.value}
+    assert "epoch_gf_compression_ratio" in tags and "epoch_gf_sent_bytes_per_step" in tags
+
+
+def test_gradient_flow_stats_rejects_objects_without_stats():
+    with pytest.raises(TypeError, match="GradientFlowAllReduce"):
+        gf_tf.GradientFlowStats(object())
+
+
+class _Interrupt(keras.callbacks.Callback):
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at = (epoch, batch)
+        self.epoch = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            raise RuntimeError("simulated preemption")
+
+
+def test_backup_and_restore_restarts_csc_from_zero_with_a_fresh_warmup(tmp_path):
+    """Documented behaviour: CSC state is not checkpointed. A restarted job
+    (new process: new strategy, GradientFlowAllReduce and ChunkSparsity)
+    resumes the epochs from the backup with zero residuals and a new warm-up."""
+    def csc():
+        return gf_tf.ChunkSparsity(density=0.1, chunk_size=8, warmup_steps=3)
+
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    sparsity = csc()
+    gfar, model, x, y = _keras_setup(sparsity)
+    with pytest.raises(RuntimeError, match="simulated preemption"):
+        model.fit(x, y, batch_size=16, epochs=3, verbose=0,
+                  callbacks=[backup, _Interrupt(epoch=1, batch=1)])
+    (state,) = sparsity.states().values()
+    assert int(state.step.numpy()) == 6 and np.any(state.residuals[0].numpy())
+    saved_after_epoch_0 = model.get_weights()  # not what the backup holds: 2 more steps ran
+
+    sparsity2 = csc()  # the restarted job
+    gfar2, model2, _, _ = _keras_setup(sparsity2, seed=1)
+    backup2 = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    history = model2.fit(x, y, batch_size=16, epochs=3, verbose=0,
+                         callbacks=[backup2, gf_tf.GradientFlowStats(gfar2)])
+    assert history.epoch == [1, 2]                      # resumed after epoch 0
+    (state2,) = sparsity2.states().values()
+    assert int(state2.step.numpy()) == 8                # counted from 0 again
+    c = 25
+    # The first 3 steps after the restart are dense again (all 25 chunks sent).
+    assert history.history["gf_selected_chunks_per_step"] == [(3 * c + 3) / 4, 3]
+    assert not np.allclose(model2.get_weights()[0], saved_after_epoch_0[0])
