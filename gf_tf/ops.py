@@ -21,6 +21,7 @@ mixed-precision communication and coarse-grained sparse communication.
 
 import ctypes
 import os
+import struct
 import threading
 import types
 import warnings
@@ -207,6 +208,10 @@ def _indices(indices) -> tf.Tensor:
 # Composite reference implementations (stock TF ops only).
 # ---------------------------------------------------------------------------
 
+def _as_float32(value: float) -> float:
+    return struct.unpack("f", struct.pack("f", float(value)))[0]
+
+
 def _round_to_odd_float32(x64):
     """float64 -> float32 rounded toward zero, last bit set if inexact.
 
@@ -223,6 +228,7 @@ def _round_to_odd_float32(x64):
 
 
 def _composite_to_wire(flat, wire_dtype, scale):
+    scale = _as_float32(scale)  # the compiled ops take it as a float32 attribute
     if flat.dtype == tf.float64:
         x = flat * scale if scale != 1.0 else flat
         return tf.cast(x, tf.float32) if wire_dtype == tf.float32 else \
@@ -245,6 +251,7 @@ def _composite_pack(tensors, wire_dtype, scale):
 
 
 def _composite_from_wire(part, dtype, scale):
+    scale = _as_float32(scale)
     x = tf.cast(part, tf.float32)
     if scale != 1.0:
         x = x * scale
