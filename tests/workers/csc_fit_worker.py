@@ -1,0 +1,82 @@
+"""One worker of a multi-worker Keras model.fit with CSC (gf_tf.ChunkSparsity).
+
+Writes its final weights (w0, w1, ...), its CSC residual and step counter, the
+per-step communication figures of every step, and the (dtype, element count)
+of every CollectiveReduceV2 in the traced step's main graph.
+"""
+
+import argparse
+
+import numpy as np
+import tensorflow as tf
+import keras
+
+import worker_util
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--density", type=float, default=0.1)
+parser.add_argument("--chunk_size", type=int, default=16)
+parser.add_argument("--warmup_steps", type=int, default=0)
+parser.add_argument("--warmup", default="dense")
+parser.add_argument("--momentum", type=float, default=0.0)
+parser.add_argument("--steps", type=int, default=5)
+parser.add_argument("--global_batch", type=int, default=16)
+parser.add_argument("--hidden", type=int, default=32)
+args = parser.parse_args()
+
+import gf_tf  # after argparse: fail fast on bad flags
+
+sparsity = gf_tf.ChunkSparsity(density=args.density, chunk_size=args.chunk_size,
+                               warmup_steps=args.warmup_steps, warmup=args.warmup,
+                               momentum=args.momentum)
+gradient_flow = gf_tf.GradientFlowAllReduce(sparsity=sparsity)
+strategy = gf_tf.MultiWorkerMirroredStrategy(
+    communication_options=worker_util.communication_options(), gradient_flow=gradient_flow)
+
+rng = np.random.default_rng(0)
+n = args.global_batch * args.steps
+x = rng.normal(size=(n, 8)).astype(np.float32)
+y = (x @ rng.normal(size=(8, 3)) + 0.1 * rng.normal(size=(n, 3))).astype(np.float32)
+
+with strategy.scope():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((8,)),
+                              keras.layers.Dense(args.hidden, activation="tanh"),
+                              keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+
+
+class PerStep(keras.callbacks.Callback):
+    """Communication figures of every single step (deltas of the running totals)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+        self.last = None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.last = gradient_flow.stats.totals()
+
+    def on_train_batch_end(self, batch, logs=None):
+        now = gradient_flow.stats.totals()
+        self.rows.append([now[k] - self.last[k] for k in
+                          ("dense_bytes", "sent_bytes", "selected_chunks", "total_chunks")])
+
+
+per_step = PerStep()
+dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.global_batch)
+history = model.fit(dataset, epochs=1, verbose=0,
+                    callbacks=[gf_tf.GradientFlowStats(gradient_flow), per_step])
+
+(state,) = sparsity.states().values()
+result = {f"w{i}": w for i, w in enumerate(model.get_weights())}
+result["residual"] = state.residuals[0].numpy()
+result["csc_steps"] = int(state.step.numpy())
+result["per_step"] = np.array(per_step.rows, np.float64)
+result["compression_ratio"] = history.history["gf_compression_ratio"][0]
+reduces = worker_util.collective_reduces(model)
+result["reduce_dtypes"] = np.array([d for d, _ in reduces], dtype="U16")
+result["reduce_elements"] = np.array([-1 if c is None else c for _, c in reduces], np.int64)
+result["num_params"] = model.count_params()
+worker_util.write_result(**result)
+print("done", history.history, reduces)
