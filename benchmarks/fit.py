@@ -1,0 +1,268 @@
+"""End-to-end `model.fit` throughput on an emulated network, against TF's default and 1 worker.
+
+    sudo python -m benchmarks.fit --quick                  # smoke test
+    sudo python -m benchmarks.fit --preset targets --out benchmarks/results/fit.json
+    sudo python -m benchmarks.fit --models alexnet --workers 2 --rates 100,none --methods tf_fp32,csc_1
+
+Models come from models/ (models.factory): digits_cnn on scikit-learn's
+digits, ResNet-20 on synthetic 32x32, AlexNet and ResNet-50 on synthetic
+224x224 images (models.datasets.load_synthetic). Each worker trains with a
+fixed per-worker batch (weak scaling), SGD with momentum 0.9.
+
+Per cell: images/s of the whole cluster in steady state (second `fit` call,
+from the end of its first step to the end of its last; the first call traces
+the step function and is not timed), worker 0's median step time, and:
+- scaling efficiency = images/s / (min(N, cores) x reference images/s), where
+  the reference is 1 worker, no strategy, no communication, pinned to one
+  core. Workers are pinned to core (i mod cores), so with N=2 on this 2-core
+  machine every worker has the reference's CPU; with N>2 they share cores and
+  the best possible is min(N, cores) x the reference.
+- vs unshaped: images/s / the same model, N and method on the unshaped link.
+- speedup vs TF fp32: images/s / TF default's on the same link.
+Methods as in benchmarks.allreduce, except tf_fp16 (casting by hand needs a
+custom train step; benchmarks.allreduce measures it).
+
+Needs root; without it, exits with status 2 and changes nothing.
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional, Tuple
+
+from benchmarks import netem, report
+from benchmarks.allreduce import parse_list, parse_rates, unavailable_methods
+from benchmarks.workers import methods
+
+BASE_PORT = 24000
+FIT_METHODS = [m for m in methods.METHODS if m != "tf_fp16"]
+# model -> (images per worker per step, untimed warm-up steps, timed steps)
+MODELS: Dict[str, Tuple[int, int, int]] = {
+    "digits_cnn": (32, 3, 30),
+    "resnet20": (32, 2, 10),
+    "alexnet": (32, 2, 5),
+    "resnet50": (8, 2, 4),
+}
+Launch = Tuple[str, int, Optional[float], str]   # (model, num_workers, rate_mbit, method)
+
+
+def preset_launches(name: str) -> List[Launch]:
+    if name == "quick":
+        return [("digits_cnn", 2, 100.0, m) for m in ("tf_fp32", "csc_1")]
+    if name == "targets":
+        launches = []
+        core = ("tf_fp32", "gf_fp16", "csc_1")
+        for m in core:
+            for rate in (100.0, 1000.0, None):
+                launches.append(("alexnet", 2, rate, m))
+            for model in ("resnet20", "digits_cnn", "resnet50"):
+                for rate in (100.0, None):
+                    launches.append((model, 2, rate, m))
+        return launches
+    if name == "full":
+        return [(model, n, rate, m) for model in MODELS for n in (2, 3, 4)
+                for rate in (100.0, 1000.0, None) for m in FIT_METHODS]
+    raise SystemExit(f"--preset: unknown {name!r}; choose quick, targets or full")
+
+
+def worker_argv(model: str, method: Optional[str], steps_override: Optional[Tuple[int, int]],
+                cpu: int, timeout: float) -> List[str]:
+    batch, warmup, steps = MODELS[model]
+    if steps_override:
+        warmup, steps = steps_override
+    argv = [sys.executable, "-m", "benchmarks.workers.fit_worker", "--model", model, "--batch", str(batch),
+            "--warmup-steps", str(warmup), "--steps", str(steps), "--timeout", str(timeout), "--cpu", str(cpu)]
+    return argv + (["--reference"] if method is None else ["--method", method])
+
+
+def run_cells(launches: List[Launch], steps_override, log_dir: str, goodput_seconds: float):
+    cores = os.cpu_count() or 1
+    cells: List[Dict] = []
+    references: Dict[str, Dict] = {}
+    goodputs: List[Dict] = []
+    port = BASE_PORT
+    for n in sorted({l[1] for l in launches}):
+        with netem.EmulatedCluster(n) as cluster:
+            if not references.keys() >= {l[0] for l in launches}:
+                cluster.set_rate(None)
+                for model in sorted({l[0] for l in launches} - references.keys()):
+                    t0 = time.time()
+                    job = cluster.run_job([worker_argv(model, None, steps_override, 0, 600)], None,
+                                          timeout=1800, log_dir=log_dir, tag=f"{model}_reference", hosts=[0])
+                    references[model] = job["results"][0] if not job["error"] else {"error": job["error"]}
+                    ips = references[model].get("images_per_s")
+                    print(f"reference {model}: " + (f"{ips:.1f} images/s" if ips else job["error"])
+                          + f"  [{time.time() - t0:.0f}s]", flush=True)
+            for rate in sorted({l[2] for l in launches if l[1] == n}, key=lambda r: (r is None, r or 0)):
+                cluster.set_rate(rate)
+                gp = cluster.measure_goodput(seconds=goodput_seconds)
+                goodputs.append({"workers": n, "rate_mbit": rate, **gp, "used_bps": max(gp["per_link_bps"])})
+                print(f"N={n} {report.link_label(rate)}: goodput {max(gp['per_link_bps']) / 1e6:.1f} Mbit/s",
+                      flush=True)
+                for model, _, _, method in [l for l in launches if l[1] == n and l[2] == rate]:
+                    port += 1
+                    t0 = time.time()
+                    timeout = 120.0 if rate is None else max(120.0, 2.5 * 61e6 * 4 * 8 / (rate * 1e6 * 0.9))
+                    argvs = [worker_argv(model, method, steps_override, i % cores, timeout) for i in range(n)]
+                    job = cluster.run_job(argvs, port, timeout=3600, log_dir=log_dir,
+                                          tag=f"{model}_{method}_n{n}_{report.link_label(rate).replace(' ', '').replace('/', '')}")
+                    cell = {"model": model, "workers": n, "rate_mbit": rate, "method": method,
+                            "goodput_bps": max(gp["per_link_bps"])}
+                    if job["error"] or len(job["results"]) != n:
+                        cell["error"] = job["error"] or "missing worker results"
+                    else:
+                        chief = job["results"][0]
+                        cell.update({k: chief[k] for k in ("images_per_s", "median_step_s", "step_times_s",
+                                                           "global_batch", "steps", "params", "warmup_epoch_s",
+                                                           "loss_first", "loss_last", "losses_finite")})
+                        cell["images_per_s_per_worker_view"] = [r["images_per_s"] for r in job["results"]]
+                        for key in ("sent_payload_bytes_per_step", "dense_payload_bytes_per_step"):
+                            if key in chief:
+                                cell[key] = chief[key]
+                    cells.append(cell)
+                    print(f"  {model:10s} {method:8s} "
+                          + (f"{cell['images_per_s']:.1f} images/s, step {cell['median_step_s']:.3f}s"
+                             if "images_per_s" in cell else f"FAILED: {cell['error']}")
+                          + f"  [{time.time() - t0:.0f}s]", flush=True)
+    derive(cells, references, cores)
+    return cells, references, goodputs
+
+
+def derive(cells: List[Dict], references: Dict[str, Dict], cores: int) -> None:
+    def find(model, n, rate, method):
+        for c in cells:
+            if (c["model"], c["workers"], c["rate_mbit"], c["method"]) == (model, n, rate, method) \
+                    and "images_per_s" in c:
+                return c
+        return None
+
+    for c in cells:
+        if "images_per_s" not in c:
+            continue
+        ref = references.get(c["model"], {}).get("images_per_s")
+        if ref:
+            c["reference_images_per_s"] = ref
+            c["scaling_efficiency"] = c["images_per_s"] / (min(c["workers"], cores) * ref)
+        unshaped = find(c["model"], c["workers"], None, c["method"])
+        if unshaped:
+            c["vs_unshaped"] = c["images_per_s"] / unshaped["images_per_s"]
+        base = find(c["model"], c["workers"], c["rate_mbit"], "tf_fp32")
+        if base:
+            c["speedup_vs_tf_fp32"] = c["images_per_s"] / base["images_per_s"]
+
+
+def results_table(cells: List[Dict], references: Dict[str, Dict]) -> str:
+    headers = ["model", "params", "N", "link", "method", "images/s", "step s", "scaling eff.",
+               "vs unshaped", "speedup vs TF fp32", "MB sent/step", "loss first->last"]
+    model_order = list(MODELS)
+    order = {m: i for i, m in enumerate(methods.METHODS)}
+    rows = []
+    for model in model_order:
+        ref = references.get(model)
+        if ref and "images_per_s" in ref:
+            rows.append([model, f"{ref['params'] / 1e6:.2f}M", 1, "-", "reference (1 core, no comm.)",
+                         ref["images_per_s"], ref["median_step_s"], 1.0, None, None, None,
+                         f"{ref['loss_first']:.3g}->{ref['loss_last']:.3g}"])
+    for c in sorted(cells, key=lambda c: (model_order.index(c["model"]), c["workers"], c["rate_mbit"] is None,
+                                          c["rate_mbit"] or 0, order[c["method"]])):
+        if "error" in c:
+            rows.append([c["model"], None, c["workers"], report.link_label(c["rate_mbit"]), c["method"],
+                         "FAILED", None, None, None, None, None, c["error"][:60]])
+            continue
+        sent = c.get("sent_payload_bytes_per_step")
+        rows.append([c["model"], f"{c['params'] / 1e6:.2f}M", c["workers"], report.link_label(c["rate_mbit"]),
+                     c["method"], c["images_per_s"], c["median_step_s"], c.get("scaling_efficiency"),
+                     c.get("vs_unshaped"), c.get("speedup_vs_tf_fp32"),
+                     sent / 1e6 if sent is not None else None,
+                     f"{c['loss_first']:.3g}->{c['loss_last']:.3g}" + ("" if c["losses_finite"] else " NON-FINITE")])
+    return report.markdown_table(headers, rows)
+
+
+def targets_table(cells: List[Dict]) -> str:
+    rows = []
+    csc = next((c for c in cells if (c["model"], c["workers"], c["rate_mbit"], c["method"]) ==
+                ("alexnet", 2, 100.0, "csc_1") and "images_per_s" in c), None)
+    where = "AlexNet fit, N=2, 100 Mbit/s"
+    if csc is None:
+        rows.append([where, "CSC 1%: >= 80% of unshaped, >= 5x TF fp32", "not measured", "-"])
+    else:
+        v, s = csc.get("vs_unshaped"), csc.get("speedup_vs_tf_fp32")
+        rows.append([where, "CSC 1% >= 80% of its own unshaped throughput",
+                     f"{100 * v:.0f}%" if v else "-", "met" if v and v >= 0.8 else "MISSED"])
+        rows.append([where, "CSC 1% >= 5x TF default fp32 throughput",
+                     f"{s:.1f}x" if s else "-", "met" if s and s >= 5 else "MISSED"])
+    for c in cells:
+        if c["model"] == "resnet20" and c["workers"] == 2 and "images_per_s" in c and c["rate_mbit"] == 100.0:
+            rows.append([f"ResNet-20 fit, N=2, 100 Mbit/s", f"{c['method']} (report only)",
+                         f"{c['images_per_s']:.0f} images/s, {100 * c.get('vs_unshaped', 0):.0f}% of unshaped, "
+                         f"eff. {c.get('scaling_efficiency', 0):.2f}", "-"])
+    return report.markdown_table(["where", "target", "measured", "verdict"], rows)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smoke test: digits_cnn, N=2, 100 Mbit/s, few steps")
+    parser.add_argument("--preset", default=None, help="quick | targets | full")
+    parser.add_argument("--models", help=f"comma-separated subset of {list(MODELS)}")
+    parser.add_argument("--workers", help="comma-separated N, e.g. 2,4")
+    parser.add_argument("--rates", help="comma-separated Mbit/s or 'none' for unshaped")
+    parser.add_argument("--methods", help=f"comma-separated subset of {FIT_METHODS}")
+    parser.add_argument("--warmup-steps", type=int, default=None, help="override the per-model defaults")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (>= 2); override the per-model defaults")
+    parser.add_argument("--goodput-seconds", type=float, default=3.0)
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/fit.json)")
+    args = parser.parse_args(argv)
+
+    custom = any([args.models, args.workers, args.rates]) or (args.methods and not (args.quick or args.preset))
+    preset = "quick" if args.quick else (args.preset or ("custom" if custom else "targets"))
+    if preset == "custom":
+        models_ = parse_list(args.models, list(MODELS), "--models") if args.models else list(MODELS)
+        meths = parse_list(args.methods, FIT_METHODS, "--methods") if args.methods else FIT_METHODS
+        ns = [int(x) for x in args.workers.split(",")] if args.workers else [2]
+        rates = parse_rates(args.rates) if args.rates else [100.0, 1000.0, None]
+        launches = [(m, n, r, meth) for m in models_ for n in ns for r in rates for meth in meths]
+    else:
+        launches = preset_launches(preset)
+        if args.methods:
+            keep = parse_list(args.methods, FIT_METHODS, "--methods")
+            launches = [l for l in launches if l[3] in keep]
+    steps_override = None
+    if preset == "quick":
+        steps_override = (2, 4)
+    if args.warmup_steps is not None or args.steps is not None:
+        if args.steps is not None and args.steps < 2:
+            raise SystemExit("--steps must be >= 2")
+        steps_override = (args.warmup_steps if args.warmup_steps is not None else 2, args.steps or 5)
+    print(f"fit matrix '{preset}': {len(launches)} launches", flush=True)
+    netem.require_root()
+    missing = unavailable_methods()
+    for m, why in missing.items():
+        if any(l[3] == m for l in launches):
+            print(f"{m} skipped: {why}", flush=True)
+    launches = [l for l in launches if l[3] not in missing]
+
+    out_path = args.out or os.path.join(netem.REPO_ROOT, "benchmarks", "results", "fit.json")
+    command = "python -m benchmarks.fit " + " ".join(sys.argv[1:] if argv is None else argv)
+    meta = report.machine_description(command)
+    meta.update({"preset": preset, "skipped_methods": missing,
+                 "batch_warmup_steps": {k: list(v) for k, v in MODELS.items()}, "steps_override": steps_override})
+    log_dir = tempfile.mkdtemp(prefix="gf_fit_logs_")
+    started = time.time()
+    cells, references, goodputs = run_cells(launches, steps_override, log_dir, args.goodput_seconds)
+    meta["wall_seconds"] = time.time() - started
+    meta["worker_logs"] = log_dir
+    report.write_json(out_path, {"meta": meta, "references": references, "goodput": goodputs, "cells": cells})
+    print(f"\nJSON: {out_path}\nworker logs: {log_dir}")
+    print(f"\nmodel.fit benchmark, {meta['date_utc']}, {meta['cpu']} x{meta['logical_cpus']}, "
+          f"TF {meta['tensorflow']}, wall {meta['wall_seconds'] / 60:.1f} min\n")
+    if any(c["model"] == "alexnet" for c in cells):
+        print(targets_table(cells) + "\n")
+    print(results_table(cells, references))
+    failed = [c for c in cells if "error" in c] + [r for r in references.values() if "error" in r]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

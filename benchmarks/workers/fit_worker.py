@@ -1,0 +1,139 @@
+"""One worker of the end-to-end `model.fit` benchmark; runs inside an emulated host.
+
+    python -m benchmarks.workers.fit_worker --model alexnet --method csc_1 \
+        --batch 32 --warmup-steps 2 --steps 5 --timeout 300 [--reference] [--cpu 0]
+
+Without --reference: TF_CONFIG must be set; the strategy is the method's
+(benchmarks/workers/methods.py; the TF default goes through
+gf_tf.MultiWorkerMirroredStrategy(gradient_flow=None) because Keras 3 `fit`
+needs its multi-worker fixes). With --reference: one process, no strategy, no
+communication (the compute-only reference).
+
+`fit` runs two epochs: the first (`warmup-steps` steps) traces the step
+function and is not timed; the second (`steps` steps) is. Throughput is
+global batch x (steps - 1) / (end of the last step - end of the first step)
+of the second fit, so iterator creation and any retracing are excluded.
+Prints one line `RESULT <json>`.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+
+def parse_args():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True, choices=["digits_cnn", "resnet20", "alexnet", "resnet50"])
+    parser.add_argument("--method", default="tf_fp32")
+    parser.add_argument("--reference", action="store_true", help="one process, no strategy")
+    parser.add_argument("--batch", type=int, required=True, help="images per worker per step")
+    parser.add_argument("--warmup-steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--cpu", type=int, default=None, help="pin this process to one logical CPU")
+    args = parser.parse_args()
+    if args.steps < 2:
+        parser.error("--steps must be >= 2 (throughput is measured between the first and the last step)")
+    return args
+
+
+args = parse_args()
+if args.cpu is not None:
+    # Before TensorFlow starts: its thread pools size themselves to the affinity mask.
+    os.sched_setaffinity(0, {args.cpu})
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from benchmarks.workers import methods  # noqa: E402
+from models import datasets, factory  # noqa: E402
+
+
+class StepClock(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.epoch_start = {}
+        self.batch_end = {}
+        self.losses = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch_start[epoch] = time.perf_counter()
+        self.batch_end[epoch] = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batch_end[max(self.batch_end)].append(time.perf_counter())
+        if logs and "loss" in logs:
+            self.losses.append(float(logs["loss"]))
+
+
+def main():
+    t_start = time.perf_counter()
+    if args.reference:
+        strategy, gradient_flow, num_workers = None, None, 1
+    else:
+        strategy, gradient_flow = methods.make_strategy(args.method, args.timeout, keras_fit=True)
+        num_workers = strategy.num_replicas_in_sync
+    global_batch = args.batch * num_workers
+    if args.model == "digits_cnn":
+        source = datasets.load_digits(seed=0)
+    else:
+        shape = factory.default_input_shape(args.model)
+        source = datasets.load_synthetic(shape, 1000 if shape[0] >= 128 else 10,
+                                         num_train=max(2560, global_batch * (args.steps + args.warmup_steps)))
+
+    def build():
+        model = factory.build_model(args.model, source.input_shape, source.num_classes)
+        model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    if strategy is None:
+        data = datasets.input_pipeline(source, datasets.TRAIN, global_batch, training=True)
+        model = build()
+    else:
+        data = datasets.distributed_dataset(strategy, source, datasets.TRAIN, global_batch, training=True)
+        with strategy.scope():
+            model = build()
+    clock = StepClock()
+    setup_s = time.perf_counter() - t_start
+    # Epoch 0 (warm-up, traced) and epoch 1 (timed) have different lengths: run them as two fits.
+    model.fit(data, epochs=1, steps_per_epoch=args.warmup_steps, verbose=0, callbacks=[clock])
+    stats_before = _stats(gradient_flow)
+    model.fit(data, initial_epoch=1, epochs=2, steps_per_epoch=args.steps, verbose=0, callbacks=[clock])
+    stats_after = _stats(gradient_flow)
+    # Steady state: from the end of the first step of the timed fit (which also creates the
+    # input iterator) to the end of its last step.
+    ends = clock.batch_end[1]
+    step_times = np.diff(ends).tolist()
+    elapsed = ends[-1] - ends[0]
+    result = {
+        "model": args.model, "method": "reference" if args.reference else args.method,
+        "num_workers": num_workers, "global_batch": global_batch, "steps": args.steps,
+        "params": int(model.count_params()), "images_per_s": global_batch * (args.steps - 1) / elapsed,
+        "median_step_s": statistics.median(step_times), "step_times_s": step_times,
+        "warmup_epoch_s": clock.batch_end[0][-1] - clock.epoch_start[0], "setup_s": setup_s,
+        "loss_first": clock.losses[0] if clock.losses else None,
+        "loss_last": clock.losses[-1] if clock.losses else None,
+        "losses_finite": bool(np.all(np.isfinite(clock.losses))),
+        "cpu": args.cpu,
+    }
+    if stats_before and stats_after and stats_after["steps"] > stats_before["steps"]:
+        steps = stats_after["steps"] - stats_before["steps"]
+        result["sent_payload_bytes_per_step"] = (stats_after["sent_bytes"] - stats_before["sent_bytes"]) / steps
+        result["dense_payload_bytes_per_step"] = (stats_after["dense_bytes"] - stats_before["dense_bytes"]) / steps
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def _stats(gradient_flow):
+    if gradient_flow is None:
+        return None
+    s = gradient_flow.stats
+    return {"steps": int(s.steps.numpy()), "sent_bytes": float(s.sent_bytes.numpy()),
+            "dense_bytes": float(s.dense_bytes.numpy())}
+
+
+if __name__ == "__main__":
+    main()
