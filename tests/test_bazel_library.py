@@ -187,9 +187,9 @@ def _bazel_library():
 
 
 def _run_child(tmp_path, name, library):
+    # The child imports the same gf_tf as this process would (installed or checkout), else the checkout's.
     spec = importlib.util.find_spec("gf_tf")
-    assert spec is not None and spec.origin, "gf_tf is not importable from the test process"
-    package_parent = str(pathlib.Path(spec.origin).resolve().parents[1])
+    package_parent = str(pathlib.Path(spec.origin).resolve().parents[1] if spec and spec.origin else REPO)
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
                PYTHONPATH=os.pathsep.join([package_parent] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     env.pop("GF_TF_OPS_LIBRARY", None)
