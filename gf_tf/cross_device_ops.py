@@ -41,7 +41,8 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
       workers), so the result is the SUM (MEAN: no postscale) and a mean beyond
       the float16 range comes back +-inf, never clamped;
     - everything else (IndexedSlices, integers, float64, unknown shapes) goes to
-      the wrapped ops untouched, in the caller's order; None stays None.
+      the wrapped ops untouched (one batch per dtype, in the caller's order);
+      None stays None.
     Each pack is one call of the wrapped ops' `batch_reduce`, so collective
     instance keys, CommunicationOptions (timeout_seconds, implementation) and
     RING/NCCL stay TensorFlow's. Single-value `reduce` (strategy.reduce:
@@ -163,9 +164,9 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
                 results[i] = tf_internal.mirrored([reduced[r][j] for r in range(num_local)])
 
         others = [i for i, entry in enumerate(signature) if entry is None]
-        if others:
-            reduced = wrapped.batch_reduce(reduce_op, [pairs[i] for i in others], options)
-            for i, r in zip(others, reduced):
+        for group in _groups_by_dtype(others, [per_replica[i][0] for i in others]):
+            reduced = wrapped.batch_reduce(reduce_op, [pairs[i] for i in group], options)
+            for i, r in zip(group, reduced):
                 results[i] = r
         if plan:
             self.stats.update(**totals.as_kwargs())
@@ -207,10 +208,10 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
             for j, i in enumerate(pack.indices):
                 results[i] = reduced[0][j]
         others = [i for i, t in enumerate(flat) if t is not None and signature[i] is None]
-        if others:
-            reduced = wrapped._all_reduce(reduce_op, [flat[i] for i in others],  # pylint: disable=protected-access
+        for group in _groups_by_dtype(others, [flat[i] for i in others]):
+            reduced = wrapped._all_reduce(reduce_op, [flat[i] for i in group],  # pylint: disable=protected-access
                                           replica_id, options)
-            for i, r in zip(others, reduced):
+            for i, r in zip(group, reduced):
                 results[i] = r
         return tf.nest.pack_sequence_as(value, results)
 
@@ -299,6 +300,17 @@ class _StepTotals:
         return dict(dense_bytes=self.dense_bytes, sent_bytes=self.sent_bytes,
                     selected_chunks=self.selected_chunks, total_chunks=self.total_chunks,
                     residual_norm=self.residual_norm)
+
+
+def _groups_by_dtype(indices, samples):
+    """Splits `indices` into runs of one dtype (IndexedSlices: one group per dtype too),
+    ordered by first appearance: TF's collective all-reduce concatenates a batch of
+    dense values, which fails for mixed dtypes."""
+    groups = {}
+    for i, sample in zip(indices, samples):
+        kind = (isinstance(sample, tf.IndexedSlices), tf.as_dtype(sample.dtype).name)
+        groups.setdefault(kind, []).append(i)
+    return list(groups.values())
 
 
 def _packable_signature(values):

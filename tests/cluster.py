@@ -45,7 +45,8 @@ class WorkerResult:
 def run_workers(script: str, num_workers: int = 2, args: Sequence[str] = (),
                 timeout: float = 120.0, comm_timeout: float = 30.0,
                 env: Optional[Dict[str, str]] = None,
-                per_worker_args: Optional[Sequence[Sequence[str]]] = None) -> List[WorkerResult]:
+                per_worker_args: Optional[Sequence[Sequence[str]]] = None,
+                with_tf_config: bool = True) -> List[WorkerResult]:
     """Starts `script` (a path, or a file name in tests/workers/) on `num_workers` workers.
 
     Args:
@@ -54,6 +55,7 @@ def run_workers(script: str, num_workers: int = 2, args: Sequence[str] = (),
       timeout: hard wall-clock limit in seconds for the whole run.
       comm_timeout: passed as GF_TF_COMM_TIMEOUT (CommunicationOptions timeout_seconds).
       env: extra environment variables.
+      with_tf_config: False starts plain processes without TF_CONFIG (see run_process).
 
     Returns:
       One WorkerResult per worker, by index.
@@ -67,13 +69,16 @@ def run_workers(script: str, num_workers: int = 2, args: Sequence[str] = (),
         for i in range(num_workers):
             worker_env = dict(os.environ)
             worker_env.update({
-                "TF_CONFIG": launch.tf_config(cluster, i),
                 "GF_TF_RESULT": os.path.join(workdir, f"worker{i}.npz"),
                 "GF_TF_COMM_TIMEOUT": str(comm_timeout),
                 "PYTHONPATH": REPO_ROOT + os.pathsep + worker_env.get("PYTHONPATH", ""),
                 "TF_CPP_MIN_LOG_LEVEL": worker_env.get("TF_CPP_MIN_LOG_LEVEL", "2"),
                 "CUDA_VISIBLE_DEVICES": "",
             })
+            if with_tf_config:
+                worker_env["TF_CONFIG"] = launch.tf_config(cluster, i)
+            else:
+                worker_env.pop("TF_CONFIG", None)
             worker_env.update(env or {})
             extra = list(per_worker_args[i]) if per_worker_args else []
             log = open(os.path.join(workdir, f"worker{i}.log"), "w+b")
@@ -106,6 +111,14 @@ def run_workers(script: str, num_workers: int = 2, args: Sequence[str] = (),
         results.append(WorkerResult(index=i, returncode=None if killed else p.returncode,
                                     output=output, result=result, seconds=seconds))
     return results
+
+
+def run_process(script: str, args: Sequence[str] = (), timeout: float = 120.0,
+                env: Optional[Dict[str, str]] = None) -> WorkerResult:
+    """Runs `script` in one fresh process without TF_CONFIG (e.g. a MirroredStrategy
+    test that needs its own logical device layout), with the same hard timeout,
+    output capture and GF_TF_RESULT file as run_workers."""
+    return run_workers(script, 1, args, timeout=timeout, env=env, with_tf_config=False)[0]
 
 
 def describe(results: Sequence[WorkerResult], tail: int = 3000) -> str:

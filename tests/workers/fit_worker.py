@@ -24,6 +24,8 @@ parser.add_argument("--hidden", type=int, default=32)
 parser.add_argument("--mixed_precision", action="store_true")
 parser.add_argument("--steps_per_execution", type=int, default=1)
 parser.add_argument("--baseline", action="store_true", help="one process, no strategy")
+parser.add_argument("--check_steps_per_execution", action="store_true",
+                    help="after fit, record the error of a fit with steps_per_execution=2")
 args = parser.parse_args()
 
 import gf_tf  # pylint: disable=wrong-import-position
@@ -76,5 +78,14 @@ if strategy is not None and strategy.gradient_flow is not None:
     result["sent_bytes_per_step"] = stats["sent_bytes_per_step"]
     result["dense_bytes_per_step"] = stats["dense_bytes_per_step"]
     result["stat_steps"] = stats["steps"]
+result["optimizer"] = np.array(type(model.optimizer).__name__)
+if args.check_steps_per_execution:
+    with strategy.scope():
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=2)
+    try:
+        model.fit(dataset, epochs=1, verbose=0)
+        result["steps_per_execution_error"] = np.array("")
+    except ValueError as e:
+        result["steps_per_execution_error"] = np.array(str(e))
 worker_util.write_result(**result)
 print("done", result["loss"], reduces)

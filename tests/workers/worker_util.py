@@ -28,11 +28,20 @@ def write_result(**arrays) -> None:
 def collective_reduces(model):
     """(dtype name, element count) of every CollectiveReduceV2 in the model's traced train step.
 
-    Reads the concrete functions behind `model.train_function` (test-only use of
-    tf.function's `_list_all_concrete_functions`).
+    Reads the concrete functions behind `model.train_function` and the branch
+    graphs of their conds (test-only use of tf.function's
+    `_list_all_concrete_functions` and cond_v2's `If._true_graph/_false_graph`).
     """
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     found, seen = [], set()
+
+    def scan(graph):
+        for op in graph.get_operations():
+            if op.type == "CollectiveReduceV2":
+                found.append((op.get_attr("T").name, op.inputs[0].shape.num_elements()))
+            for branch in ("_true_graph", "_false_graph"):
+                if getattr(op, branch, None) is not None:
+                    scan(getattr(op, branch))
 
     def walk(obj):
         for cell in getattr(obj, "__closure__", None) or ():
@@ -45,10 +54,7 @@ def collective_reduces(model):
             seen.add(id(c))
             if isinstance(c, tf.types.experimental.PolymorphicFunction):
                 for concrete in c._list_all_concrete_functions():  # pylint: disable=protected-access
-                    for op in concrete.graph.get_operations():
-                        if op.type == "CollectiveReduceV2":
-                            found.append((op.get_attr("T").name,
-                                          op.inputs[0].shape.num_elements()))
+                    scan(concrete.graph)
             if callable(c):
                 walk(c)
 

@@ -1,0 +1,18 @@
+"""Session setup: 4 logical CPU devices, configured before TensorFlow initialises.
+
+MirroredStrategy tests need several local devices; the logical device layout can
+only be set before the TF runtime starts, so it is done here, when pytest imports
+this file before any test module.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tensorflow as tf  # pylint: disable=wrong-import-position
+
+NUM_LOGICAL_CPUS = 4
+
+_cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    _cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(NUM_LOGICAL_CPUS)])

@@ -1,0 +1,100 @@
+"""Keras model.fit under tf.distribute.MirroredStrategy(cross_device_ops=GradientFlowAllReduce)
+on N logical CPU devices.
+
+One strategy with collectives per process: TF 2.21 numbers the collective
+groups and instances of every MirroredStrategy object from the same keys, so a
+second strategy in one process collides with the first ("Collective instance
+100 expected ... data_type 19 but got ... 1").
+
+Writes: w* (weights after fit), loss, the CollectiveReduceV2 ops of the traced
+step, the optimizer class, GradientFlow's byte statistics and the
+replica-context (_all_reduce) results with their NumPy float64 reference.
+With --plain: the same fit with TF's default all-reduce only.
+"""
+
+import argparse
+
+import numpy as np
+import tensorflow as tf
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--devices", type=int, default=2)
+parser.add_argument("--bytes_per_pack", type=int, default=1024)
+parser.add_argument("--mixed_precision", action="store_true")
+parser.add_argument("--steps", type=int, default=4)
+parser.add_argument("--plain", action="store_true", help="no GradientFlow (the reference)")
+args = parser.parse_args()
+
+_cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    _cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(args.devices)])
+
+import keras  # pylint: disable=wrong-import-position
+import gf_tf  # pylint: disable=wrong-import-position
+import worker_util  # pylint: disable=wrong-import-position
+
+DEVICES = [d.name for d in tf.config.list_logical_devices("CPU")]
+if args.mixed_precision:
+    keras.mixed_precision.set_global_policy("mixed_float16")
+
+global_batch = 6 * args.devices
+rng = np.random.default_rng(0)
+n = global_batch * args.steps
+x = rng.normal(size=(n, 8)).astype(np.float32)
+y = (x @ rng.normal(size=(8, 3)) + 0.1 * rng.normal(size=(n, 3))).astype(np.float32)
+
+
+def fit(strategy):
+    with strategy.scope():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(32, activation="tanh"),
+                                  keras.layers.Dense(3, dtype="float32")])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch)
+    history = model.fit(dataset, epochs=1, verbose=0)
+    return model, history.history["loss"]
+
+
+if args.plain:
+    model, loss = fit(tf.distribute.MirroredStrategy(DEVICES))
+    worker_util.write_result(loss=np.array(loss), **{f"w{i}": w for i, w in enumerate(model.get_weights())})
+    raise SystemExit(0)
+
+gfar = gf_tf.GradientFlowAllReduce(bytes_per_pack=args.bytes_per_pack)
+strategy = tf.distribute.MirroredStrategy(DEVICES, cross_device_ops=gfar)
+model, loss = fit(strategy)
+result = {f"w{i}": w for i, w in enumerate(model.get_weights())}
+result["loss"] = np.array(loss)
+reduces = worker_util.collective_reduces(model)
+result["reduce_dtypes"] = np.array([d for d, _ in reduces], dtype="U16")
+result["reduce_elements"] = np.array([c for _, c in reduces], np.int64)
+result["optimizer"] = np.array(type(model.optimizer).__name__)
+stats = gfar.stats.result()
+result["sent_bytes_per_step"] = stats["sent_bytes_per_step"]
+result["dense_bytes_per_step"] = stats["dense_bytes_per_step"]
+
+# The replica-context path (no merge_call), called the way MirroredStrategy
+# calls it under XLA: once per replica, inside one traced function.
+a = rng.normal(size=(args.devices, 7)).astype(np.float32) * 100
+b = rng.integers(-5, 5, size=(args.devices, 2)).astype(np.int32)
+c = rng.normal(size=(args.devices, 3)).astype(np.float64)
+
+
+@tf.function
+def replica_path():
+    def fn():
+        ctx = tf.distribute.get_replica_context()
+        r = tf.get_static_value(ctx.replica_id_in_sync_group)
+        values = {"a": tf.identity(a[r]), "b": tf.identity(b[r]), "c": tf.identity(c[r]), "none": None}
+        return gfar._all_reduce(tf.distribute.ReduceOp.SUM, values, int(r),  # pylint: disable=protected-access
+                                tf.distribute.experimental.CommunicationOptions(timeout_seconds=30))
+    return strategy.run(fn)
+
+
+out = replica_path()
+for key in ("a", "b", "c"):
+    result[f"replica_{key}"] = np.stack([v.numpy() for v in strategy.experimental_local_results(out[key])])
+    result[f"replica_{key}_ref"] = np.sum({"a": a, "b": b, "c": c}[key].astype(np.float64), axis=0)
+result["replica_none_is_none"] = np.array(out["none"] is None)
+worker_util.write_result(**result)
+print("done", loss, reduces)
