@@ -37,7 +37,7 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_PREFIX = "gfbench"
+DEFAULT_PREFIX = os.environ.get("GF_BENCH_NETNS_PREFIX", "gfbench")  # namespaces: <prefix>-br, <prefix>-h<i>
 SUBNET = "10.213.7"          # /24, host i gets SUBNET.(i+1); never configured outside our namespaces
 MAX_HOSTS = 8
 PYTHON = sys.executable

@@ -1,0 +1,186 @@
+"""The network benchmarks' harness: emulated network, --quick runs, no-root refusal.
+
+The --quick runs are the CI smoke test that keeps benchmarks/ from rotting: real
+worker processes in network namespaces over a rate-limited link. They need root
+(network namespaces, tc) and are skipped with that reason otherwise. The values
+asserted are sanity bounds (a link cannot be beaten, exact sums are exact,
+CSC 1% sends about 1% of the chunks), never speed targets.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from benchmarks import netem, report
+from benchmarks.workers import gradients
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PREFIX = f"gftest{os.getpid()}"     # never collides with a benchmark running on the machine
+ENV = {**os.environ, "GF_BENCH_NETNS_PREFIX": PREFIX, "TF_CPP_MIN_LOG_LEVEL": "2",
+       "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+IS_ROOT = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
+needs_root = pytest.mark.skipif(not IS_ROOT, reason="the emulated network needs root (network namespaces, tc); "
+                                                    "CI runs these as root")
+
+
+def _namespaces():
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return sorted(line.split()[0] for line in out.splitlines() if line.strip())
+
+
+def _root_links():
+    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    return sorted(line.split(":")[1].strip() for line in out.splitlines())
+
+
+def _run_module(module, args, timeout, user=None):
+    cmd = [sys.executable, "-m", module, *args]
+    if user is not None:
+        cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=ENV, timeout=timeout)
+
+
+# ---- pure parts (no root) ------------------------------------------------------------------
+
+def test_gradient_sets_match_the_published_networks():
+    assert (len(gradients.resnet50_shapes()), gradients.num_elements(gradients.resnet50_shapes())) == (161, 25_557_032)
+    assert (len(gradients.alexnet_shapes()), gradients.num_elements(gradients.alexnet_shapes())) == (16, 61_100_840)
+    assert gradients.num_elements(gradients.resnet20_shapes()) == 269_722
+
+
+def test_token_bucket_is_deep_enough_for_the_rate():
+    for rate in (10, 100, 1000, 10000):
+        assert netem.tbf_burst_bytes(rate) >= rate * 1e6 / 8 / 250
+        assert netem.tbf_burst_bytes(rate) >= 2 * 65536
+
+
+def test_markdown_table_has_one_row_per_entry_and_aligned_columns():
+    table = report.markdown_table(["a", "bb"], [[1.23456, None], ["x", 1234.5]]).splitlines()
+    assert len(table) == 4 and len({len(line) for line in table}) == 1
+    assert "1.23" in table[2] and "-" in table[2] and "1234" in table[3]
+
+
+def test_bad_cluster_arguments_are_rejected_before_touching_anything():
+    with pytest.raises(ValueError, match="num_hosts"):
+        netem.EmulatedCluster(0)
+    with pytest.raises(ValueError, match="rate_mbit"):
+        netem.EmulatedCluster(2, rate_mbit=-5)
+
+
+def test_without_root_the_benchmark_refuses_and_changes_nothing():
+    before = _namespaces() if shutil.which("ip") else None
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root and setpriv is missing: cannot drop privileges to test the refusal")
+        proc = _run_module("benchmarks.allreduce", ["--quick"], timeout=60, user=65534)
+    else:
+        proc = _run_module("benchmarks.allreduce", ["--quick"], timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "needs root" in proc.stderr and "Nothing was changed" in proc.stderr
+    if before is not None:
+        assert _namespaces() == before
+
+
+# ---- emulated network (root) ---------------------------------------------------------------
+
+@needs_root
+def test_cluster_is_shaped_both_ways_idempotent_and_leaves_the_host_untouched():
+    links_before = _root_links()
+    cluster = netem.EmulatedCluster(2, rate_mbit=100, prefix=PREFIX)
+    try:
+        cluster.up()
+        cluster.up()   # a second setup replaces the first
+        assert sorted(n for n in _namespaces() if n.startswith(PREFIX)) == \
+            sorted([f"{PREFIX}-br", f"{PREFIX}-h0", f"{PREFIX}-h1"])
+        for ns, dev in ((f"{PREFIX}-h0", "eth0"), (f"{PREFIX}-br", "v0"), (f"{PREFIX}-br", "v1")):
+            qdisc = subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", dev], capture_output=True,
+                                   text=True).stdout
+            assert "tbf" in qdisc and "100Mbit" in qdisc, (ns, dev, qdisc)
+        assert _root_links() == links_before   # nothing created or shaped in the root namespace
+        goodput = cluster.measure_goodput(seconds=1.5)
+        for bps in goodput["per_link_bps"]:
+            assert 0.8e8 < bps < 1.0e8, goodput     # ~95.6 Mbit/s of payload on a 100 Mbit/s link
+        counters = cluster.interface_bytes(0)
+        assert counters["tx_bytes"] > 0.8e8 * 1.5 / 8 * 0.9
+    finally:
+        cluster.down()
+        cluster.down()
+    assert not [n for n in _namespaces() if n.startswith(PREFIX)]
+    assert _root_links() == links_before
+
+
+@needs_root
+def test_interrupted_benchmark_removes_its_network(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.allreduce", "--quick", "--out",
+                             str(tmp_path / "a.json")], cwd=REPO, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while not [n for n in _namespaces() if n.startswith(PREFIX)]:
+            assert time.time() < deadline and proc.poll() is None, "the cluster never came up"
+            time.sleep(0.2)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert "emulated network removed" in err
+    assert not [n for n in _namespaces() if n.startswith(PREFIX)]
+
+
+@needs_root
+def test_allreduce_quick_reports_sane_figures(tmp_path):
+    out = tmp_path / "allreduce.json"
+    proc = _run_module("benchmarks.allreduce", ["--quick", "--out", str(out)], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("| resnet20")   # the table is printed last
+    data = json.loads(out.read_text())
+    goodput = data["goodput"][0]["used_bps"]
+    assert 0.85e8 < goodput <= 1.0e8
+    cells = {c["method"]: c for c in data["cells"]}
+    assert "tf_fp32" in cells
+    for method, c in cells.items():
+        assert "error" not in c, c
+        assert c["workers"] == 2 and c["rate_mbit"] == 100.0 and c["elements"] == 269_722
+        assert len(c["times_s"]) == 2 and 0 < c["median_s"] < 30
+        assert c["ratio_to_bound"] > 0.85, c     # no method beats the wire
+        if method in ("tf_fp32", "tf_fp16", "gf_fp16"):
+            assert 0.85 < c["wire_over_ideal"] < 1.3, c   # counted on the interface, headers included
+    assert cells["tf_fp32"]["max_rel_error"] == 0.0          # 2 x v is exact in float32
+    assert cells["tf_fp32"]["payload_bytes"] == 4 * 269_722
+    if "gf_fp16" in cells:
+        assert cells["gf_fp16"]["max_rel_error"] < 2e-3
+        assert cells["gf_fp16"]["payload_bytes"] == pytest.approx(2 * 269_722, rel=0.01)
+        assert 0 < cells["gf_fp16"]["pack_unpack_s"] < cells["gf_fp16"]["median_s"] * 5
+    if "csc_1" in cells:
+        assert 0.005 < cells["csc_1"]["nonzero_fraction"] < 0.05
+        assert cells["csc_1"]["payload_bytes"] < 0.1 * cells["tf_fp32"]["payload_bytes"]
+        assert cells["csc_1"]["wire_tx_bytes_per_worker"] < 0.2 * cells["tf_fp32"]["wire_tx_bytes_per_worker"]
+    assert not [n for n in _namespaces() if n.startswith(PREFIX)]
+
+
+@needs_root
+def test_fit_quick_reports_sane_throughput(tmp_path):
+    out = tmp_path / "fit.json"
+    proc = _run_module("benchmarks.fit", ["--quick", "--out", str(out)], timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("| digits_cnn")
+    data = json.loads(out.read_text())
+    ref = data["references"]["digits_cnn"]
+    assert ref["images_per_s"] > 0 and ref["losses_finite"]
+    for c in data["cells"]:
+        assert "error" not in c, c
+        assert c["images_per_s"] > 0 and c["losses_finite"]
+        assert c["global_batch"] == 2 * 32
+        # 2 workers on 2 cores cannot beat twice the 1-core reference by much
+        assert c["scaling_efficiency"] < 1.3, c
+    assert not [n for n in _namespaces() if n.startswith(PREFIX)]
