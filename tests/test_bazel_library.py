@@ -3,27 +3,30 @@
 Two libraries registering the same op names cannot be loaded into one process, so each runs in its
 own subprocess (this file, run as a script): `gf_tf.ops` loads the library named by
 GF_TF_OPS_LIBRARY, or its default (pip-built) one when that is unset. Each subprocess runs every op
-on the same fixed-seed inputs, eagerly and inside `tf.function`, and reports the raw bytes of every
-result, the `_gf_tf_ops` shared objects mapped into the process and, per op, which op types of its
-traced graph come from that library; the test asserts that each process used the compiled ops of the intended library and
-that both sets of results are bitwise equal.
+on the same fixed-seed inputs (eagerly, inside `tf.function`, and through the kernels' scalar path)
+and reports the raw bytes of every result, the `_gf_tf_ops` shared objects mapped into the process
+and, per op, which op types of its traced graph come from that library. The test asserts that each
+process used the compiled ops of the intended library and that both sets of results are bitwise equal.
 
 Where the Bazel library is: $GF_TF_BAZEL_LIBRARY (set by .ci/run from .ci/bazel_build.sh), else
 bazel-bin/_gf_tf_ops.so. Without one the test skips, unless GF_TF_REQUIRE_BAZEL=1 (CI), where a
 missing library is a failure.
 """
 
+import functools
 import importlib.util
 import os
 import pathlib
 import pickle
 import subprocess
 import sys
+import types
 
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CHILD_TIMEOUT_SECONDS = 300
+PUBLIC_OPS = ["pack", "unpack", "accumulate", "gather_chunks", "scatter_chunks"]
 REQUIRE_BAZEL = os.environ.get("GF_TF_REQUIRE_BAZEL") == "1"
 BUILD_HINT = ("build it with `.ci/bazel_build.sh $(which python)` (prints its path for "
               "GF_TF_BAZEL_LIBRARY) or `bazel build --repo_env=TF_PYTHON=$(which python) //:_gf_tf_ops.so`")
@@ -86,7 +89,8 @@ def _run_all_ops(np, tf, ops, wrap):
             key = f"c{chunk_size}_{momentum_label}"
             if momentum is None:
                 acc, norms, new_velocity = wrap(
-                    "accumulate", _bind(ops.accumulate, chunk_size))(residual, float32_tensors)
+                    "accumulate", _bind(ops.accumulate, chunk_size, velocity=None, momentum=0.0)
+                )(residual, float32_tensors)
             else:
                 acc, norms, new_velocity = wrap(
                     "accumulate", _bind(ops.accumulate, chunk_size, velocity=velocity, momentum=momentum)
@@ -143,10 +147,13 @@ def _child_main(out_path):
             return concrete(*args)
         return call
 
+    # The compiled kernels' portable scalar path (the public functions take the AVX2/F16C one here).
+    scalar_ops = types.SimpleNamespace(**{
+        name: functools.partial(getattr(ops.compiled, name), simd=False) for name in PUBLIC_OPS})
     report = {"results": {}, "gf_tf_file": ops.__file__}
-    for mode in ["eager", "function"]:
-        wrap.mode = mode
-        for key, value in _run_all_ops(np, tf, ops, wrap).items():
+    for mode, implementation in [("eager", ops), ("function", ops), ("scalar", scalar_ops)]:
+        wrap.mode = "function" if mode == "function" else "eager"
+        for key, value in _run_all_ops(np, tf, implementation, wrap).items():
             array = value.numpy()
             report["results"][f"{mode}/{key}"] = (value.dtype.name, array.shape, array.tobytes())
     report["mapped_libraries"] = _mapped_op_libraries()
@@ -163,9 +170,6 @@ def _child_main(out_path):
 # ---------------------------------------------------------------------------
 # Test side.
 # ---------------------------------------------------------------------------
-
-PUBLIC_OPS = ["pack", "unpack", "accumulate", "gather_chunks", "scatter_chunks"]
-
 
 def _unavailable(reason):
     if REQUIRE_BAZEL:
