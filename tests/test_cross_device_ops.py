@@ -1,0 +1,251 @@
+"""gf_tf.GradientFlowAllReduce against NumPy float64, and under MirroredStrategy + Keras fit.
+
+In-process tests run on the logical CPUs of tests/conftest.py with TF's
+ReductionToOneDevice as the wrapped ops: TF 2.21 numbers the collective groups
+and instances of every MirroredStrategy object from the same keys, so one
+process cannot host several strategies with collectives. The tests that use
+MirroredStrategy's own CollectiveAllReduce (model.fit on 2 and 3 devices, the
+replica-context path) therefore each run in a fresh process
+(tests/workers/mirrored_worker.py).
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import cluster
+import gf_tf
+from gf_tf import keras_compat, strategy as gf_strategy
+
+DEVICES = [d.name for d in tf.config.list_logical_devices("CPU")]
+SUM = tf.distribute.ReduceOp.SUM
+MEAN = tf.distribute.ReduceOp.MEAN
+RNG = np.random.default_rng(1234)
+
+
+def make(num_replicas, **kwargs):
+    assert len(DEVICES) >= num_replicas, f"need {num_replicas} logical CPUs, have {DEVICES}"
+    gfar = gf_tf.GradientFlowAllReduce(cross_device_ops=tf.distribute.ReductionToOneDevice(),
+                                       **kwargs)
+    return gfar, tf.distribute.MirroredStrategy(DEVICES[:num_replicas], cross_device_ops=gfar)
+
+
+def batch_reduce(gfar, strategy, per_replica, reduce_op=SUM):
+    """per_replica[r] = list of values of replica r -> per value, list of per-replica results."""
+    num_values = len(per_replica[0])
+
+    def value(k):
+        def fn(ctx):
+            v = per_replica[ctx.replica_id_in_sync_group][k]
+            if v is None or isinstance(v, tf.IndexedSlices):
+                return v
+            return tf.identity(tf.constant(v))
+        return None if per_replica[0][k] is None else \
+            strategy.experimental_distribute_values_from_function(fn)
+
+    values = [value(k) for k in range(num_values)]
+    with strategy.scope():
+        out = gfar.batch_reduce(reduce_op, [(v, v) for v in values])
+    return [None if o is None else list(strategy.experimental_local_results(o)) for o in out]
+
+
+def numpy_sum(per_replica, k):
+    return np.sum([np.asarray(r[k], np.float64) for r in per_replica], axis=0)
+
+
+def test_fp16_sum_of_four_replicas_of_2e4_is_finite():
+    gfar, strategy = make(4)
+    out = batch_reduce(gfar, strategy, [[np.full([3], 2e4, np.float32)]] * 4)
+    for v in out[0]:
+        assert v.dtype == np.float32
+        np.testing.assert_array_equal(v.numpy(), np.full([3], 8e4, np.float32))
+
+
+def test_genuine_mean_beyond_fp16_range_comes_back_inf_not_clamped_or_nan():
+    gfar, strategy = make(4)
+    values = np.array([7e4, -7e4, 65504.0, 1.0], np.float32)
+    out = batch_reduce(gfar, strategy, [[values]] * 4)
+    got = out[0][0].numpy()
+    assert got[0] == np.inf and got[1] == -np.inf
+    assert got[2] == 4 * 65504.0          # mean exactly at the FP16 maximum stays finite
+    assert got[3] == 4.0
+    assert not np.any(np.isnan(got))
+
+
+def test_bf16_keeps_the_float32_range():
+    gfar, strategy = make(4, compression="bf16")
+    out = batch_reduce(gfar, strategy, [[np.array([7e4, 1e30, 3.0], np.float32)]] * 4)
+    np.testing.assert_allclose(out[0][0].numpy(), [2.8e5, 4e30, 12.0], rtol=2 ** -8)
+
+
+def test_mixed_dtype_list_matches_numpy_in_callers_order():
+    gfar, strategy = make(3, bytes_per_pack=256)
+    shapes = [(1009,), (7,), (13,), (5,), (1,), (4, 3)]
+    dtypes = [np.float32, np.float16, np.float64, np.int32, np.float32, np.float32]
+    per_replica = []
+    for _ in range(3):
+        row = []
+        for shape, dtype in zip(shapes, dtypes):
+            if dtype == np.int32:
+                row.append(RNG.integers(-1000, 1000, shape).astype(dtype))
+            else:
+                row.append(RNG.normal(size=shape).astype(dtype))
+        per_replica.append(row)
+    out = batch_reduce(gfar, strategy, per_replica)
+    for k, (shape, dtype) in enumerate(zip(shapes, dtypes)):
+        want = numpy_sum(per_replica, k)
+        for v in out[k]:
+            got = v.numpy()
+            assert got.dtype == dtype and got.shape == shape, (k, got.dtype, got.shape)
+            if dtype == np.int32:
+                np.testing.assert_array_equal(got, want)
+            elif dtype == np.float64:      # not compressed: exact up to summation order
+                np.testing.assert_allclose(got, want, rtol=1e-12)
+            else:                          # FP16 wire: ~2^-11 relative per term and in the sum
+                np.testing.assert_allclose(got, want, rtol=0, atol=3 * 2 ** -10 * np.max(np.abs(want)) + 1e-3)
+    # Only float32 and float16 values were packed: float32 elements 1009 + 1 + 12.
+    stats = gfar.stats.result()
+    assert stats["dense_bytes_per_step"] == 4 * (1009 + 7 + 1 + 12)
+    assert stats["sent_bytes_per_step"] == 2 * (1009 + 7 + 1 + 12)
+
+
+def test_indexed_slices_pass_through_untouched():
+    gfar, strategy = make(2)
+    slices = [tf.IndexedSlices(tf.constant([[1.0, 2.0]]), tf.constant([1]), tf.constant([5, 2])),
+              tf.IndexedSlices(tf.constant([[3.0, 4.0], [5.0, 6.0]]), tf.constant([1, 3]),
+                               tf.constant([5, 2]))]
+    dense = np.arange(6, dtype=np.float32).reshape(3, 2)
+    out = batch_reduce(gfar, strategy, [[slices[0], dense], [slices[1], 2 * dense]])
+    for v in out[0]:
+        assert isinstance(v, tf.IndexedSlices)
+        np.testing.assert_array_equal(tf.convert_to_tensor(v).numpy(),
+                                      [[0, 0], [4, 6], [0, 0], [5, 6], [0, 0]])
+    for v in out[1]:
+        np.testing.assert_array_equal(v.numpy(), 3 * dense)
+
+
+def test_zero_size_values_keep_their_shapes():
+    gfar, strategy = make(2)
+    per_replica = [[np.zeros([0], np.float32), np.zeros([3, 0], np.float32),
+                    np.full([5], r + 1.0, np.float32)] for r in range(2)]
+    out = batch_reduce(gfar, strategy, per_replica)
+    assert [v.shape for v in out[0]] == [(0,)] * 2
+    assert [v.shape for v in out[1]] == [(3, 0)] * 2
+    for v in out[2]:
+        np.testing.assert_array_equal(v.numpy(), np.full([5], 3.0))
+
+    # A pack holding only empty tensors issues no collective and still returns them.
+    out = batch_reduce(gfar, strategy, [[np.zeros([0, 4], np.float32)]] * 2)
+    assert [v.shape for v in out[0]] == [(0, 4)] * 2
+
+
+def test_none_values_come_back_in_place():
+    gfar, strategy = make(2)
+    out = batch_reduce(gfar, strategy, [[None, np.ones([2], np.float32), None]] * 2)
+    assert out[0] is None and out[2] is None
+    np.testing.assert_array_equal(out[1][0].numpy(), [2.0, 2.0])
+
+
+def test_mean_and_nan():
+    gfar, strategy = make(2)
+    a = np.array([1.0, np.nan, 3.0, 1e-6], np.float32)
+    b = np.array([3.0, 1.0, np.inf, 1e-6], np.float32)
+    got = batch_reduce(gfar, strategy, [[a], [b]], reduce_op=MEAN)[0][0].numpy()
+    assert got[0] == 2.0 and np.isnan(got[1]) and got[2] == np.inf
+    # 1e-6 / 2 lies in FP16's subnormal range: it rounds to a multiple of 2^-24, as NumPy's half does.
+    assert got[3] == np.float32(np.float16(a[3] / 2) + np.float16(b[3] / 2))
+
+
+def test_many_tiny_tensors_travel_in_the_planned_packs():
+    """100 float32 tensors of 10 elements, bytes_per_pack=1024: two FP16 packs (510 and 490
+    elements, 1020 and 980 bytes), seen as float16 reductions in the traced graph."""
+    gfar, strategy = make(2, bytes_per_pack=1024)
+    grads = [[RNG.normal(size=[10]).astype(np.float32) for _ in range(100)] for _ in range(2)]
+
+    @tf.function
+    def step():
+        def replica_fn():
+            r = tf.distribute.get_replica_context().replica_id_in_sync_group
+            values = [tf.identity(tf.gather(tf.constant(np.stack([g[k] for g in grads])), r))
+                      for k in range(100)]
+            return tf.distribute.get_replica_context().all_reduce(SUM, values)
+        return strategy.run(replica_fn)
+
+    out = step()
+    half_sums = sorted(op.outputs[0].shape.num_elements()
+                       for op in step.get_concrete_function().graph.get_operations()
+                       if op.type == "AddN" and op.get_attr("T") == tf.float16)
+    assert half_sums == [490, 510]
+    stats = gfar.stats.result()
+    assert stats["sent_bytes_per_step"] == 2000 and stats["dense_bytes_per_step"] == 4000
+    for k in range(100):
+        want = grads[0][k].astype(np.float64) + grads[1][k]
+        for v in strategy.experimental_local_results(out[k]):
+            np.testing.assert_allclose(v.numpy(), want, atol=4e-3)
+
+
+def test_bad_settings_raise_clear_errors():
+    with pytest.raises(ValueError, match="compression must be"):
+        gf_tf.GradientFlowAllReduce(compression="int8")
+    with pytest.raises(ValueError, match="bytes_per_pack"):
+        gf_tf.GradientFlowAllReduce(bytes_per_pack=-1)
+    with pytest.raises(ValueError, match="not another GradientFlowAllReduce"):
+        gf_tf.GradientFlowAllReduce(cross_device_ops=gf_tf.GradientFlowAllReduce())
+    with pytest.raises(ValueError, match="pass cross_device_ops|Pass cross_device_ops"):
+        gf_strategy.default_cross_device_ops(tf.distribute.OneDeviceStrategy("/cpu:0"))
+    with pytest.raises(TypeError, match="gradient_flow must be"):
+        gf_tf.MultiWorkerMirroredStrategy(gradient_flow="fp16")
+
+
+def test_untested_versions_fail_clearly():
+    with pytest.raises(RuntimeError, match="tested with TensorFlow 2.21"):
+        gf_strategy.check_tf_version("2.22.0")
+    with pytest.raises(RuntimeError, match="tested with Keras 3.15"):
+        keras_compat.check_keras_version("3.16.0")
+    gf_strategy.check_tf_version()
+    keras_compat.check_keras_version()
+
+
+# --- MirroredStrategy's own collectives, one fresh process per run ----------------------
+
+MODEL_ELEMENTS = 8 * 32 + 32 + 32 * 3 + 3   # mirrored_worker's Dense(32) -> Dense(3)
+
+
+def run_mirrored(*args):
+    r = cluster.run_process("mirrored_worker.py", list(args), timeout=150)
+    assert r.ok, cluster.describe([r])
+    return r.result
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_mirrored_strategy_fit_runs_the_fp16_path(devices):
+    gf = run_mirrored("--devices", str(devices))
+    plain = run_mirrored("--devices", str(devices), "--plain")
+    # Our path ran: every gradient collective of the traced step is float16 and carries all
+    # 387 gradient elements in one pack, once per replica.
+    pairs = list(zip(gf["reduce_dtypes"], gf["reduce_elements"]))
+    assert pairs and all(p == ("float16", MODEL_ELEMENTS) for p in pairs), pairs
+    assert len(pairs) % devices == 0
+    assert float(gf["sent_bytes_per_step"]) * 2 == float(gf["dense_bytes_per_step"])
+    for k in range(4):
+        np.testing.assert_allclose(gf[f"w{k}"], plain[f"w{k}"], atol=2e-3, rtol=0)
+    np.testing.assert_allclose(gf["loss"], plain["loss"], rtol=1e-3)
+    # The replica-context path (_all_reduce, used without merge_call) on the same strategy.
+    np.testing.assert_allclose(gf["replica_a"], np.broadcast_to(gf["replica_a_ref"], gf["replica_a"].shape),
+                               atol=2 ** -9 * np.max(np.abs(gf["replica_a_ref"])))
+    np.testing.assert_array_equal(gf["replica_b"], np.broadcast_to(gf["replica_b_ref"], gf["replica_b"].shape))
+    np.testing.assert_allclose(gf["replica_c"], np.broadcast_to(gf["replica_c_ref"], gf["replica_c"].shape),
+                               rtol=1e-12)
+    assert bool(gf["replica_none_is_none"])
+
+
+def test_mirrored_strategy_mixed_float16_with_loss_scale_optimizer():
+    gf = run_mirrored("--devices", "2", "--mixed_precision")
+    assert str(gf["optimizer"]) == "LossScaleOptimizer"
+    assert ("float16", MODEL_ELEMENTS) in list(zip(gf["reduce_dtypes"], gf["reduce_elements"]))
+    assert all(np.all(np.isfinite(gf[f"w{k}"])) for k in range(4))
+    assert np.all(np.isfinite(gf["loss"]))
