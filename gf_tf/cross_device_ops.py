@@ -288,13 +288,14 @@ class _StepTotals:
 
     def add(self, dense_bytes=0, sent_bytes=0, selected_chunks=0, total_chunks=0,
             residual_norm=None):
-        """Same arguments as CommStats.update; residual_norm: the last one reported wins."""
+        """Same arguments as CommStats.update; residual norms (L1) of the packs add up."""
         self.dense_bytes += dense_bytes
         self.sent_bytes += sent_bytes
         self.selected_chunks += selected_chunks
         self.total_chunks += total_chunks
         if residual_norm is not None:
-            self.residual_norm = residual_norm
+            self.residual_norm = residual_norm if self.residual_norm is None \
+                else self.residual_norm + residual_norm
 
     def as_kwargs(self):
         return dict(dense_bytes=self.dense_bytes, sent_bytes=self.sent_bytes,
