@@ -1,0 +1,1 @@
+"""Benchmarks: ops (python -m benchmarks.ops), all-reduce, end-to-end fit."""

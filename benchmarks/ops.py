@@ -1,0 +1,209 @@
+"""Op benchmark: gf_tf's pack/unpack/chunk ops vs stock TensorFlow and the memory-bandwidth floor.
+
+    python -m benchmarks.ops                       # ResNet-50 (161 tensors, 25.6M) and ResNet-20 (0.27M)
+    python -m benchmarks.ops --sets resnet20 --iters 20
+
+For each gradient list (float32 tensors shaped like the network's parameters,
+benchmarks/workers/gradients.py) and each variant, one tf.function is traced
+and warmed up, then timed: ms is the median of --iters calls (each returns
+when the CPU kernels have finished). Reported per row:
+
+- ms, and x ours: this row's time / our op's time (> 1: ours is faster);
+- x floor: time / the memory-bandwidth floor for the bytes the op must move
+  (bytes read + bytes written, listed in the "MB moved" column), measured in
+  the same run as a NumPy copy of the same total byte count between two
+  preallocated, already-touched arrays (half the bytes read, half written);
+- peak MB: peak memory TensorFlow allocates during the call beyond what is
+  live before it, outputs included; measured in a subprocess that runs the
+  same rows once with TF_CPU_ALLOCATOR_USE_BFC=true (the default CPU
+  allocator keeps no statistics).
+- call overhead: a tf.function that takes the same inputs and returns the
+  first one: the fixed per-call cost no op can avoid (it dominates the small
+  list).
+
+Variants: ours = compiled kernels (gf_tf.ops.compiled); composite = gf_tf's
+stock-TF implementation (gf_tf.ops.composite); TF baselines as named. The
+pack rows scale by 1/N (N = 2) before the FP16 cast, the unpack rows by N
+after it, as the all-reduce does; the TF baselines skip that multiply (it
+would only slow them down). The chunk rows use chunk_size --chunk-size and
+the top --density of chunks by L1 norm. The composite chunk path is timed
+over at most 3 calls (it takes seconds on the large list).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from benchmarks.workers.gradients import GRADIENT_SETS, num_elements  # noqa: E402
+from gf_tf import ops  # noqa: E402
+
+NUM_REPLICAS = 2
+MB = 1e6
+
+
+def peak_extra_mb(fn, *args):
+    """Peak TensorFlow CPU memory fn(*args) allocates beyond what is live before it, outputs included (MB).
+
+    Needs TF_CPU_ALLOCATOR_USE_BFC=true (set by memory_peaks' subprocess):
+    TensorFlow's default CPU allocator keeps no statistics.
+    """
+    result = fn(*args)  # warm-up (tracing allocates too)
+    del result
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    result = fn(*args)
+    extra = (tf.config.experimental.get_memory_info("CPU:0")["peak"] - before) / MB
+    del result
+    return extra
+
+
+def memory_peaks(name, args):
+    """{row label: peak MB} from a subprocess running the same rows on TF's BFC CPU allocator."""
+    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true")
+    command = [sys.executable, "-m", "benchmarks.ops", "--sets", name, "--memory-json",
+               "--chunk-size", str(args.chunk_size), "--density", str(args.density)]
+    out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def median_ms(fn, *args, iters, warmup=3):
+    for _ in range(warmup):
+        fn(*args)
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn(*args)
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def floor_ms(total_bytes, iters):
+    """NumPy copy moving total_bytes (half read, half written) between warm arrays."""
+    n = max(1, int(total_bytes // 2))
+    src = np.ones(n, np.uint8)
+    dst = np.zeros(n, np.uint8)
+    return median_ms(np.copyto, dst, src, iters=iters)
+
+
+def make_variants(shapes, chunk_size, density):
+    """(group, label, fn, args, bytes moved[, max iters]) for every row, in table order."""
+    n = num_elements(shapes)
+    rng = np.random.default_rng(0)
+    grads = [tf.constant(rng.normal(size=s).astype(np.float32)) for s in shapes]
+    dtypes = [tf.float32] * len(shapes)
+    residual = tf.constant(rng.normal(size=n).astype(np.float32))
+    packed16 = ops.composite.pack(grads, tf.float16, 1.0 / NUM_REPLICAS)
+    sizes = [int(np.prod(s)) for s in shapes]
+    k = max(1, int(round(density * ops.num_chunks(n, chunk_size))))
+    acc, norms, _ = ops.composite.accumulate(residual, grads, chunk_size, None, 0.0)
+    indices = tf.sort(tf.math.top_k(norms, k).indices)
+    selected, _, _ = ops.composite.gather_chunks(acc, indices, chunk_size, tf.float16, 0.5, None)
+    m = int(selected.shape[0])
+    scale = 1.0 / NUM_REPLICAS
+
+    def fn(f):
+        return tf.function(f)
+
+    def chunk_path(impl):
+        def run(residual, grads):
+            acc, norms, _ = impl.accumulate(residual, grads, chunk_size, None, 0.0)
+            idx = tf.sort(tf.math.top_k(norms, k).indices)
+            sel, new_residual, _ = impl.gather_chunks(acc, idx, chunk_size, tf.float16, scale, None)
+            return impl.scatter_chunks(sel, idx, chunk_size, shapes, dtypes, NUM_REPLICAS), new_residual
+        return fn(run)
+
+    pack_bytes = 4 * n + 2 * n
+    return [
+        ("overhead", "call overhead (tf.function, same inputs)",
+         fn(lambda g: tf.identity(g[0])), (grads,), 0),
+        ("pack", "ours: pack (fp32 -> fp16, x1/N)",
+         fn(lambda g: ops.compiled.pack(g, tf.float16, scale)), (grads,), pack_bytes),
+        ("pack", "composite: per-tensor cast(x1/N) -> concat",
+         fn(lambda g: ops.composite.pack(g, tf.float16, scale)), (grads,), pack_bytes),
+        ("pack", "TF concat -> cast",
+         fn(lambda g: tf.cast(tf.concat([tf.reshape(t, [-1]) for t in g], 0), tf.float16)),
+         (grads,), pack_bytes),
+        ("pack", "TF per-tensor cast -> concat",
+         fn(lambda g: tf.concat([tf.reshape(tf.cast(t, tf.float16), [-1]) for t in g], 0)),
+         (grads,), pack_bytes),
+        ("unpack", "ours: unpack (fp16 -> fp32, xN)",
+         fn(lambda b: ops.compiled.unpack(b, shapes, dtypes, NUM_REPLICAS)), (packed16,), pack_bytes),
+        ("unpack", "composite: split -> cast(xN)",
+         fn(lambda b: ops.composite.unpack(b, shapes, dtypes, NUM_REPLICAS)), (packed16,), pack_bytes),
+        ("unpack", "TF split -> cast",
+         fn(lambda b: [tf.reshape(tf.cast(p, tf.float32), s)
+                       for p, s in zip(tf.split(b, sizes), shapes)]), (packed16,), pack_bytes),
+        ("unpack", "TF cast -> split",
+         fn(lambda b: [tf.reshape(p, s) for p, s in zip(tf.split(tf.cast(b, tf.float32), sizes), shapes)]),
+         (packed16,), pack_bytes),
+        ("chunk", "ours: accumulate (+ L1 norms)",
+         fn(lambda r, g: ops.compiled.accumulate(r, g, chunk_size, None, 0.0)[:2]),
+         (residual, grads), 12 * n),
+        ("chunk", "ours: gather_chunks (+ residual)",
+         fn(lambda a, i: ops.compiled.gather_chunks(a, i, chunk_size, tf.float16, scale, None)[:2]),
+         (acc, indices), 8 * n + 6 * m),
+        ("chunk", "ours: scatter_chunks",
+         fn(lambda s, i: ops.compiled.scatter_chunks(s, i, chunk_size, shapes, dtypes, NUM_REPLICAS)),
+         (selected, indices), 4 * n + 2 * m),
+        ("chunk", "ours: chunk path (acc, top-k, gather, scatter)", chunk_path(ops.compiled),
+         (residual, grads), 12 * n + 4 * n + 4 * n),
+        ("chunk", "composite: chunk path", chunk_path(ops.composite),
+         (residual, grads), 12 * n + 4 * n + 4 * n, 3),
+    ]
+
+
+def run_set(name, shapes, args):
+    n = num_elements(shapes)
+    print(f"\n== {name}: {len(shapes)} float32 tensors, {n:,} elements ({4 * n / MB:.1f} MB), "
+          f"chunk_size {args.chunk_size}, density {args.density} ==", flush=True)
+    rows = []
+    for group, label, fn, fn_args, moved, *max_iters in make_variants(shapes, args.chunk_size,
+                                                                       args.density):
+        iters = min([args.iters] + max_iters)
+        ms = median_ms(fn, *fn_args, iters=iters, warmup=min(3, iters))
+        floor = floor_ms(moved, args.iters) if moved else float("nan")
+        rows.append((group, label, ms, moved, floor))
+    peaks = memory_peaks(name, args)
+    ours = {g: ms for g, label, ms, *_ in rows if label.startswith("ours") and g != "chunk"}
+    print(f"{'op':<48} {'ms':>8} {'x ours':>7} {'MB moved':>9} {'floor ms':>9} {'x floor':>8} {'peak MB':>8}")
+    for group, label, ms, moved, floor in rows:
+        ratio = f"{ms / ours[group]:7.2f}" if group in ours else f"{'':>7}"
+        print(f"{label:<48} {ms:8.2f} {ratio} {moved / MB:9.1f} {floor:9.2f} {ms / floor:8.2f} "
+              f"{peaks.get(label, float('nan')):8.1f}")
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sets", default="resnet50,resnet20",
+                        help=f"comma-separated gradient lists: {', '.join(GRADIENT_SETS)}")
+    parser.add_argument("--iters", type=int, default=15, help="timed calls per row (median; >= 10)")
+    parser.add_argument("--chunk-size", type=int, default=1024, help="chunk ops: elements per chunk")
+    parser.add_argument("--density", type=float, default=0.01, help="chunk ops: fraction of chunks sent")
+    parser.add_argument("--memory-json", action="store_true",
+                        help="internal: print {row: peak MB} as JSON (run with TF_CPU_ALLOCATOR_USE_BFC=true)")
+    args = parser.parse_args(argv)
+    if args.memory_json:
+        (name,) = args.sets.split(",")
+        rows = make_variants(GRADIENT_SETS[name], args.chunk_size, args.density)
+        print(json.dumps({label: peak_extra_mb(fn, *fn_args) for _, label, fn, fn_args, *_ in rows}))
+        return
+    print(f"gf_tf.ops: {ops.library_status()}; TensorFlow {tf.__version__}; "
+          f"intra-op threads {tf.config.threading.get_intra_op_parallelism_threads() or os.cpu_count()}")
+    for name in args.sets.split(","):
+        if name not in GRADIENT_SETS:
+            parser.error(f"unknown gradient list {name!r}; choose from {', '.join(GRADIENT_SETS)}")
+        run_set(name, GRADIENT_SETS[name], args)
+
+
+if __name__ == "__main__":
+    main()
