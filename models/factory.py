@@ -92,7 +92,8 @@ def build_gradient_flow(compression: str = "fp16", bytes_per_pack: int = 4 << 20
     """A gf_tf.GradientFlowAllReduce for these flags, or None for TF's own all-reduce.
 
     density 1.0 means dense (no CSC); --compression none with density 1.0 means
-    plain TF (float32, TF's packing). Raises ValueError for a density outside
+    plain TF (float32, TF's packing). momentum: CSC momentum correction
+    (the optimizer must then run without momentum). Raises ValueError for a density outside
     (0, 1] or a non-positive chunk_size / bytes_per_pack.
     """
     wire = choose("compression", compression, COMPRESSIONS)

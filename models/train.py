@@ -34,12 +34,14 @@ flags.DEFINE_integer("num_devices", 1, "replicas (logical CPU devices) per worke
 flags.DEFINE_string("compression", "fp16", "wire format of gradients: fp16, bf16, none")
 flags.DEFINE_integer("bytes_per_pack", 4 << 20, "gradient bytes per all-reduce pack (float32 bytes)")
 flags.DEFINE_float("density", 0.1, "fraction of chunks sent per step after warm-up (CSC); 1 = dense")
-flags.DEFINE_integer("chunk_size", 1024, "CSC chunk size in elements")
+flags.DEFINE_integer("chunk_size", 256, "CSC chunk size in elements")
 flags.DEFINE_integer("warmup_steps", 50, "dense steps before CSC starts")
 flags.DEFINE_integer("epochs", 10, "training epochs")
 flags.DEFINE_integer("steps_per_epoch", 0, "steps per epoch; 0 = one pass over the training set")
 flags.DEFINE_integer("batch_size", 64, "global batch size (all replicas of all workers)")
-flags.DEFINE_float("learning_rate", 0.05, "peak learning rate (SGD, momentum 0.9, cosine decay)")
+flags.DEFINE_float("learning_rate", 0.05, "peak learning rate (SGD with --momentum, cosine decay)")
+flags.DEFINE_float("momentum", 0.9, "SGD momentum; with CSC (--density < 1) applied as CSC momentum "
+                   "correction before the all-reduce, the optimizer then being plain SGD")
 flags.DEFINE_string("mixed_precision", "none", "Keras dtype policy: none, mixed_float16, mixed_bfloat16")
 flags.DEFINE_string("model_dir", "", "TensorBoard logs, checkpoints, BackupAndRestore state; '' = none")
 flags.DEFINE_integer("seed", 0, "random seed (weights, data order, dropout)")
@@ -73,13 +75,18 @@ class Throughput:
         return _Throughput()
 
 
-def _bytes_per_step(gradient_flow, model) -> dict:
-    """Per-replica bytes per step: sent, and float32 dense all-reduce of the same gradients."""
-    dense = 4.0 * sum(int(w.numpy().size) for w in model.trainable_weights)
+def _bytes_per_step(gradient_flow, model, history) -> dict:
+    """Per-replica bytes per step: sent, and float32 dense all-reduce of the same gradients.
+
+    Means over all steps (warm-up included) and over the last epoch.
+    """
     if gradient_flow is None:
-        return {"sent_bytes_per_step": dense, "dense_bytes_per_step": dense, "source": "TF float32"}
+        dense = 4.0 * sum(int(w.numpy().size) for w in model.trainable_weights)
+        return {"sent_bytes_per_step": dense, "dense_bytes_per_step": dense,
+                "last_epoch_sent_bytes_per_step": dense, "source": "TF float32 all-reduce"}
     result = dict(gradient_flow.stats.result())
-    result["source"] = "gf_tf CommStats (mean over all steps, warm-up included)"
+    result["last_epoch_sent_bytes_per_step"] = history.history["gf_sent_bytes_per_step"][-1]
+    result["source"] = "gf_tf CommStats"
     return result
 
 
@@ -100,8 +107,8 @@ def _test_accuracy(model, source, batch_size) -> float:
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # TF's per-collective INFO lines drown the results
-    import tensorflow as tf
     import keras
+    import gf_tf
     from models import datasets, factory
 
     # Order matters: devices before TF initialises them, GradientFlow (its
@@ -110,7 +117,10 @@ def main(argv):
     factory.set_precision(FLAGS.mixed_precision)
     keras.utils.set_random_seed(FLAGS.seed)
     gradient_flow = factory.build_gradient_flow(
-        FLAGS.compression, FLAGS.bytes_per_pack, FLAGS.density, FLAGS.chunk_size, FLAGS.warmup_steps)
+        FLAGS.compression, FLAGS.bytes_per_pack, FLAGS.density, FLAGS.chunk_size, FLAGS.warmup_steps,
+        FLAGS.momentum)
+    # With CSC the momentum lives in ChunkSparsity (momentum correction), not in the optimizer.
+    optimizer_momentum = 0.0 if FLAGS.density < 1.0 else FLAGS.momentum
     strategy = factory.build_strategy(FLAGS.strategy, FLAGS.num_devices, gradient_flow,
                                       FLAGS.collective_timeout)
     task_type, task_id, is_chief = factory.task_info(strategy)
@@ -131,7 +141,7 @@ def main(argv):
     with strategy.scope():
         model = factory.build_model(FLAGS.model, source.input_shape, source.num_classes)
         schedule = keras.optimizers.schedules.CosineDecay(FLAGS.learning_rate, steps * FLAGS.epochs)
-        model.compile(optimizer=keras.optimizers.SGD(schedule, momentum=0.9),
+        model.compile(optimizer=keras.optimizers.SGD(schedule, momentum=optimizer_momentum),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"])
     say(f"{FLAGS.model}: {model.count_params():,} parameters; {FLAGS.dataset}: "
@@ -139,6 +149,8 @@ def main(argv):
 
     throughput = Throughput.make(FLAGS.batch_size)
     callbacks = [throughput]
+    if gradient_flow is not None:
+        callbacks.append(gf_tf.GradientFlowStats(gradient_flow))  # before TensorBoard, which logs it
     write_dir = None
     if FLAGS.model_dir:
         write_dir = FLAGS.model_dir if is_chief else os.path.join(FLAGS.model_dir, f"workertemp_{task_id}")
@@ -152,19 +164,21 @@ def main(argv):
             callbacks.append(keras.callbacks.TensorBoard(os.path.join(write_dir, "logs")))
         except ImportError:
             say("tensorboard is not installed: no TensorBoard logs (pip install tensorboard)")
-    model.fit(train_data, epochs=FLAGS.epochs, steps_per_epoch=steps, callbacks=callbacks,
-              verbose=2 if is_chief else 0)
+    history = model.fit(train_data, epochs=FLAGS.epochs, steps_per_epoch=steps, callbacks=callbacks,
+                        shuffle=False, verbose=2 if is_chief else 0)
 
     accuracy = _test_accuracy(model, source, FLAGS.batch_size)
-    comm = _bytes_per_step(gradient_flow, model)
+    comm = _bytes_per_step(gradient_flow, model, history)
     images_per_second = throughput.images_per_second()
-    sent, dense = comm["sent_bytes_per_step"], comm["dense_bytes_per_step"]
+    sent, dense, last = (comm["sent_bytes_per_step"], comm["dense_bytes_per_step"],
+                         comm["last_epoch_sent_bytes_per_step"])
     say(f"test accuracy: {accuracy:.4f} ({source.num_examples[datasets.TEST]} test images)")
     say(f"throughput: {images_per_second:.1f} images/s (all {strategy.num_replicas_in_sync} replicas, "
         f"first step excluded)")
-    say(f"bytes sent per step per replica: {sent:,.0f} vs {dense:,.0f} float32 dense "
-        f"({dense / sent if sent else float('inf'):.2f}x fewer, {100 * (1 - sent / dense):.1f}% saved; "
-        f"{comm['source']})")
+    say(f"bytes sent per step per replica: {sent:,.0f} (mean of all steps, warm-up included; "
+        f"last epoch {last:,.0f}) vs {dense:,.0f} for float32 dense all-reduce: "
+        f"{dense / sent if sent else float('inf'):.1f}x fewer, {100 * (1 - sent / dense):.1f}% saved "
+        f"({comm['source']})")
     if write_dir:
         model.save_weights(os.path.join(write_dir, "final.weights.h5"))
         results = {"test_accuracy": accuracy, "images_per_second": images_per_second,

@@ -1,0 +1,233 @@
+"""gf_tf.launch: TF_CONFIG validation and the gf-tf-run local multi-worker launcher."""
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from gf_tf import launch
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _config(workers=("127.0.0.1:2222", "127.0.0.1:2223"), task_type="worker", index=0, **extra):
+    return json.dumps({"cluster": {"worker": list(workers)}, "task": {"type": task_type, "index": index},
+                       **extra})
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it no longer runs.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_for(predicate, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _python(code: str):
+    return [sys.executable, "-c", textwrap.dedent(code)]
+
+
+# --- validate_tf_config ------------------------------------------------------------------
+
+def test_valid_config_is_returned_parsed():
+    config = launch.validate_tf_config(_config(index=1))
+    assert config["task"] == {"type": "worker", "index": 1}
+    assert config["cluster"]["worker"] == ["127.0.0.1:2222", "127.0.0.1:2223"]
+
+
+def test_ipv6_and_hostnames_parse():
+    launch.validate_tf_config(_config(workers=("[::1]:2222", "worker-1.example.com:65535"), index=1))
+
+
+@pytest.mark.parametrize("text, field", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "JSON object"),
+    (json.dumps({"task": {"type": "worker", "index": 0}}), "cluster"),
+    (json.dumps({"cluster": {"worker": "127.0.0.1:2222"}, "task": {"type": "worker", "index": 0}}),
+     "cluster.worker"),
+    (_config(workers=("127.0.0.1:2222", "localhost")), "cluster.worker[1]"),
+    (_config(workers=("127.0.0.1:0",)), "cluster.worker[0]"),
+    (_config(workers=("127.0.0.1:65536",)), "cluster.worker[0]"),
+    (_config(workers=("127.0.0.1:http",)), "cluster.worker[0]"),
+    (_config(workers=(":2222",)), "cluster.worker[0]"),
+    (_config(workers=("127.0.0.1:2222", "127.0.0.1:2222")), "cluster.worker[1]"),
+    (_config(workers=(2222,)), "cluster.worker[0]"),
+    (json.dumps({"cluster": {"worker": ["127.0.0.1:2222"]}}), "task"),
+    (_config(task_type="ps"), "task.type"),
+    (_config(index=2), "task.index"),
+    (_config(index=-1), "task.index"),
+    (_config(index="0"), "task.index"),
+    (_config(index=True), "task.index"),
+])
+def test_malformed_config_error_names_the_field(text, field):
+    with pytest.raises(ValueError) as error:
+        launch.validate_tf_config(text)
+    assert field in str(error.value)
+
+
+def test_configs_of_one_job_must_share_the_cluster():
+    with pytest.raises(ValueError, match=r"cluster: task 1 has"):
+        launch.validate_tf_configs([_config(index=0), _config(workers=("127.0.0.1:2222", "127.0.0.1:9999"),
+                                                               index=1)])
+
+
+def test_configs_of_one_job_need_unique_indices():
+    with pytest.raises(ValueError, match=r"task.index: tasks 0 and 1 are both worker 1"):
+        launch.validate_tf_configs([_config(index=1), _config(index=1)])
+
+
+def test_local_cluster_configs_are_a_valid_job():
+    cluster = launch.local_cluster(3)
+    ports = [int(a.rsplit(":", 1)[1]) for a in cluster["worker"]]
+    assert len(set(ports)) == 3
+    configs = launch.validate_tf_configs([launch.tf_config(cluster, i) for i in range(3)])
+    assert [c["task"]["index"] for c in configs] == [0, 1, 2]
+
+
+# --- run_workers -------------------------------------------------------------------------
+
+def test_each_worker_gets_its_tf_config_and_a_prefixed_output():
+    out = io.BytesIO()
+    code = launch.run_workers(2, _python("""
+        import os, sys
+        print(os.environ["TF_CONFIG"])
+        print("to stderr", file=sys.stderr)
+    """), out=out)
+    assert code == 0
+    lines = out.getvalue().decode().splitlines()
+    configs = {}
+    for line in lines:
+        prefix, _, rest = line.partition("] ")
+        if rest.startswith("{"):
+            configs[prefix + "]"] = json.loads(rest)
+    assert sorted(configs) == ["[worker 0]", "[worker 1]"]
+    assert [configs[f"[worker {i}]"]["task"]["index"] for i in range(2)] == [0, 1]
+    assert configs["[worker 0]"]["cluster"] == configs["[worker 1]"]["cluster"]
+    assert launch.validate_tf_configs([json.dumps(c) for c in configs.values()])
+    assert sorted(l for l in lines if "to stderr" in l) == ["[worker 0] to stderr", "[worker 1] to stderr"]
+
+
+def test_a_failing_worker_stops_the_others_and_sets_the_exit_code(tmp_path):
+    # Worker 0 starts a grandchild and waits; worker 1 exits 3 once both are up.
+    out = io.BytesIO()
+    start = time.monotonic()
+    code = launch.run_workers(2, _python(f"""
+        import json, os, subprocess, sys, time
+        index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+        if index == 0:
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+            open(r"{tmp_path}/pids.tmp", "w").write(f"{{os.getpid()}} {{child.pid}}")
+            os.rename(r"{tmp_path}/pids.tmp", r"{tmp_path}/pids")
+            time.sleep(120)
+        while not os.path.exists(r"{tmp_path}/pids"):
+            time.sleep(0.05)
+        sys.exit(3)
+    """), out=out)
+    elapsed = time.monotonic() - start
+    assert code == 3
+    assert elapsed < 20, f"launcher took {elapsed:.1f} s to stop"
+    assert b"worker 1 exited with code 3" in out.getvalue()
+    worker0, grandchild = map(int, (tmp_path / "pids").read_text().split())
+    assert _wait_for(lambda: not _alive(worker0) and not _alive(grandchild), timeout=5)
+
+
+def test_a_worker_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path, monkeypatch):
+    monkeypatch.setattr(launch, "GRACE_SECONDS", 1.0)
+    code = launch.run_workers(2, _python(f"""
+        import json, os, signal, sys, time
+        index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+        if index == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            open(r"{tmp_path}/pid", "w").write(str(os.getpid()))
+            time.sleep(120)
+        time.sleep(0.5)
+        sys.exit(1)
+    """), out=io.BytesIO())
+    assert code == 1
+    assert _wait_for(lambda: not _alive(int((tmp_path / "pid").read_text())), timeout=5)
+
+
+def test_no_command_is_an_error():
+    with pytest.raises(ValueError, match="no command"):
+        launch.run_workers(2, [])
+
+
+# --- the command line --------------------------------------------------------------------
+
+def _cli(args, env=None, **kwargs):
+    full_env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    full_env.update({"PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})})
+    return subprocess.Popen([sys.executable, "-m", "gf_tf.launch", *args], env=full_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
+
+
+def test_ctrl_c_is_forwarded_to_every_worker_and_the_launcher_exits(tmp_path):
+    launcher = _cli(["-n", "2", "--", *_python(f"""
+        import json, os, signal, sys, time
+        index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+        def on_sigint(*_):
+            print(f"worker {{index}} got SIGINT", flush=True)
+            sys.exit(0)
+        signal.signal(signal.SIGINT, on_sigint)
+        open(r"{tmp_path}/pid%d" % index, "w").write(str(os.getpid()))
+        time.sleep(120)
+    """)])
+    try:
+        assert _wait_for(lambda: all((tmp_path / f"pid{i}").exists() for i in range(2)), timeout=30)
+        time.sleep(0.2)  # let the pid files be written completely
+        launcher.send_signal(signal.SIGINT)
+        out, err = launcher.communicate(timeout=20)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGINT, err.decode()
+    text = out.decode()
+    assert "[worker 0] worker 0 got SIGINT" in text and "[worker 1] worker 1 got SIGINT" in text
+    for i in range(2):
+        assert not _alive(int((tmp_path / f"pid{i}").read_text()))
+
+
+def test_malformed_tf_config_in_the_environment_fails_naming_the_field():
+    bad = json.dumps({"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:99999"]},
+                      "task": {"type": "worker", "index": 0}})
+    launcher = _cli(["--", sys.executable, "-c", "print('must not run')"], env={"TF_CONFIG": bad})
+    out, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 2
+    assert b"must not run" not in out
+    assert b"cluster.worker[1]" in err and b"99999" in err
+
+
+def test_workers_and_index_run_one_task_of_a_multi_host_job(capfd):
+    ports = launch.free_ports(2)
+    workers = [f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"]
+    code = launch.main(["--workers", ",".join(workers), "--index", "1", "--",
+                        *_python("import os; print(os.environ['TF_CONFIG'])")])
+    assert code == 0
+    prefix, _, text = capfd.readouterr().out.strip().partition("] ")
+    assert prefix == "[worker 1"
+    assert json.loads(text) == {"cluster": {"worker": workers}, "task": {"type": "worker", "index": 1}}
+
+
+def test_workers_with_a_bad_address_fail_naming_it(capsys):
+    code = launch.main(["--workers", "10.0.0.1:2222,10.0.0.2", "--index", "0", "--", "true"])
+    assert code == 2
+    assert "cluster.worker[1]" in capsys.readouterr().err

@@ -1,0 +1,111 @@
+"""models.factory (flag values -> objects) and `python -m models.train` on a real 2-worker cluster."""
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import tensorflow as tf
+
+import gf_tf
+from gf_tf import launch
+from models import factory
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# --- factory -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("call, flag, valid", [
+    (lambda: factory.build_model("resnet18", (32, 32, 3), 10), "model", "digits_cnn, resnet20"),
+    (lambda: factory.load_dataset("imagenet21k"), "dataset", "digits, mnist, cifar10"),
+    (lambda: factory.build_strategy("tpu"), "strategy", "multi_worker_mirrored, mirrored, one_device"),
+    (lambda: factory.build_gradient_flow("int8"), "compression", "fp16, bf16, none"),
+    (lambda: factory.set_precision("float16"), "mixed_precision", "none, mixed_float16, mixed_bfloat16"),
+])
+def test_unknown_flag_values_list_the_valid_ones(call, flag, valid):
+    with pytest.raises(ValueError) as error:
+        call()
+    assert f"unknown --{flag}" in str(error.value) and valid in str(error.value)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"density": 0.0}, "--density must be in (0, 1]"),
+    ({"density": 1.5}, "--density must be in (0, 1]"),
+    ({"density": 0.1, "chunk_size": 0}, "--chunk_size must be >= 1"),
+    ({"bytes_per_pack": 0}, "--bytes_per_pack must be >= 1"),
+    ({"warmup_steps": -1}, "--warmup_steps must be >= 0"),
+])
+def test_out_of_range_communication_flags_name_the_flag(kwargs, message):
+    with pytest.raises(ValueError) as error:
+        factory.build_gradient_flow(**kwargs)
+    assert message in str(error.value)
+
+
+def test_gradient_flow_follows_the_flags():
+    assert factory.build_gradient_flow("none", density=1.0) is None
+    dense = factory.build_gradient_flow("bf16", bytes_per_pack=1 << 20)
+    assert isinstance(dense, gf_tf.GradientFlowAllReduce)
+    assert dense.compression.name == "bf16" and dense.bytes_per_pack == 1 << 20 and dense.sparsity is None
+    sparse = factory.build_gradient_flow("fp16", density=0.05, chunk_size=128, warmup_steps=7, momentum=0.9)
+    assert (sparse.sparsity.density, sparse.sparsity.chunk_size, sparse.sparsity.warmup_steps,
+            sparse.sparsity.momentum) == (0.05, 128, 7, 0.9)
+
+
+def test_one_device_refuses_gradient_flow():
+    with pytest.raises(ValueError, match="one_device has no all-reduce"):
+        factory.build_strategy("one_device", gradient_flow=factory.build_gradient_flow("fp16"))
+
+
+def test_every_model_has_a_synthetic_input_shape():
+    for name in factory.MODELS:
+        source = factory.load_dataset("synthetic", model=name)
+        assert source.input_shape == factory.default_input_shape(name)
+
+
+def test_bad_flag_value_exits_2_with_the_valid_values():
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env.pop("TF_CONFIG", None)
+    run = subprocess.run([sys.executable, "-m", "models.train", "--model", "vgg16"], env=env,
+                         capture_output=True, timeout=120, cwd=REPO_ROOT)
+    assert run.returncode == 2
+    assert "unknown --model 'vgg16'; valid values: digits_cnn" in run.stderr.decode()
+
+
+# --- a real 2-worker run -----------------------------------------------------------------
+
+def test_two_worker_training_run_learns_and_reports_bytes(tmp_path):
+    """gf-tf-run -n 2 -- python -m models.train, one short epoch of FP16 + CSC after 2 dense steps."""
+    model_dir = tmp_path / "model"
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env.pop("TF_CONFIG", None)
+    out = io.BytesIO()
+    code = launch.run_workers(2, [
+        sys.executable, "-m", "models.train", "--epochs", "1", "--steps_per_epoch", "16",
+        "--batch_size", "32", "--learning_rate", "0.02", "--warmup_steps", "5", "--density", "0.05",
+        "--collective_timeout", "60", f"--model_dir={model_dir}"], env=env, out=out)
+    text = out.getvalue().decode()
+    assert code == 0, text[-3000:]
+
+    accuracy = {int(w): float(a) for w, a in re.findall(r"\[worker (\d)\] test accuracy: ([\d.]+)", text)}
+    assert sorted(accuracy) == [0, 1]
+    assert accuracy[0] == accuracy[1], "workers disagree: weights were not kept in sync"
+    assert accuracy[0] > 0.4, text[-3000:]  # 16 steps; chance is 0.1
+    assert re.search(r"\[worker 0\] throughput: [\d.]+ images/s", text)
+
+    results = json.loads((model_dir / "results.json").read_text())
+    assert abs(results["test_accuracy"] - accuracy[0]) < 1e-4
+    model = factory.build_model("digits_cnn", (8, 8, 1), 10)
+    float32_bytes = 4 * sum(int(tf.size(w)) for w in model.trainable_weights)
+    assert results["dense_bytes_per_step"] == float32_bytes
+    # 5 dense FP16 steps (half the bytes) then 11 sparse ones: far below float32 dense.
+    assert results["steps"] == 16
+    assert results["sent_bytes_per_step"] < 0.3 * float32_bytes
+    assert results["last_epoch_sent_bytes_per_step"] == results["sent_bytes_per_step"]
+
+    # Only the chief leaves artefacts; worker 1's temporary directory is gone.
+    assert sorted(os.listdir(model_dir)) == ["checkpoint.weights.h5", "final.weights.h5", "logs",
+                                             "results.json"]
