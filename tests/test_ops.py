@@ -377,6 +377,20 @@ def test_public_functions_fall_back_to_composite_under_xla():
         np.testing.assert_allclose(as_f64(got), as_f64(want), rtol=1e-6)
 
 
+def test_public_functions_use_composite_for_gpu_tensors():
+    x = tf.constant(RNG.normal(size=100), F32)
+
+    def step(x):
+        # Soft placement runs this on the CPU here; the choice is made at trace time from devices.
+        with tf.device("/GPU:0"):
+            return ops.unpack(ops.pack([tf.identity(x)], F16, 0.5), [[100]], [F32], 2.0)
+
+    traced = tf.function(step)
+    assert not any(t.startswith("Gf") for t in _graph_op_types(traced, x))
+    (got,) = traced(x)
+    np.testing.assert_allclose(as_f64(got), round_to(x.numpy().astype(np.float64) * 0.5, F16) * 2.0)
+
+
 @pytest.fixture
 def fresh_library_state(monkeypatch):
     """A not-yet-loaded library state, restored after the test."""
