@@ -33,9 +33,9 @@ flags.DEFINE_string("strategy", "multi_worker_mirrored", "multi_worker_mirrored,
 flags.DEFINE_integer("num_devices", 1, "replicas (logical CPU devices) per worker")
 flags.DEFINE_string("compression", "fp16", "wire format of gradients: fp16, bf16, none")
 flags.DEFINE_integer("bytes_per_pack", 4 << 20, "gradient bytes per all-reduce pack (float32 bytes)")
-flags.DEFINE_float("density", 0.1, "fraction of chunks sent per step after warm-up (CSC); 1 = dense")
+flags.DEFINE_float("density", 0.01, "fraction of chunks sent per step after warm-up (CSC); 1 = dense")
 flags.DEFINE_integer("chunk_size", 256, "CSC chunk size in elements")
-flags.DEFINE_integer("warmup_steps", 50, "dense steps before CSC starts")
+flags.DEFINE_integer("warmup_steps", 20, "dense steps before CSC starts")
 flags.DEFINE_integer("epochs", 10, "training epochs")
 flags.DEFINE_integer("steps_per_epoch", 0, "steps per epoch; 0 = one pass over the training set")
 flags.DEFINE_integer("batch_size", 64, "global batch size (all replicas of all workers)")
@@ -48,31 +48,27 @@ flags.DEFINE_integer("seed", 0, "random seed (weights, data order, dropout)")
 flags.DEFINE_float("collective_timeout", 300.0, "seconds before a stuck all-reduce fails")
 
 
-class Throughput:
-    """Keras callback (built lazily, Keras imported after flags): images/s after the first step."""
+def _throughput_callback(global_batch_size):
+    """A Keras callback measuring training images/s over all replicas, first step excluded."""
+    import keras
 
-    @staticmethod
-    def make(global_batch_size):
-        import keras
+    class Throughput(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.steps, self.start, self.end = 0, None, None
 
-        class _Throughput(keras.callbacks.Callback):
-            def __init__(self):
-                super().__init__()
-                self.steps, self.start, self.end = 0, None, None
+        def on_train_batch_end(self, batch, logs=None):
+            self.steps += 1
+            self.end = time.perf_counter()
+            if self.steps == 1:
+                self.start = self.end  # the first step includes tracing
 
-            def on_train_batch_end(self, batch, logs=None):
-                self.steps += 1
-                now = time.perf_counter()
-                if self.steps == 1:
-                    self.start = now  # the first step includes tracing
-                self.end = now
+        def images_per_second(self):
+            if self.steps < 2 or self.end <= self.start:
+                return float("nan")
+            return (self.steps - 1) * global_batch_size / (self.end - self.start)
 
-            def images_per_second(self):
-                if self.steps < 2 or self.end <= self.start:
-                    return float("nan")
-                return (self.steps - 1) * global_batch_size / (self.end - self.start)
-
-        return _Throughput()
+    return Throughput()
 
 
 def _bytes_per_step(gradient_flow, model, history) -> dict:
@@ -111,8 +107,7 @@ def main(argv):
     import gf_tf
     from models import datasets, factory
 
-    # Order matters: devices before TF initialises them, GradientFlow (its
-    # helper variables) before and outside the strategy scope.
+    # Order matters: devices before TF initialises them; GradientFlow outside the strategy scope.
     factory.configure_local_devices(FLAGS.num_devices)
     factory.set_precision(FLAGS.mixed_precision)
     keras.utils.set_random_seed(FLAGS.seed)
@@ -147,7 +142,7 @@ def main(argv):
     say(f"{FLAGS.model}: {model.count_params():,} parameters; {FLAGS.dataset}: "
         f"{source.num_examples}, {FLAGS.epochs} epochs x {steps} steps of {FLAGS.batch_size} images")
 
-    throughput = Throughput.make(FLAGS.batch_size)
+    throughput = _throughput_callback(FLAGS.batch_size)
     callbacks = [throughput]
     if gradient_flow is not None:
         callbacks.append(gf_tf.GradientFlowStats(gradient_flow))  # before TensorBoard, which logs it
@@ -192,7 +187,8 @@ def main(argv):
 
 _TRAIN_FLAGS = ("model", "dataset", "data_dir", "strategy", "num_devices", "compression",
                 "bytes_per_pack", "density", "chunk_size", "warmup_steps", "epochs", "steps_per_epoch",
-                "batch_size", "learning_rate", "mixed_precision", "model_dir", "seed", "collective_timeout")
+                "batch_size", "learning_rate", "momentum", "mixed_precision", "model_dir", "seed",
+                "collective_timeout")
 
 
 def run():
@@ -200,7 +196,7 @@ def run():
     try:
         app.run(main)
     except ValueError as e:
-        if "unknown --" in str(e) or str(e).startswith("--"):
+        if "unknown --" in str(e) or str(e).startswith(("--", "TF_CONFIG")):
             print(f"models.train: error: {e}", file=sys.stderr)
             sys.exit(2)
         raise
