@@ -112,6 +112,10 @@ def main():
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     results = {"method": args.method, "worker": task, "num_workers": num_workers,
                "startup_s": time.perf_counter() - t_start, "sets": {}}
+    if gradient_flow is not None:
+        import gf_tf
+        results["gradient_flow"] = repr(gradient_flow)
+        results["ops_library"] = gf_tf.ops.library_status()
     for name in args.sets.split(","):
         shapes = gradients.GRADIENT_SETS[name]
         values = make_values(shapes, seed=len(shapes))

@@ -120,6 +120,10 @@ def main():
         "losses_finite": bool(np.all(np.isfinite(clock.losses))),
         "cpu": args.cpu,
     }
+    if gradient_flow is not None:
+        import gf_tf
+        result["gradient_flow"] = repr(gradient_flow)
+        result["ops_library"] = gf_tf.ops.library_status()
     if stats_before and stats_after and stats_after["steps"] > stats_before["steps"]:
         steps = stats_after["steps"] - stats_before["steps"]
         result["sent_payload_bytes_per_step"] = (stats_after["sent_bytes"] - stats_before["sent_bytes"]) / steps
