@@ -5,6 +5,7 @@ Orchestration only: the plan comes from `packing`, the tensor work from
 TensorFlow cross-device ops.
 """
 
+import weakref
 import zlib
 from typing import List, Optional
 
@@ -91,6 +92,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         self._wrapped = cross_device_ops
         self._workers = None  # strategy.WorkerInfo, set by gf_tf.MultiWorkerMirroredStrategy
         self._stats = None
+        self._strategy = None  # weakref to the strategy whose default ops we took
 
     def __repr__(self):
         return (f"GradientFlowAllReduce(compression={self.compression.name!r}, "
@@ -115,7 +117,12 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
 
     def _cross_ops(self) -> tf.distribute.CrossDeviceOps:
         if self._wrapped is None:
-            self._wrapped = tf_internal.default_cross_device_ops(tf.distribute.get_strategy())
+            strategy = tf.distribute.get_strategy()
+            self._wrapped = tf_internal.default_cross_device_ops(strategy)
+            self._strategy = weakref.ref(strategy)
+        elif self._strategy is not None and self._strategy() is not tf.distribute.get_strategy():
+            raise ValueError("this GradientFlowAllReduce already carries the collectives of another "
+                             "strategy; create one GradientFlowAllReduce per strategy")
         return self._wrapped
 
     @property

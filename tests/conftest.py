@@ -16,3 +16,7 @@ NUM_LOGICAL_CPUS = 4
 _cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(
     _cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(NUM_LOGICAL_CPUS)])
+# Start the runtime now, so this layout is final: a later
+# set_logical_device_configuration (in a test module) raises RuntimeError
+# instead of silently replacing it.
+assert len(tf.config.list_logical_devices("CPU")) == NUM_LOGICAL_CPUS

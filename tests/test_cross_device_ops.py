@@ -249,3 +249,14 @@ def test_mirrored_strategy_mixed_float16_with_loss_scale_optimizer():
     assert ("float16", MODEL_ELEMENTS) in list(zip(gf["reduce_dtypes"], gf["reduce_elements"]))
     assert all(np.all(np.isfinite(gf[f"w{k}"])) for k in range(4))
     assert np.all(np.isfinite(gf["loss"]))
+
+
+def test_one_instance_serves_one_strategy():
+    gfar = gf_tf.GradientFlowAllReduce()   # takes MirroredStrategy's own cross-device ops
+    first = tf.distribute.MirroredStrategy(DEVICES[:2], cross_device_ops=gfar)
+    second = tf.distribute.MirroredStrategy(DEVICES[:2], cross_device_ops=gfar)
+    value = first.experimental_distribute_values_from_function(lambda ctx: tf.identity(1.0))
+    with first.scope():
+        gfar._cross_ops()  # pylint: disable=protected-access
+    with second.scope(), pytest.raises(ValueError, match="one GradientFlowAllReduce per strategy"):
+        gfar.batch_reduce(SUM, [(value, value)])
