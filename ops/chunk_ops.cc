@@ -192,6 +192,8 @@ class GfAccumulateOp : public OpKernel {
     const float* r = residual.flat<float>().data();
     float* a = acc->flat<float>().data();
     float* norm = norms->flat<float>().data();
+    // A fresh acc is written without reading it first; in place, it was just read.
+    const bool stream = simd_ && a != r && StreamOutput(n * sizeof(float));
 
     ParallelFor(ctx, num_chunks, 4 * chunk_size_, [&](int64_t first, int64_t last) {
       for (int64_t c = first; c < last; ++c) {
@@ -207,7 +209,7 @@ class GfAccumulateOp : public OpKernel {
           l1 += AccumulateSegment(r + pos, t.dtype(), g,
                                   velocity ? velocity + pos : nullptr,
                                   velocity_out ? velocity_out + pos : nullptr,
-                                  momentum_, a + pos, len, simd_);
+                                  momentum_, a + pos, len, simd_, stream);
         });
         norm[c] = static_cast<float>(l1);
       }
@@ -296,22 +298,23 @@ class GfGatherChunksOp : public OpKernel {
     }
     char* sel = static_cast<char*>(selected->data());
     const int wire_bytes = tensorflow::DataTypeSize(wire_dtype_);
+    const bool stream = simd_ && StreamOutput(n * sizeof(float));
 
     ParallelFor(ctx, rank.size(), 2 * chunk_size_, [&](int64_t first, int64_t last) {
       for (int64_t c = first; c < last; ++c) {
         const int64_t begin = c * chunk_size_;
-        const int64_t len = std::min(chunk_size_, n - begin);
+        const int64_t bytes = std::min(chunk_size_, n - begin) * sizeof(float);
         if (rank[c] >= 0) {
           // The selected offset: all chunks before this one in `indices` are
           // full (only the last chunk of the buffer can be partial).
           ToWire(tensorflow::DT_FLOAT, a + begin, wire_dtype_,
-                 sel + rank[c] * chunk_size_ * wire_bytes, len, scale_, simd_);
-          std::memset(res + begin, 0, len * sizeof(float));
-          if (v_out) std::memset(v_out + begin, 0, len * sizeof(float));
+                 sel + rank[c] * chunk_size_ * wire_bytes, bytes / sizeof(float), scale_, simd_);
+          ZeroBytes(res + begin, bytes, stream && res != a);
+          if (v_out) ZeroBytes(v_out + begin, bytes, stream && v_out != v);
         } else {
           // Forwarded outputs already hold the input.
-          if (res != a) std::memcpy(res + begin, a + begin, len * sizeof(float));
-          if (v_out && v_out != v) std::memcpy(v_out + begin, v + begin, len * sizeof(float));
+          if (res != a) CopyBytes(res + begin, a + begin, bytes, stream);
+          if (v_out && v_out != v) CopyBytes(v_out + begin, v + begin, bytes, stream);
         }
       }
     });
@@ -411,6 +414,7 @@ class GfScatterChunksOp : public OpKernel {
     }
     const char* sel = static_cast<const char*>(selected.data());
     const int wire_bytes = tensorflow::DataTypeSize(wire_dtype_);
+    const bool stream = simd_ && StreamOutput(n * sizeof(float));
 
     ParallelFor(ctx, rank.size(), 2 * chunk_size_, [&](int64_t first, int64_t last) {
       for (int64_t c = first; c < last; ++c) {
@@ -423,9 +427,9 @@ class GfScatterChunksOp : public OpKernel {
           char* dst = out_data[i] + in_tensor * out_bytes;
           if (r >= 0) {
             FromWire(wire_dtype_, sel + (r * chunk_size_ + in_chunk) * wire_bytes,
-                     out_dtypes_[i], dst, len, scale_, simd_);
+                     out_dtypes_[i], dst, len, scale_, simd_, stream);
           } else {
-            std::memset(dst, 0, len * out_bytes);  // +0.0 in every float dtype
+            ZeroBytes(dst, len * out_bytes, stream);  // +0.0 in every float dtype
           }
         });
       }

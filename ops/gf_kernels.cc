@@ -151,38 +151,87 @@ GF_TF_SIMD void F32ToBf16Simd(const float* src, uint16_t* dst, int64_t n,
   F32ToBf16Scalar(src + i, dst + i, n - i, scale);
 }
 
+// Elements to handle one by one before dst is 32-byte aligned (for streaming stores).
+inline int64_t HeadToAlign(const void* dst, int elem_bytes, int64_t n) {
+  const uintptr_t misaligned = reinterpret_cast<uintptr_t>(dst) & 31;
+  if (misaligned == 0) return 0;
+  if (misaligned % elem_bytes != 0) return n;  // never for TensorFlow buffers
+  return std::min<int64_t>(n, (32 - misaligned) / elem_bytes);
+}
+
+template <bool kStream>
+GF_TF_SIMD inline void StoreF32(float* p, __m256 x) {
+  if (kStream) {
+    _mm256_stream_ps(p, x);
+  } else {
+    _mm256_storeu_ps(p, x);
+  }
+}
+
+// The three float-output conversions: a scalar head up to 32-byte alignment
+// when streaming, 8 elements per step, a scalar tail.
+template <bool kStream>
 GF_TF_SIMD void F32ScaleSimd(const float* src, float* dst, int64_t n, float scale) {
   const __m256 s = _mm256_set1_ps(scale);
-  int64_t i = 0;
+  int64_t i = kStream ? HeadToAlign(dst, 4, n) : 0;
+  F32ScaleScalar(src, dst, i, scale);
   for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_loadu_ps(src + i), s));
+    StoreF32<kStream>(dst + i, _mm256_mul_ps(_mm256_loadu_ps(src + i), s));
   }
+  if (kStream) _mm_sfence();
   F32ScaleScalar(src + i, dst + i, n - i, scale);
 }
 
-GF_TF_SIMD void HalfToF32Simd(const uint16_t* src, float* dst, int64_t n,
-                              float scale) {
+template <bool kStream>
+GF_TF_SIMD void HalfToF32Simd(const uint16_t* src, float* dst, int64_t n, float scale) {
   const __m256 s = _mm256_set1_ps(scale);
-  int64_t i = 0;
+  int64_t i = kStream ? HeadToAlign(dst, 4, n) : 0;
+  HalfToF32Scalar(src, dst, i, scale);
   for (; i + 8 <= n; i += 8) {
     __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
-    _mm256_storeu_ps(dst + i, _mm256_mul_ps(x, s));
+    StoreF32<kStream>(dst + i, _mm256_mul_ps(x, s));
   }
+  if (kStream) _mm_sfence();
   HalfToF32Scalar(src + i, dst + i, n - i, scale);
 }
 
-GF_TF_SIMD void Bf16ToF32Simd(const uint16_t* src, float* dst, int64_t n,
-                              float scale) {
+template <bool kStream>
+GF_TF_SIMD void Bf16ToF32Simd(const uint16_t* src, float* dst, int64_t n, float scale) {
   const __m256 s = _mm256_set1_ps(scale);
-  int64_t i = 0;
+  int64_t i = kStream ? HeadToAlign(dst, 4, n) : 0;
+  Bf16ToF32Scalar(src, dst, i, scale);
   for (; i + 8 <= n; i += 8) {
     __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
-    __m256 x = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-    _mm256_storeu_ps(dst + i, _mm256_mul_ps(x, s));
+    StoreF32<kStream>(dst + i, _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(w, 16)), s));
   }
+  if (kStream) _mm_sfence();
   Bf16ToF32Scalar(src + i, dst + i, n - i, scale);
 }
 
+GF_TF_SIMD void ZeroStreamSimd(char* dst, int64_t bytes) {
+  const int64_t head = HeadToAlign(dst, 1, bytes);
+  std::memset(dst, 0, head);
+  int64_t i = head;
+  for (; i + 32 <= bytes; i += 32) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_setzero_si256());
+  }
+  _mm_sfence();
+  std::memset(dst + i, 0, bytes - i);
+}
+
+GF_TF_SIMD void CopyStreamSimd(char* dst, const char* src, int64_t bytes) {
+  const int64_t head = HeadToAlign(dst, 1, bytes);
+  std::memcpy(dst, src, head);
+  int64_t i = head;
+  for (; i + 32 <= bytes; i += 32) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+  }
+  _mm_sfence();
+  std::memcpy(dst + i, src + i, bytes - i);
+}
+
+template <bool kStream>
 GF_TF_SIMD double AccumulateF32Simd(const float* r, const float* g,
                                     const float* v, float* v_out,
                                     float momentum, float* acc, int64_t n) {
@@ -198,19 +247,35 @@ GF_TF_SIMD double AccumulateF32Simd(const float* r, const float* g,
       __m256 u = _mm256_loadu_ps(g + i);
       if (v != nullptr) {
         u = _mm256_add_ps(_mm256_mul_ps(m, _mm256_loadu_ps(v + i)), u);
-        _mm256_storeu_ps(v_out + i, u);
+        StoreF32<kStream>(v_out + i, u);
       }
       __m256 a = _mm256_add_ps(_mm256_loadu_ps(r + i), u);
-      _mm256_storeu_ps(acc + i, a);
+      StoreF32<kStream>(acc + i, a);
       lanes = _mm256_add_ps(lanes, _mm256_and_ps(a, abs_mask));
     }
     alignas(32) float part[8];
     _mm256_store_ps(part, lanes);
     for (float p : part) l1 += p;
   }
+  if (kStream) _mm_sfence();
   return l1 + AccumulateF32Scalar(r + i, g + i, v == nullptr ? nullptr : v + i,
                                   v_out == nullptr ? nullptr : v_out + i,
                                   momentum, acc + i, n - i);
+}
+
+// Streams acc (and v_out, when it has the same alignment) after a scalar head.
+GF_TF_SIMD double AccumulateF32SimdDispatch(const float* r, const float* g,
+                                            const float* v, float* v_out,
+                                            float momentum, float* acc, int64_t n,
+                                            bool stream) {
+  const int64_t head = stream ? HeadToAlign(acc, 4, n) : 0;
+  if (!stream || (v_out != nullptr && HeadToAlign(v_out, 4, n) != head)) {
+    return AccumulateF32Simd<false>(r, g, v, v_out, momentum, acc, n);
+  }
+  const double l1 = AccumulateF32Scalar(r, g, v, v_out, momentum, acc, head);
+  return l1 + AccumulateF32Simd<true>(r + head, g + head, v ? v + head : nullptr,
+                                      v_out ? v_out + head : nullptr, momentum,
+                                      acc + head, n - head);
 }
 #endif  // GF_TF_X86
 
@@ -228,25 +293,28 @@ void F32ToBf16(const float* s, uint16_t* d, int64_t n, float k, bool simd) {
 #endif
   F32ToBf16Scalar(s, d, n, k);
 }
-void F32Scale(const float* s, float* d, int64_t n, float k, bool simd) {
+void F32Scale(const float* s, float* d, int64_t n, float k, bool simd,
+              bool stream = false) {
   if (k == 1.0f) {
-    if (s != d) std::memcpy(d, s, n * sizeof(float));
+    if (s != d) CopyBytes(d, s, n * sizeof(float), stream && UseSimd(simd));
     return;
   }
 #ifdef GF_TF_X86
-  if (UseSimd(simd)) return F32ScaleSimd(s, d, n, k);
+  if (UseSimd(simd)) return stream ? F32ScaleSimd<true>(s, d, n, k) : F32ScaleSimd<false>(s, d, n, k);
 #endif
   F32ScaleScalar(s, d, n, k);
 }
-void HalfToF32(const uint16_t* s, float* d, int64_t n, float k, bool simd) {
+void HalfToF32(const uint16_t* s, float* d, int64_t n, float k, bool simd,
+               bool stream = false) {
 #ifdef GF_TF_X86
-  if (UseSimd(simd)) return HalfToF32Simd(s, d, n, k);
+  if (UseSimd(simd)) return stream ? HalfToF32Simd<true>(s, d, n, k) : HalfToF32Simd<false>(s, d, n, k);
 #endif
   HalfToF32Scalar(s, d, n, k);
 }
-void Bf16ToF32(const uint16_t* s, float* d, int64_t n, float k, bool simd) {
+void Bf16ToF32(const uint16_t* s, float* d, int64_t n, float k, bool simd,
+               bool stream = false) {
 #ifdef GF_TF_X86
-  if (UseSimd(simd)) return Bf16ToF32Simd(s, d, n, k);
+  if (UseSimd(simd)) return stream ? Bf16ToF32Simd<true>(s, d, n, k) : Bf16ToF32Simd<false>(s, d, n, k);
 #endif
   Bf16ToF32Scalar(s, d, n, k);
 }
@@ -266,18 +334,39 @@ void F32ToWire(const float* src, DataType wire, void* dst, int64_t n,
 
 // wire (or any 16/32-bit float) -> float, scaled.
 void WireToF32(DataType wire, const void* src, float* dst, int64_t n,
-               float scale, bool simd) {
+               float scale, bool simd, bool stream = false) {
   switch (wire) {
     case DT_HALF:
-      return HalfToF32(static_cast<const uint16_t*>(src), dst, n, scale, simd);
+      return HalfToF32(static_cast<const uint16_t*>(src), dst, n, scale, simd, stream);
     case DT_BFLOAT16:
-      return Bf16ToF32(static_cast<const uint16_t*>(src), dst, n, scale, simd);
+      return Bf16ToF32(static_cast<const uint16_t*>(src), dst, n, scale, simd, stream);
     default:
-      return F32Scale(static_cast<const float*>(src), dst, n, scale, simd);
+      return F32Scale(static_cast<const float*>(src), dst, n, scale, simd, stream);
   }
 }
 
 }  // namespace
+
+bool StreamOutput(int64_t output_bytes) {
+  constexpr int64_t kStreamBytes = 16 << 20;  // well beyond L2, a good part of L3
+  return output_bytes >= kStreamBytes && CpuHasSimd();
+}
+
+void ZeroBytes(void* dst, int64_t bytes, bool stream) {
+#ifdef GF_TF_X86
+  if (stream && CpuHasSimd()) return ZeroStreamSimd(static_cast<char*>(dst), bytes);
+#endif
+  std::memset(dst, 0, bytes);
+}
+
+void CopyBytes(void* dst, const void* src, int64_t bytes, bool stream) {
+#ifdef GF_TF_X86
+  if (stream && CpuHasSimd()) {
+    return CopyStreamSimd(static_cast<char*>(dst), static_cast<const char*>(src), bytes);
+  }
+#endif
+  std::memcpy(dst, src, bytes);
+}
 
 bool CpuHasSimd() {
 #ifdef GF_TF_X86
@@ -318,9 +407,9 @@ void ToWire(DataType src_dtype, const void* src, DataType wire, void* dst,
 }
 
 void FromWire(DataType wire, const void* src, DataType out_dtype, void* dst,
-              int64_t n, float scale, bool simd) {
+              int64_t n, float scale, bool simd, bool stream) {
   if (out_dtype == DT_FLOAT) {
-    return WireToF32(wire, src, static_cast<float*>(dst), n, scale, simd);
+    return WireToF32(wire, src, static_cast<float*>(dst), n, scale, simd, stream);
   }
   const int wire_bytes = tensorflow::DataTypeSize(wire);
   const int out_bytes = tensorflow::DataTypeSize(out_dtype);
@@ -341,11 +430,11 @@ void FromWire(DataType wire, const void* src, DataType out_dtype, void* dst,
 double AccumulateSegment(const float* residual, DataType grad_dtype,
                          const void* grad, const float* velocity,
                          float* velocity_out, float momentum, float* acc,
-                         int64_t n, bool simd) {
+                         int64_t n, bool simd, bool stream) {
   auto run = [&](const float* r, const float* g, const float* v, float* vo,
                  float* a, int64_t len) {
 #ifdef GF_TF_X86
-    if (UseSimd(simd)) return AccumulateF32Simd(r, g, v, vo, momentum, a, len);
+    if (UseSimd(simd)) return AccumulateF32SimdDispatch(r, g, v, vo, momentum, a, len, stream);
 #endif
     return AccumulateF32Scalar(r, g, v, vo, momentum, a, len);
   };

@@ -28,8 +28,19 @@ void ToWire(DataType src_dtype, const void* src, DataType wire_dtype, void* dst,
             int64_t n, float scale, bool simd);
 
 // dst[i] = out(float(src[i]) * scale) for i < n; out: half, bfloat16, float, double.
+// `stream`: write float outputs with non-temporal stores (see StreamOutput).
 void FromWire(DataType wire_dtype, const void* src, DataType out_dtype, void* dst,
-              int64_t n, float scale, bool simd);
+              int64_t n, float scale, bool simd, bool stream = false);
+
+// Whether an op writing `output_bytes` should bypass the cache with
+// non-temporal stores: for outputs far larger than the caches this skips the
+// read-for-ownership of every written line (up to ~2x faster writes); small
+// outputs stay in cache for their consumer.
+bool StreamOutput(int64_t output_bytes);
+
+// memset(dst, 0, bytes) / memcpy(dst, src, bytes), optionally non-temporal.
+void ZeroBytes(void* dst, int64_t bytes, bool stream);
+void CopyBytes(void* dst, const void* src, int64_t bytes, bool stream);
 
 // acc[i] = residual[i] + u[i], u[i] = momentum * velocity[i] + grad[i] when
 // velocity is given (then velocity_out[i] = u[i]), else u[i] = grad[i].
@@ -38,7 +49,7 @@ void FromWire(DataType wire_dtype, const void* src, DataType out_dtype, void* ds
 double AccumulateSegment(const float* residual, DataType grad_dtype,
                          const void* grad, const float* velocity,
                          float* velocity_out, float momentum, float* acc,
-                         int64_t n, bool simd);
+                         int64_t n, bool simd, bool stream = false);
 
 // Element offsets of a list of tensors laid end to end: offsets[i] is where
 // tensor i starts, offsets.back() the total.

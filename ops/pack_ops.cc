@@ -168,6 +168,7 @@ class GfUnpackOp : public OpKernel {
     }
     const char* src = static_cast<const char*>(packed.data());
     const int wire_bytes = tensorflow::DataTypeSize(wire_dtype_);
+    const bool stream = simd_ && StreamOutput(total * sizeof(float));
     ParallelFor(ctx, (total + kPackBlock - 1) / kPackBlock, 2 * kPackBlock,
                 [&](int64_t first, int64_t last) {
       const int64_t begin = first * kPackBlock;
@@ -177,7 +178,7 @@ class GfUnpackOp : public OpKernel {
         const int out_bytes = tensorflow::DataTypeSize(out_dtypes_[i]);
         FromWire(wire_dtype_, src + (offsets_[i] + in_tensor) * wire_bytes,
                  out_dtypes_[i], out_data[i] + in_tensor * out_bytes, len,
-                 scale_, simd_);
+                 scale_, simd_, stream);
       });
     });
   }

@@ -224,8 +224,9 @@ CHUNK_CASES = {  # (sizes, chunk_size)
 
 
 def ref_norms(acc, chunk_size):
-    n = len(acc)
-    return np.array([np.abs(acc[c:c + chunk_size]).sum() for c in range(0, n, chunk_size)])
+    if len(acc) == 0:
+        return np.zeros(0)
+    return np.add.reduceat(np.abs(acc), np.arange(0, len(acc), chunk_size))
 
 
 @pytest.mark.parametrize("case", list(CHUNK_CASES.values()), ids=list(CHUNK_CASES))
@@ -322,6 +323,38 @@ def test_gather_no_indices_sends_nothing(impl):
     selected, residual, velocity = impl.gather_chunks(acc, tf.zeros([0], tf.int32), 8, F16, 1.0, None)
     assert selected.shape == (0,) and velocity is None
     assert_same(residual, acc.numpy())
+
+
+def test_outputs_larger_than_the_caches_match_reference():
+    """Outputs of >= 16 MB take the non-temporal-store path of the compiled vector kernels."""
+    if ops._lib() is None:
+        pytest.skip(f"compiled ops unavailable: {ops.library_status()}")
+    impl = ops.compiled
+    sizes, chunk_size = [3, (16 << 20) // 4 + 1001, 5], 1000
+    tensors, grad = random_tensors(sizes, (F32,), spread=1.0)
+    n = len(grad)
+    shapes, dtypes = [[s] for s in sizes], [F32] * 3
+    wire, wire_values = make_tensor(grad, F16)
+    unpacked = impl.unpack(wire, shapes, dtypes, 3.0)
+    assert_same(tf.concat(unpacked, 0), ref_from_wire(wire_values, F32, 3.0))
+
+    residual = round_to(RNG.normal(size=n), F32)
+    velocity = round_to(RNG.normal(size=n), F32)
+    acc, norms, new_velocity = impl.accumulate(tf.constant(residual, F32), tensors, chunk_size,
+                                               tf.constant(velocity, F32), 0.5)
+    u = round_to(round_to(0.5 * velocity, F32) + grad, F32)
+    expected_acc = round_to(residual + u, F32)
+    assert_same(acc, expected_acc)
+    assert_same(new_velocity, u)
+    np.testing.assert_allclose(as_f64(norms), ref_norms(expected_acc, chunk_size), rtol=2e-6)
+
+    indices = random_indices(n, chunk_size, True)
+    mask = chunk_mask(n, chunk_size, indices)
+    selected, new_residual, _ = impl.gather_chunks(acc, tf.constant(indices), chunk_size, F32, 1.0, None)
+    assert_same(selected, expected_acc[mask])
+    assert_same(new_residual, np.where(mask, 0.0, expected_acc))
+    scattered = impl.scatter_chunks(selected, tf.constant(indices), chunk_size, shapes, dtypes, 1.0)
+    assert_same(tf.concat(scattered, 0), np.where(mask, expected_acc, 0.0))
 
 
 # ---------------------------------------------------------------------------
