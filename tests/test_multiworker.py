@@ -75,13 +75,15 @@ def test_fit_without_gradient_flow_works_and_matches_baseline(baseline):
 def test_mismatched_settings_fail_fast_naming_setting_and_workers():
     results = cluster.run_workers(
         "fit_worker.py", 2, [], timeout=TIMEOUT, comm_timeout=COMM_TIMEOUT,
-        per_worker_args=[["--compression", "fp16"], ["--compression", "none",
-                                                     "--bytes_per_pack", "2048"]])
+        per_worker_args=[["--compression", "fp16"],
+                         ["--compression", "none", "--bytes_per_pack", "2048",
+                          "--freeze_first_layer"]])
     for r in results:
         assert r.returncode not in (0, None), cluster.describe(results)
         assert "settings differ across workers" in r.output, cluster.describe(results)
         assert "compression: worker 0 = 'fp16', worker 1 = None" in r.output
         assert "bytes_per_pack: worker 0 = 1024, worker 1 = 2048" in r.output
+        assert "number of gradients: worker 0 = 4, worker 1 = 2" in r.output
         assert "InternalError" not in r.output
         assert r.seconds < TIMEOUT
 

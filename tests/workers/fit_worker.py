@@ -24,6 +24,8 @@ parser.add_argument("--hidden", type=int, default=32)
 parser.add_argument("--mixed_precision", action="store_true")
 parser.add_argument("--steps_per_execution", type=int, default=1)
 parser.add_argument("--baseline", action="store_true", help="one process, no strategy")
+parser.add_argument("--freeze_first_layer", action="store_true",
+                    help="same variables, fewer gradients (a variable-list mismatch)")
 parser.add_argument("--check_steps_per_execution", action="store_true",
                     help="after fit, record the error of a fit with steps_per_execution=2")
 args = parser.parse_args()
@@ -54,6 +56,7 @@ def build():
     model = keras.Sequential([keras.Input((8,)),
                               keras.layers.Dense(args.hidden, activation="tanh"),
                               keras.layers.Dense(3, dtype="float32")])
+    model.layers[0].trainable = not args.freeze_first_layer
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
                   steps_per_execution=args.steps_per_execution)
     return model
