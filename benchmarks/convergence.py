@@ -53,7 +53,7 @@ def main():
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--densities", default="0.1,0.01,0.001")
     parser.add_argument("--warmup_steps", type=int, default=50)
-    parser.add_argument("--chunk_size", type=int, default=256)
+    parser.add_argument("--chunk_size", type=int, default=1024)
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--learning_rate", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)

@@ -34,7 +34,7 @@ from gf_tf import compression as compression_lib
 from gf_tf import ops
 
 # Chosen with benchmarks/csc_defaults.py (see its printed tables and README).
-DEFAULT_CHUNK_SIZE = 256
+DEFAULT_CHUNK_SIZE = 1024
 DEFAULT_DENSITY = 0.01
 
 WARMUP_MODES = ("dense", "exponential")
