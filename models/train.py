@@ -2,12 +2,13 @@ r"""Train a reference model with Keras `model.fit` and GradientFlow all-reduce.
 
   gf-tf-run -n 2 -- python -m models.train      # the default job: 2 workers, digits CNN,
                                                 # FP16 + CSC after warm-up, ~1 minute on 2 cores
-  python -m models.train --strategy mirrored --num_devices 2
+  python -m models.train                        # the same job as 2 replicas in one process
   python -m models.train --model resnet50 --dataset synthetic --batch_size 16 --steps_per_epoch 5
 
-Without TF_CONFIG (not under gf-tf-run), --strategy multi_worker_mirrored runs
-this process as a one-worker cluster: the same code path, but nothing crosses
-a network; it says so at start.
+Without TF_CONFIG (not under gf-tf-run) and without an explicit --strategy, it
+trains with --strategy mirrored over 2 logical CPU devices of this process
+(or --num_devices): the gradients still go through GradientFlow's all-reduce,
+which a one-worker cluster with one replica would skip. It says so at start.
 
 At the end every worker prints the test accuracy (the whole test set,
 evaluated locally with the trained weights, which are identical on every
@@ -107,8 +108,18 @@ def main(argv):
     import gf_tf
     from models import datasets, factory
 
+    say = lambda *a: print(*a, flush=True)
+    strategy_name, num_devices = FLAGS.strategy, FLAGS.num_devices
+    if "TF_CONFIG" not in os.environ and not FLAGS["strategy"].present:
+        # One process, no cluster: 2 replicas in this process still exercise the all-reduce
+        # (a one-worker cluster with one replica would skip it).
+        strategy_name = "mirrored"
+        num_devices = num_devices if FLAGS["num_devices"].present else 2
+        say(f"TF_CONFIG is not set: training {num_devices} replicas in this process "
+            f"(--strategy mirrored --num_devices {num_devices}). "
+            f"For 2 worker processes: gf-tf-run -n 2 -- python -m models.train")
     # Order matters: devices before TF initialises them; GradientFlow outside the strategy scope.
-    factory.configure_local_devices(FLAGS.num_devices)
+    factory.configure_local_devices(num_devices)
     factory.set_precision(FLAGS.mixed_precision)
     keras.utils.set_random_seed(FLAGS.seed)
     gradient_flow = factory.build_gradient_flow(
@@ -116,13 +127,9 @@ def main(argv):
         FLAGS.momentum)
     # With CSC the momentum lives in ChunkSparsity (momentum correction), not in the optimizer.
     optimizer_momentum = 0.0 if FLAGS.density < 1.0 else FLAGS.momentum
-    strategy = factory.build_strategy(FLAGS.strategy, FLAGS.num_devices, gradient_flow,
+    strategy = factory.build_strategy(strategy_name, num_devices, gradient_flow,
                                       FLAGS.collective_timeout)
     task_type, task_id, is_chief = factory.task_info(strategy)
-    say = lambda *a: print(*a, flush=True)
-    if FLAGS.strategy == "multi_worker_mirrored" and "TF_CONFIG" not in os.environ:
-        say("TF_CONFIG is not set: running as a one-worker cluster (nothing is sent over a network). "
-            "For 2 workers: gf-tf-run -n 2 -- python -m models.train")
     say(f"{factory.tf_config_summary()}; {strategy.num_replicas_in_sync} replicas; "
         f"chief: {is_chief}; gradient all-reduce: "
         f"{'TF float32' if gradient_flow is None else type(gradient_flow).__name__} "
@@ -170,10 +177,13 @@ def main(argv):
     say(f"test accuracy: {accuracy:.4f} ({source.num_examples[datasets.TEST]} test images)")
     say(f"throughput: {images_per_second:.1f} images/s (all {strategy.num_replicas_in_sync} replicas, "
         f"first step excluded)")
-    say(f"bytes sent per step per replica: {sent:,.0f} (mean of all steps, warm-up included; "
-        f"last epoch {last:,.0f}) vs {dense:,.0f} for float32 dense all-reduce: "
-        f"{dense / sent if sent else float('inf'):.1f}x fewer, {100 * (1 - sent / dense):.1f}% saved "
-        f"({comm['source']})")
+    if dense:
+        say(f"bytes sent per step per replica: {sent:,.0f} (mean of all steps, warm-up included; "
+            f"last epoch {last:,.0f}) vs {dense:,.0f} for float32 dense all-reduce: "
+            f"{dense / sent if sent else float('inf'):.1f}x fewer, {100 * (1 - sent / dense):.1f}% "
+            f"saved ({comm['source']})")
+    else:
+        say("bytes sent per step: none (one replica: Keras skips the gradient all-reduce)")
     if write_dir:
         model.save_weights(os.path.join(write_dir, "final.weights.h5"))
         results = {"test_accuracy": accuracy, "images_per_second": images_per_second,

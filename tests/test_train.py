@@ -109,3 +109,18 @@ def test_two_worker_training_run_learns_and_reports_bytes(tmp_path):
     # Only the chief leaves artefacts; worker 1's temporary directory is gone.
     assert sorted(os.listdir(model_dir)) == ["checkpoint.weights.h5", "final.weights.h5", "logs",
                                              "results.json"]
+
+
+def test_without_tf_config_it_trains_two_replicas_in_one_process_through_gradient_flow():
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env.pop("TF_CONFIG", None)
+    run = subprocess.run([sys.executable, "-m", "models.train", "--epochs", "1", "--steps_per_epoch", "4",
+                          "--warmup_steps", "1", "--density", "0.05"],
+                         env=env, capture_output=True, timeout=300, cwd=REPO_ROOT)
+    text = run.stdout.decode()
+    assert run.returncode == 0, (text + run.stderr.decode())[-3000:]
+    assert "TF_CONFIG is not set: training 2 replicas in this process" in text
+    assert "2 replicas; chief: True; gradient all-reduce: GradientFlowAllReduce" in text
+    sent, dense = map(lambda s: float(s.replace(",", "")), re.search(
+        r"bytes sent per step per replica: ([\d,]+) .* vs ([\d,]+) for float32", text).groups())
+    assert 0 < sent < 0.5 * dense  # 1 dense FP16 step, 3 sparse ones
