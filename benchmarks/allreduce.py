@@ -22,8 +22,14 @@ all-reduce a gradient list shaped like the named network
   (EmulatedCluster.measure_goodput: all links at once, best link).
 - x bound: measured / bound; speedup: TF default fp32 time / this time.
 - pack+unpack % (gf_fp16 only): gf_tf.ops pack+unpack of the same list timed
-  locally in the same worker processes right after the all-reduce loop, as a
-  share of the all-reduce time.
+  alone in the same worker processes right after the all-reduce loop, as a
+  share of the all-reduce time (an upper bound: in the step, packs overlap
+  the collectives of other packs).
+- with --profile (GradientFlow methods): one extra step of worker 0 under the
+  TF profiler. "GF ops exposed %": time gf_tf's ops (GfPack, GfUnpack,
+  GfAccumulate, GfGatherChunks, GfScatterChunks) ran while no collective was
+  in flight on that worker, as a share of the step; "collectives": collective
+  ops issued per step. The op summary is in the JSON.
 
 Needs root; without it, exits with status 2 and changes nothing.
 """
@@ -143,7 +149,7 @@ def unavailable_methods() -> Dict[str, str]:
 
 
 def run_launch(cluster: netem.EmulatedCluster, launch: Launch, port: int, iters: int, warmup: int,
-               log_dir: str) -> Dict:
+               log_dir: str, profile: bool = False) -> Dict:
     """Runs one method on one cluster configuration; returns worker results or an error."""
     n, rate, method, sets = launch
     budget = estimate_launch_seconds(launch, iters, warmup)
@@ -155,6 +161,8 @@ def run_launch(cluster: netem.EmulatedCluster, launch: Launch, port: int, iters:
             "--timeout", str(collective_timeout)]
     if method == "gf_fp16":
         argv.append("--pack-overhead")
+    if profile and methods.is_gradient_flow(method):
+        argv += ["--profile", os.path.join(log_dir, f"profile_{method}_n{n}_{rate}")]
     job = cluster.run_job([argv] * n, port, timeout=120 + 4 * budget, log_dir=log_dir,
                           tag=f"{method}_n{n}_{report.link_label(rate).replace(' ', '').replace('/', '')}")
     return {"error": job["error"], "workers": job["results"]}
@@ -195,6 +203,11 @@ def derive_cells(launch: Launch, outcome: Dict, goodput_bps: float) -> List[Dict
         for key in ("max_rel_error", "nonzero_fraction", "stats_steps_per_iter"):
             if key in chief:
                 cell[key] = chief[key]
+        if "profile" in chief:
+            prof = chief["profile"]
+            cell["profile"] = prof
+            cell["gf_ops_busy_share"] = prof["gf_busy_s"] / prof["wall_s"]
+            cell["gf_ops_exposed_share"] = prof["gf_exposed_s"] / prof["wall_s"]
         if "pack_unpack_s" in chief:
             cell["pack_unpack_s"] = statistics.median(w["pack_unpack_s"] for w in per_worker)
             cell["pack_unpack_share"] = cell["pack_unpack_s"] / chief["median_s"]
@@ -221,7 +234,8 @@ def add_speedups(cells: List[Dict]) -> None:
 
 def results_table(cells: List[Dict]) -> str:
     headers = ["gradients", "N", "link", "method", "s/all-reduce", "wire MB/worker", "wire/ideal",
-               "bound s", "x bound", "speedup vs TF fp32", "bottleneck", "pack+unpack %", "check"]
+               "bound s", "x bound", "speedup vs TF fp32", "bottleneck", "pack+unpack %", "GF ops exposed %",
+               "collectives", "check"]
     rows = []
     order = {m: i for i, m in enumerate(methods.METHODS)}
     for c in sorted(cells, key=lambda c: (ALL_SETS.index(c["set"]), c["workers"],
@@ -229,14 +243,16 @@ def results_table(cells: List[Dict]) -> str:
         gradients_label = f"{c['set']} ({c['elements'] / 1e6:.2f}M)"
         if "error" in c:
             rows.append([gradients_label, c["workers"], report.link_label(c["rate_mbit"]), c["method"],
-                         "FAILED", None, None, None, None, None, None, None, c["error"][:80]])
+                         "FAILED", None, None, None, None, None, None, None, None, None, c["error"][:80]])
             continue
         check = (f"err {c['max_rel_error']:.1e}" if "max_rel_error" in c else
                  f"nnz {100 * c['nonzero_fraction']:.2g}%" if "nonzero_fraction" in c else "")
         rows.append([gradients_label, c["workers"], report.link_label(c["rate_mbit"]), c["method"],
                      c["median_s"], c["wire_tx_bytes_per_worker"] / 1e6, c["wire_over_ideal"], c["bound_s"],
                      c["ratio_to_bound"], c.get("speedup_vs_tf_fp32"), c.get("bottleneck"),
-                     100 * c["pack_unpack_share"] if "pack_unpack_share" in c else None, check])
+                     100 * c["pack_unpack_share"] if "pack_unpack_share" in c else None,
+                     100 * c["gf_ops_exposed_share"] if "gf_ops_exposed_share" in c else None,
+                     c["profile"]["collective_ops"] if "profile" in c else None, check])
     return report.markdown_table(headers, rows)
 
 
@@ -268,9 +284,15 @@ def targets_table(cells: List[Dict]) -> str:
                              f"{speed:.1f}x" if speed else "not measured",
                              _verdict(speed is not None and speed >= 30, csc) if csc else "-"])
     for c in cells:
-        if c["method"] == "gf_fp16" and c["rate_mbit"] == 1000.0 and "pack_unpack_share" in c:
-            rows.append([f"{c['set']}, N={c['workers']}, 1 Gbit/s", "pack+unpack < 5% of all-reduce",
+        if c["method"] == "gf_fp16" and c["rate_mbit"] == 1000.0 and "pack_unpack_share" in c \
+                and c["set"] != "resnet20":
+            where = f"{c['set']}, N={c['workers']}, 1 Gbit/s"
+            rows.append([where, "pack+unpack < 5% of all-reduce (timed alone)",
                          f"{100 * c['pack_unpack_share']:.1f}%", "met" if c["pack_unpack_share"] < 0.05 else "MISSED"])
+            if "gf_ops_exposed_share" in c:
+                rows.append([where, "pack+unpack < 5% of all-reduce (profiled step, not overlapping a collective)",
+                             f"{100 * c['gf_ops_exposed_share']:.1f}% (busy {100 * c['gf_ops_busy_share']:.1f}%)",
+                             "met" if c["gf_ops_exposed_share"] < 0.05 else "MISSED"])
     return report.markdown_table(["where", "target", "measured", "verdict"], rows)
 
 
@@ -326,6 +348,8 @@ def main(argv=None) -> int:
     parser.add_argument("--goodput-seconds", type=float, default=3.0)
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/allreduce.json)")
     parser.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one extra step per cell (worker 0's op summary goes into the JSON)")
     parser.add_argument("--dry-run", action="store_true", help="print the matrix and its time estimate only")
     args = parser.parse_args(argv)
 
@@ -382,7 +406,7 @@ def main(argv=None) -> int:
                 for launch in [l for l in launches if l[0] == n and l[1] == rate]:
                     port += 1
                     t0 = time.time()
-                    outcome = run_launch(cluster, launch, port, iters, args.warmup, log_dir)
+                    outcome = run_launch(cluster, launch, port, iters, args.warmup, log_dir, args.profile)
                     new = derive_cells(launch, outcome, goodput)
                     cells += new
                     summary = ", ".join(f"{c['set']} {c['median_s']:.3f}s" if "median_s" in c else

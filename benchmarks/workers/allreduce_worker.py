@@ -87,6 +87,60 @@ def pack_unpack_seconds(values, num_workers, iters):
     return statistics.median(times)
 
 
+def profile_step(step, logdir):
+    """Runs `step` once under the TF profiler; per op type: [count, total busy s], plus interval overlap.
+
+    "gf_busy_s": summed duration of gf_tf's own ops (GfPack, GfUnpack, GfAccumulate, GfGatherChunks,
+    GfScatterChunks); "gf_exposed_s": the part of their merged intervals during which no collective
+    op event was running on this worker (a proxy for time they add to the step).
+    """
+    import glob
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    tf.profiler.experimental.start(logdir)
+    t0 = time.perf_counter()
+    step()
+    wall = time.perf_counter() - t0
+    tf.profiler.experimental.stop()
+    space = xplane_pb2.XSpace()
+    with open(sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True))[-1], "rb") as f:
+        space.ParseFromString(f.read())
+    by_type, gf, coll = {}, [], []
+    for plane in space.planes:
+        if not plane.name.startswith("/host:CPU"):
+            continue
+        for line in plane.lines:
+            for ev in line.events:
+                name = plane.event_metadata[ev.metadata_id].name
+                if ":" not in name:
+                    continue
+                op_type = name.rsplit(":", 1)[1]
+                start = (line.timestamp_ns * 1000 + ev.offset_ps) / 1e12
+                end = start + ev.duration_ps / 1e12
+                entry = by_type.setdefault(op_type, [0, 0.0])
+                entry[0] += 1
+                entry[1] += end - start
+                if op_type.startswith("Gf"):
+                    gf.append((start, end))
+                elif "Collective" in op_type:
+                    coll.append((start, end))
+    gf_m, coll_m = _merge(gf), _merge(coll)
+    overlap = sum(max(0.0, min(b, d) - max(a, c)) for a, b in gf_m for c, d in coll_m)
+    busy = sum(b - a for a, b in gf_m)
+    top = dict(sorted(by_type.items(), key=lambda kv: -kv[1][1])[:12])
+    return {"wall_s": wall, "op_types": top, "gf_busy_s": busy, "gf_exposed_s": busy - overlap,
+            "collective_ops": sum(v[0] for k, v in by_type.items() if "Collective" in k)}
+
+
+def _merge(intervals):
+    merged = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
 def stats_totals(gradient_flow):
     if gradient_flow is None or getattr(gradient_flow, "stats", None) is None:
         return None
@@ -104,6 +158,8 @@ def main():
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--pack-overhead", action="store_true",
                         help="also time gf_tf.ops pack+unpack of each set locally")
+    parser.add_argument("--profile", default=None,
+                        help="directory: run one more step under the TF profiler and summarise its ops")
     args = parser.parse_args()
 
     t_start = time.perf_counter()
@@ -146,6 +202,8 @@ def main():
             entry["dense_payload_bytes_per_iter"] = (after_stats["dense_bytes"] - before_stats["dense_bytes"]) / args.iters
         local = [strategy.experimental_local_results(r)[0] for r in out]
         entry.update(check_result(args.method, values, local, num_workers))
+        if args.profile:
+            entry["profile"] = profile_step(step, os.path.join(args.profile, f"{name}_w{task}"))
         if args.pack_overhead:
             entry["pack_unpack_s"] = pack_unpack_seconds(values, num_workers, max(args.iters, 3))
         results["sets"][name] = entry
