@@ -298,6 +298,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         print(f"gf-tf-run: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the command cannot be started (not found, not executable)
+        print(f"gf-tf-run: error: cannot run {command[0]!r}: {e.strerror}", file=sys.stderr)
+        return 127
 
 
 if __name__ == "__main__":

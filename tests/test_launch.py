@@ -231,3 +231,9 @@ def test_workers_with_a_bad_address_fail_naming_it(capsys):
     code = launch.main(["--workers", "10.0.0.1:2222,10.0.0.2", "--index", "0", "--", "true"])
     assert code == 2
     assert "cluster.worker[1]" in capsys.readouterr().err
+
+
+def test_a_command_that_cannot_start_is_reported(capsys):
+    code = launch.main(["-n", "2", "--", "/nonexistent/gf-tf-train"])
+    assert code == 127
+    assert "cannot run '/nonexistent/gf-tf-train': No such file or directory" in capsys.readouterr().err
