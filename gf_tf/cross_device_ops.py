@@ -188,8 +188,8 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         return self._cross_ops().broadcast_implementation(tensor, destinations)
 
     def _gather_implementation(self, per_replica_value, destinations, axis, options):
-        return self._cross_ops()._gather_implementation(  # pylint: disable=protected-access
-            per_replica_value, destinations, axis, options)
+        return tf_internal.gather(self._cross_ops(), per_replica_value, destinations, axis,
+                                  options)
 
     # --- replica-context path (no merge_call: XLA on all-GPU devices) --------
 
@@ -206,7 +206,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         num_replicas = tf.distribute.get_replica_context().num_replicas_in_sync
 
         def all_reduce_sum(tensors):
-            return [wrapped._all_reduce(_SUM, tensors[0], replica_id, options)]  # pylint: disable=protected-access
+            return [tf_internal.replica_all_reduce(wrapped, _SUM, tensors[0], replica_id, options)]
 
         results = list(flat)
         for pack in plan:
@@ -216,8 +216,8 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
                 results[i] = reduced[0][j]
         others = [i for i, t in enumerate(flat) if t is not None and signature[i] is None]
         for group in _groups_by_dtype(others, [flat[i] for i in others]):
-            reduced = wrapped._all_reduce(reduce_op, [flat[i] for i in group],  # pylint: disable=protected-access
-                                          replica_id, options)
+            reduced = tf_internal.replica_all_reduce(wrapped, reduce_op, [flat[i] for i in group],
+                                                     replica_id, options)
             for i, r in zip(group, reduced):
                 results[i] = r
         return tf.nest.pack_sequence_as(value, results)

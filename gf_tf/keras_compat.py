@@ -67,7 +67,7 @@ def install() -> None:
 def _patched_symbolic_build(original):
     @functools.wraps(original)
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        strategy = self._distribute_strategy  # pylint: disable=protected-access
+        strategy = self.distribute_strategy
         if iterator is None or not in_multi_worker_mode(strategy):
             return original(self, iterator=iterator, data_batch=data_batch)
         for _, _, it in iterator:

@@ -9,6 +9,8 @@ pieces used for that live here and only here, behind `check_tf_version`:
   (to build and return distributed values),
 - `tensorflow.python.distribute.cross_device_ops._all_devices_match`,
 - `CrossDeviceOps._num_between_graph_workers` (workers in the collective group),
+  `CrossDeviceOps._all_reduce` and `._gather_implementation` of the wrapped ops
+  (GradientFlowAllReduce overrides the same methods, as TF's contract asks),
 - `MirroredStrategy.extended._collective_ops` (the ops TF uses by default),
 - `MultiWorkerMirroredStrategy.extended._cross_device_ops` (replaced after
   construction, before anything is traced).
@@ -76,6 +78,17 @@ def destinations_match(value_destination_pairs) -> bool:
 def num_workers_of(ops: tf.distribute.CrossDeviceOps) -> int:
     """Workers taking part in `ops`'s collectives (1 for single-worker ops)."""
     return int(ops._num_between_graph_workers)  # pylint: disable=protected-access
+
+
+def replica_all_reduce(ops: tf.distribute.CrossDeviceOps, reduce_op, value, replica_id: int,
+                       options):
+    """`ops._all_reduce`: the replica-context all-reduce of one replica's nest of values."""
+    return ops._all_reduce(reduce_op, value, replica_id, options)  # pylint: disable=protected-access
+
+
+def gather(ops: tf.distribute.CrossDeviceOps, per_replica_value, destinations, axis, options):
+    """`ops._gather_implementation` (strategy.gather, e.g. Keras's multi-worker predict)."""
+    return ops._gather_implementation(per_replica_value, destinations, axis, options)  # pylint: disable=protected-access
 
 
 def default_cross_device_ops(strategy: tf.distribute.Strategy) -> tf.distribute.CrossDeviceOps:
