@@ -244,7 +244,9 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
             ("bytes_per_pack", self.bytes_per_pack, lambda b: str(int(b))),
             ("number of gradients", len(signature), lambda n: str(int(n))),
             ("gradient shapes/dtypes (CRC32)", zlib.crc32(shapes), lambda c: f"{int(c):08x}"),
-            ("sparsity (CRC32)", _sparsity_fingerprint(self.sparsity), lambda c: f"{int(c):08x}"),
+            ("sparsity density", getattr(self.sparsity, "density", 0.0), lambda d: f"{d:g}"),
+            ("sparsity settings (CRC32)", _sparsity_fingerprint(self.sparsity),
+             lambda c: f"{int(c):08x}"),
         ]
 
     def _check_workers_agree(self, signature, first_values, options):
