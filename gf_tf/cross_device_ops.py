@@ -52,7 +52,8 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
     Across workers the settings and the gradient list must agree: before the
     first packed all-reduce of each traced step a fixed-shape float64
     all-reduce compares them and raises ValueError naming the setting and the
-    workers.
+    workers (merge-call path, which is every CPU run; the replica-context path
+    used for XLA on all-GPU workers has no such check).
 
     Args:
       compression: "fp16" (default), "bf16" or None (packing only).

@@ -260,3 +260,22 @@ def test_one_instance_serves_one_strategy():
         gfar._cross_ops()  # pylint: disable=protected-access
     with second.scope(), pytest.raises(ValueError, match="one GradientFlowAllReduce per strategy"):
         gfar.batch_reduce(SUM, [(value, value)])
+
+
+def test_reduce_broadcast_and_gather_are_forwarded_exactly():
+    """Single values (strategy.reduce: losses, metrics), broadcasts and gathers are not compressed."""
+    gfar, strategy = make(2)
+    value = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.identity(tf.constant([1e5, 1.0 + 2 ** -20], tf.float32) * tf.cast(
+            ctx.replica_id_in_sync_group + 1, tf.float32)))
+    with strategy.scope():
+        reduced = gfar.reduce(SUM, value, destinations=value)
+        for v in strategy.experimental_local_results(reduced):
+            np.testing.assert_array_equal(v.numpy(), np.float32([3e5, 3 * (1.0 + 2 ** -20)]))
+        gathered = strategy.gather(value, axis=0)
+        np.testing.assert_array_equal(gathered.numpy(), np.float32([1e5, 1.0 + 2 ** -20,
+                                                                    2e5, 2 * (1.0 + 2 ** -20)]))
+        copies = gfar.broadcast(tf.constant([7e4, 2.5]), destinations=value)
+        for v in strategy.experimental_local_results(copies):
+            np.testing.assert_array_equal(v.numpy(), np.float32([7e4, 2.5]))
+    assert gfar.stats.result()["steps"] == 0
