@@ -13,13 +13,14 @@ when the CPU kernels have finished). Reported per row:
   (bytes read + bytes written, listed in the "MB moved" column), measured in
   the same run as a NumPy copy of the same total byte count between two
   preallocated, already-touched arrays (half the bytes read, half written);
-- peak MB: peak memory TensorFlow allocates during the call beyond what is
-  live before it, outputs included; measured in a subprocess that runs the
-  same rows once with TF_CPU_ALLOCATOR_USE_BFC=true (the default CPU
-  allocator keeps no statistics).
+- peak MB: peak resident memory the call adds while it runs, outputs
+  included (VmHWM - VmRSS before the call), measured in a subprocess that
+  runs each row once with malloc-backed, unpooled large buffers (MEMORY_ENV);
+- rows are timed round-robin (one call of each row per round), so background
+  load slows all rows alike.
 - call overhead: a tf.function that takes the same inputs and returns the
   first one: the fixed per-call cost no op can avoid (it dominates the small
-  list).
+  list); net x fl: (ms - call overhead) / floor ms.
 
 Variants: ours = compiled kernels (gf_tf.ops.compiled); composite = gf_tf's
 stock-TF implementation (gf_tf.ops.composite); TF baselines as named. The
@@ -33,6 +34,7 @@ over at most 3 calls (it takes seconds on the large list).
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -47,51 +49,68 @@ from benchmarks.workers.gradients import GRADIENT_SETS, num_elements  # noqa: E4
 from gf_tf import ops  # noqa: E402
 
 NUM_REPLICAS = 2
+OVERHEAD = "call overhead (tf.function, same inputs)"
 MB = 1e6
 
 
-def peak_extra_mb(fn, *args):
-    """Peak TensorFlow CPU memory fn(*args) allocates beyond what is live before it, outputs included (MB).
+def _status_kb(field):
+    with open("/proc/self/status") as f:
+        return int(re.search(field + r":\s+(\d+)", f.read()).group(1))
 
-    Needs TF_CPU_ALLOCATOR_USE_BFC=true (set by memory_peaks' subprocess):
-    TensorFlow's default CPU allocator keeps no statistics.
+
+def peak_extra_mb(fn, *args):
+    """Peak resident memory fn(*args) adds while it runs, outputs included (MB).
+
+    Exact only in memory_peaks' subprocess, where every large buffer is its own
+    mmap (returned on free) instead of a pooled one.
     """
-    result = fn(*args)  # warm-up (tracing allocates too)
+    result = fn(*args)  # warm-up: tracing allocates too
     del result
-    tf.config.experimental.reset_memory_stats("CPU:0")
-    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    before = _status_kb("VmRSS")
     result = fn(*args)
-    extra = (tf.config.experimental.get_memory_info("CPU:0")["peak"] - before) / MB
+    extra = (_status_kb("VmHWM") - before) * 1024 / MB
     del result
     return extra
 
 
+# TensorFlow's default CPU allocator here (oneDNN's) pools large buffers, so
+# resident memory hides what a call allocates. Without oneDNN, TensorFlow
+# uses malloc, and with a fixed mmap threshold malloc maps each large buffer
+# freshly and unmaps it on free: VmHWM - VmRSS is then exactly the call's peak.
+MEMORY_ENV = {"TF_ENABLE_ONEDNN_OPTS": "0", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+
+
 def memory_peaks(name, args):
-    """{row label: peak MB} from a subprocess running the same rows on TF's BFC CPU allocator."""
-    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true")
+    """{row label: peak MB} from a subprocess running each row once under MEMORY_ENV."""
     command = [sys.executable, "-m", "benchmarks.ops", "--sets", name, "--memory-json",
                "--chunk-size", str(args.chunk_size), "--density", str(args.density)]
-    out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(command, env=dict(os.environ, **MEMORY_ENV), check=True,
+                         capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
-def median_ms(fn, *args, iters, warmup=3):
-    for _ in range(warmup):
-        fn(*args)
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn(*args)
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+def time_interleaved(calls, iters, warmup=2):
+    """{key: median ms}: round-robin over calls = {key: (fn, args, max_iters)}, so that
+    background load slows every row alike. Each call runs min(iters, max_iters) times."""
+    for fn, args, max_iters in calls.values():
+        for _ in range(min(warmup, max_iters)):
+            fn(*args)
+    times = {key: [] for key in calls}
+    for i in range(iters):
+        for key, (fn, args, max_iters) in calls.items():
+            if i < max_iters:
+                start = time.perf_counter()
+                fn(*args)
+                times[key].append(time.perf_counter() - start)
+    return {key: 1e3 * statistics.median(t) for key, t in times.items()}
 
 
-def floor_ms(total_bytes, iters):
-    """NumPy copy moving total_bytes (half read, half written) between warm arrays."""
+def floor_copy(total_bytes):
+    """(np.copyto, args) moving total_bytes (half read, half written) between warm arrays."""
     n = max(1, int(total_bytes // 2))
-    src = np.ones(n, np.uint8)
-    dst = np.zeros(n, np.uint8)
-    return median_ms(np.copyto, dst, src, iters=iters)
+    return np.copyto, (np.zeros(n, np.uint8), np.ones(n, np.uint8))
 
 
 def make_variants(shapes, chunk_size, density):
@@ -123,7 +142,7 @@ def make_variants(shapes, chunk_size, density):
 
     pack_bytes = 4 * n + 2 * n
     return [
-        ("overhead", "call overhead (tf.function, same inputs)",
+        ("overhead", OVERHEAD,
          fn(lambda g: tf.identity(g[0])), (grads,), 0),
         ("pack", "ours: pack (fp32 -> fp16, x1/N)",
          fn(lambda g: ops.compiled.pack(g, tf.float16, scale)), (grads,), pack_bytes),
@@ -165,21 +184,25 @@ def run_set(name, shapes, args):
     n = num_elements(shapes)
     print(f"\n== {name}: {len(shapes)} float32 tensors, {n:,} elements ({4 * n / MB:.1f} MB), "
           f"chunk_size {args.chunk_size}, density {args.density} ==", flush=True)
-    rows = []
-    for group, label, fn, fn_args, moved, *max_iters in make_variants(shapes, args.chunk_size,
-                                                                       args.density):
-        iters = min([args.iters] + max_iters)
-        ms = median_ms(fn, *fn_args, iters=iters, warmup=min(3, iters))
-        floor = floor_ms(moved, args.iters) if moved else float("nan")
-        rows.append((group, label, ms, moved, floor))
+    rows = make_variants(shapes, args.chunk_size, args.density)
+    calls = {}
+    for group, label, fn, fn_args, moved, *max_iters in rows:
+        calls[label] = (fn, fn_args, min([args.iters] + max_iters))
+        if moved:
+            calls[("floor", moved)] = floor_copy(moved) + (args.iters,)
+    ms = time_interleaved(calls, args.iters)
     peaks = memory_peaks(name, args)
-    ours = {g: ms for g, label, ms, *_ in rows if label.startswith("ours") and g != "chunk"}
-    print(f"{'op':<48} {'ms':>8} {'x ours':>7} {'MB moved':>9} {'floor ms':>9} {'x floor':>8} {'peak MB':>8}")
-    for group, label, ms, moved, floor in rows:
-        ratio = f"{ms / ours[group]:7.2f}" if group in ours else f"{'':>7}"
-        print(f"{label:<48} {ms:8.2f} {ratio} {moved / MB:9.1f} {floor:9.2f} {ms / floor:8.2f} "
+    ours = {group: ms[label] for group, label, *_ in rows
+            if label.startswith("ours") and group != "chunk"}
+    overhead = ms[OVERHEAD]
+    print(f"{'op':<48} {'ms':>8} {'x ours':>7} {'MB moved':>9} {'floor ms':>9} {'x floor':>8} "
+          f"{'net x fl':>8} {'peak MB':>8}")
+    for group, label, _, _, moved, *_ in rows:
+        ratio = f"{ms[label] / ours[group]:7.2f}" if group in ours else f"{'':>7}"
+        floor = ms[("floor", moved)] if moved else float("nan")
+        print(f"{label:<48} {ms[label]:8.2f} {ratio} {moved / MB:9.1f} {floor:9.2f} "
+              f"{ms[label] / floor:8.2f} {(ms[label] - overhead) / floor:8.2f} "
               f"{peaks.get(label, float('nan')):8.1f}")
-    return rows
 
 
 def main(argv=None):
@@ -190,7 +213,7 @@ def main(argv=None):
     parser.add_argument("--chunk-size", type=int, default=1024, help="chunk ops: elements per chunk")
     parser.add_argument("--density", type=float, default=0.01, help="chunk ops: fraction of chunks sent")
     parser.add_argument("--memory-json", action="store_true",
-                        help="internal: print {row: peak MB} as JSON (run with TF_CPU_ALLOCATOR_USE_BFC=true)")
+                        help="internal: print {row: peak MB} as JSON (run under MEMORY_ENV)")
     args = parser.parse_args(argv)
     if args.memory_json:
         (name,) = args.sets.split(",")

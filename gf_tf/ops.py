@@ -127,8 +127,13 @@ def _in_xla_compilation() -> bool:
         return False
     # No public API tells whether the graph being built is an XLA cluster
     # (tf.function(jit_compile=True)); this is the check TensorFlow itself uses.
-    from tensorflow.python.ops import control_flow_util  # pylint: disable=g-import-not-at-top
-    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+    try:
+        from tensorflow.python.ops import control_flow_util  # pylint: disable=g-import-not-at-top
+        in_xla = control_flow_util.GraphOrParentsInXlaContext
+    except (ImportError, AttributeError) as e:
+        raise RuntimeError(f"gf_tf.ops cannot tell XLA graphs apart in TensorFlow {tf.__version__} "
+                           f"({e}); call gf_tf.ops.composite or gf_tf.ops.compiled explicitly") from e
+    return in_xla(tf.compat.v1.get_default_graph())
 
 
 def _on_cpu(tensors) -> bool:
