@@ -22,7 +22,8 @@ def run_fit(*args, **kwargs):
 
 
 def weights(result):
-    return [result[k] for k in sorted((k for k in result if k.startswith("w")), key=lambda k: int(k[1:]))]
+    return [result[k] for k in sorted((k for k in result if k[0] == "w" and k[1:].isdigit()),
+                                      key=lambda k: int(k[1:]))]
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +56,11 @@ def test_fit_fp16_two_workers_identical_and_close_to_float32_baseline(baseline):
     assert float(r["sent_bytes_per_step"]) == 2 * MODEL_ELEMENTS
     assert float(r["dense_bytes_per_step"]) == 4 * MODEL_ELEMENTS
     assert int(r["stat_steps"]) == 4
+    # evaluate and predict work too (Keras's multi-worker predict gathers through our ops).
+    np.testing.assert_allclose(r["evaluate_loss"], baseline["evaluate_loss"], rtol=1e-3)
+    assert r["predict"].shape == baseline["predict"].shape
+    np.testing.assert_allclose(np.sort(r["predict"], axis=0), np.sort(baseline["predict"], axis=0),
+                               atol=2e-3)
 
 
 def test_fit_without_gradient_flow_works_and_matches_baseline(baseline):

@@ -72,6 +72,8 @@ dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.global_batch)
 history = model.fit(dataset, epochs=1, verbose=0)
 
 result = {f"w{i}": w for i, w in enumerate(model.get_weights())}
+result["evaluate_loss"] = np.array(model.evaluate(dataset, verbose=0), np.float64)
+result["predict"] = model.predict(tf.data.Dataset.from_tensor_slices(x[:32]).batch(8), verbose=0)
 result["loss"] = np.array(history.history["loss"], np.float64)
 reduces = worker_util.collective_reduces(model) if strategy is not None else []
 result["reduce_dtypes"] = np.array([d for d, _ in reduces], dtype="U16")
