@@ -10,6 +10,8 @@ epochs, seeds, batch size and learning-rate schedule for every row:
   dense FP16  GradientFlowAllReduce(compression="fp16"), SGD with momentum 0.9
   CSC d       FP16 wire + ChunkSparsity(density=d, momentum=0.9 correction) after
               --warmup_steps dense steps, plain SGD (momentum lives in CSC)
+  CSC d cold  the same without warm-up (sparse from the first step), to show
+              what the warm-up contributes
 and prints one row per run: test accuracy (whole test set), its difference to
 dense FP32 in points, bytes sent per step and replica after warm-up, and the
 compression ratio against float32 dense bytes.
@@ -33,7 +35,7 @@ def run(name, flags, args, workdir):
            "--epochs", str(args.epochs), "--seed", str(args.seed),
            "--batch_size", str(args.batch_size), "--learning_rate", str(args.learning_rate),
            "--warmup_steps", str(args.warmup_steps), "--chunk_size", str(args.chunk_size),
-           "--collective_timeout", "120", *flags]
+           "--collective_timeout", "120", *flags]  # later flags win (absl)
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
@@ -52,6 +54,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--densities", default="0.1,0.01,0.001")
+    parser.add_argument("--cold_densities", default="0.01",
+                        help="densities also run without warm-up ('' = none)")
     parser.add_argument("--warmup_steps", type=int, default=50)
     parser.add_argument("--chunk_size", type=int, default=1024)
     parser.add_argument("--batch_size", type=int, default=64)
@@ -63,14 +67,17 @@ def main():
 
     runs = [("dense FP32", ["--compression", "none", "--density", "1"]),
             ("dense FP16", ["--compression", "fp16", "--density", "1"])]
-    for d in args.densities.split(","):
+    for d in filter(None, args.densities.split(",")):
         runs.append((f"CSC {float(d):g}", ["--compression", "fp16", "--density", d]))
+    for d in filter(None, args.cold_densities.split(",")):
+        runs.append((f"CSC {float(d):g} cold", ["--compression", "fp16", "--density", d,
+                                                 "--warmup_steps", "0"]))
 
     print(f"digits_cnn on sklearn digits, {args.workers} workers, {args.epochs} epochs, "
           f"batch {args.batch_size}, lr {args.learning_rate} cosine, seed {args.seed}; "
           f"CSC: chunk_size {args.chunk_size}, {args.warmup_steps} dense warm-up steps, "
           f"momentum correction 0.9", flush=True)
-    header = (f"{'run':<12} {'test acc':>8} {'vs FP32':>8} {'bytes/step':>12} "
+    header = (f"{'run':<15} {'test acc':>8} {'vs FP32':>8} {'bytes/step':>12} "
               f"{'ratio':>7} {'mean bytes/step':>16} {'seconds':>8}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="gf_tf_convergence_") as workdir:
@@ -82,7 +89,7 @@ def main():
     print("\n" + header)
     for name, r in rows:
         after = r["last_epoch_sent_bytes_per_step"]
-        print(f"{name:<12} {100 * r['test_accuracy']:>7.2f}% {100 * (r['test_accuracy'] - base):>+7.2f} "
+        print(f"{name:<15} {100 * r['test_accuracy']:>7.2f}% {100 * (r['test_accuracy'] - base):>+7.2f} "
               f"{after:>12,.0f} {r['dense_bytes_per_step'] / after:>6.1f}x "
               f"{r['sent_bytes_per_step']:>16,.0f} {r['seconds']:>8.0f}")
     print("bytes/step: per replica and step in the last epoch (after warm-up); "

@@ -531,3 +531,21 @@ def test_digits_mlp_learns_through_csc_alone():
         gf_tf.ChunkSparsity(density=0.1, chunk_size=16, momentum=0.9), epochs=6)
     assert accuracy > 0.94, accuracy
     assert stats["selected_chunks_per_step"] == 31 and stats["total_chunks_per_step"] == 301
+
+
+def test_freezing_a_layer_between_fits_resets_csc_state_with_a_warning(caplog):
+    csc = gf_tf.ChunkSparsity(density=0.1, chunk_size=8, warmup_steps=1)
+    _, model, x, y = _keras_setup(csc)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    (first_key,) = csc.states()
+    assert int(csc.states()[first_key].step.numpy()) == 4
+    model.layers[0].trainable = False
+    with model.distribute_strategy.scope():
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert "pack plan changed" in caplog.text
+    (second_key,) = csc.states()
+    state = csc.states()[second_key]
+    assert second_key != first_key
+    assert state.residuals[0].shape == [16 * 3 + 3]     # only the last layer's gradients
+    assert int(state.step.numpy()) == 4                 # a fresh warm-up, counted from 0
