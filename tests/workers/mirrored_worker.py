@@ -3,13 +3,14 @@ on N logical CPU devices.
 
 One strategy with collectives per process: TF 2.21 numbers the collective
 groups and instances of every MirroredStrategy object from the same keys, so a
-second strategy in one process collides with the first ("Collective instance
-100 expected ... data_type 19 but got ... 1").
+second strategy with collectives in one process collides with the first
+("Collective instance 100 expected ... data_type 19 but got ... 1"). The
+float32 reference therefore uses ReductionToOneDevice (no collectives).
 
 Writes: w* (weights after fit), loss, the CollectiveReduceV2 ops of the traced
-step, the optimizer class, GradientFlow's byte statistics and the
-replica-context (_all_reduce) results with their NumPy float64 reference.
-With --plain: the same fit with TF's default all-reduce only.
+step, the optimizer class, GradientFlow's byte statistics, plain_w*/plain_loss
+(the same fit with TF's float32 ReductionToOneDevice) and the replica-context
+(_all_reduce) results with their NumPy float64 reference.
 """
 
 import argparse
@@ -22,7 +23,6 @@ parser.add_argument("--devices", type=int, default=2)
 parser.add_argument("--bytes_per_pack", type=int, default=1024)
 parser.add_argument("--mixed_precision", action="store_true")
 parser.add_argument("--steps", type=int, default=4)
-parser.add_argument("--plain", action="store_true", help="no GradientFlow (the reference)")
 args = parser.parse_args()
 
 _cpu = tf.config.list_physical_devices("CPU")[0]
@@ -55,11 +55,6 @@ def fit(strategy):
     return model, history.history["loss"]
 
 
-if args.plain:
-    model, loss = fit(tf.distribute.MirroredStrategy(DEVICES))
-    worker_util.write_result(loss=np.array(loss), **{f"w{i}": w for i, w in enumerate(model.get_weights())})
-    raise SystemExit(0)
-
 gfar = gf_tf.GradientFlowAllReduce(bytes_per_pack=args.bytes_per_pack)
 strategy = tf.distribute.MirroredStrategy(DEVICES, cross_device_ops=gfar)
 model, loss = fit(strategy)
@@ -72,6 +67,11 @@ result["optimizer"] = np.array(type(model.optimizer).__name__)
 stats = gfar.stats.result()
 result["sent_bytes_per_step"] = stats["sent_bytes_per_step"]
 result["dense_bytes_per_step"] = stats["dense_bytes_per_step"]
+
+plain_model, plain_loss = fit(tf.distribute.MirroredStrategy(
+    DEVICES, cross_device_ops=tf.distribute.ReductionToOneDevice()))
+result.update({f"plain_w{i}": w for i, w in enumerate(plain_model.get_weights())})
+result["plain_loss"] = np.array(plain_loss)
 
 # The replica-context path (no merge_call), called the way MirroredStrategy
 # calls it under XLA: once per replica, inside one traced function.
