@@ -263,10 +263,12 @@ class ChunkSparsity:
             bfloat16 or float32).
           num_replicas: N, replicas over all workers.
           wire_dtype: dtype of the selected values on the wire.
-          stats: optional `gf_tf.stats.StepStats`; receives this pack's
+          stats: optional per-step accumulator with the arguments of
+            `CommStats.update` as `add(...)`; receives this pack's
             dense-equivalent bytes (4 x n), sent bytes (norms 4 x C plus
             wire bytes of k x chunk_size elements, or the dense wire bytes),
-            chunk counts and residual L1 norm.
+            selected and total chunks, and the L1 norm of replica 0's
+            residual (L1 norms of several packs add up).
 
         Returns:
           Per local replica, tensors of the pack's shapes and dtypes: the SUM
