@@ -110,9 +110,10 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
 
     def _attach(self, wrapped, workers):
         """Called by gf_tf.MultiWorkerMirroredStrategy: wrap its CollectiveAllReduce."""
-        if self._wrapped is not None and self._wrapped is not wrapped:
-            raise ValueError("this GradientFlowAllReduce already serves another strategy; "
-                             "create one instance per strategy")
+        if self._wrapped is not None or self._workers is not None:
+            raise ValueError("gf_tf.MultiWorkerMirroredStrategy needs a GradientFlowAllReduce of "
+                             "its own, built with cross_device_ops=None (it wraps the strategy's "
+                             "CollectiveAllReduce); this one already has cross-device ops")
         self._wrapped, self._workers = wrapped, workers
         self.stats  # pylint: disable=pointless-statement  # now, outside any scope and trace
 
