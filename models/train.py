@@ -35,7 +35,7 @@ flags.DEFINE_integer("num_devices", 1, "replicas (logical CPU devices) per worke
 flags.DEFINE_string("compression", "fp16", "wire format of gradients: fp16, bf16, none")
 flags.DEFINE_integer("bytes_per_pack", 4 << 20, "gradient bytes per all-reduce pack (float32 bytes)")
 flags.DEFINE_float("density", 0.01, "fraction of chunks sent per step after warm-up (CSC); 1 = dense")
-flags.DEFINE_integer("chunk_size", 256, "CSC chunk size in elements")
+flags.DEFINE_integer("chunk_size", 1024, "CSC chunk size in elements")
 flags.DEFINE_integer("warmup_steps", 20, "dense steps before CSC starts")
 flags.DEFINE_integer("epochs", 10, "training epochs")
 flags.DEFINE_integer("steps_per_epoch", 0, "steps per epoch; 0 = one pass over the training set")
@@ -44,7 +44,8 @@ flags.DEFINE_float("learning_rate", 0.05, "peak learning rate (SGD with --moment
 flags.DEFINE_float("momentum", 0.9, "SGD momentum; with CSC (--density < 1) applied as CSC momentum "
                    "correction before the all-reduce, the optimizer then being plain SGD")
 flags.DEFINE_string("mixed_precision", "none", "Keras dtype policy: none, mixed_float16, mixed_bfloat16")
-flags.DEFINE_string("model_dir", "", "TensorBoard logs, checkpoints, BackupAndRestore state; '' = none")
+flags.DEFINE_string("model_dir", "", "TensorBoard logs, checkpoints, BackupAndRestore state; '' = none. "
+                    "Must be visible to every worker (same host or shared storage) for resuming")
 flags.DEFINE_integer("seed", 0, "random seed (weights, data order, dropout)")
 flags.DEFINE_float("collective_timeout", 300.0, "seconds before a stuck all-reduce fails")
 
@@ -70,6 +71,28 @@ def _throughput_callback(global_batch_size):
             return (self.steps - 1) * global_batch_size / (self.end - self.start)
 
     return Throughput()
+
+
+def _restore_only(backup_dir):
+    """BackupAndRestore that restores from the chief's `backup_dir` and never writes or deletes.
+
+    Every worker must resume at the same epoch with the same weights, or their
+    collectives stop matching; reading the chief's one copy guarantees that
+    (so --model_dir must be visible to every worker: same host or shared storage).
+    """
+    import keras
+
+    class RestoreOnly(keras.callbacks.BackupAndRestore):
+        def on_epoch_end(self, epoch, logs=None):
+            pass
+
+        def on_train_batch_end(self, batch, logs=None):
+            pass
+
+        def on_train_end(self, logs=None):
+            pass
+
+    return RestoreOnly(backup_dir)
 
 
 def _bytes_per_step(gradient_flow, model, history) -> dict:
@@ -156,8 +179,9 @@ def main(argv):
     write_dir = None
     if FLAGS.model_dir:
         write_dir = FLAGS.model_dir if is_chief else os.path.join(FLAGS.model_dir, f"workertemp_{task_id}")
+        backup_dir = os.path.join(FLAGS.model_dir, "backup")
         callbacks += [
-            keras.callbacks.BackupAndRestore(os.path.join(write_dir, "backup")),
+            keras.callbacks.BackupAndRestore(backup_dir) if is_chief else _restore_only(backup_dir),
             keras.callbacks.ModelCheckpoint(os.path.join(write_dir, "checkpoint.weights.h5"),
                                             save_weights_only=True),
         ]
