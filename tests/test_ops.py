@@ -365,18 +365,22 @@ def test_every_op_inside_tf_function_matches_eager(impl):
     tensors, _ = random_tensors([1009, 7, 1], (F32, F64))
     shapes, dtypes = [t.shape for t in tensors], [t.dtype for t in tensors]
     residual = tf.constant(RNG.normal(size=1017), F32)
+    velocity = tf.constant(RNG.normal(size=1017), F32)
     indices = tf.constant([0, 3, 10], tf.int32)
 
-    def step(tensors, residual):
+    def step(tensors, residual, velocity):
         packed = impl.pack(tensors, F16, 0.5)
         unpacked = impl.unpack(packed, shapes, dtypes, 2.0)
-        acc, norms, _ = impl.accumulate(residual, unpacked, 100, None, 0.0)
-        selected, new_residual, _ = impl.gather_chunks(acc, indices, 100, BF16, 0.5, None)
+        # Inside the function, acc and the new velocity feed only the gather, which
+        # may then update them in place (it cannot eagerly: Python holds them).
+        acc, norms, new_velocity = impl.accumulate(residual, unpacked, 100, velocity, 0.9)
+        selected, new_residual, masked_velocity = impl.gather_chunks(
+            acc, indices, 100, BF16, 0.5, new_velocity)
         scattered = impl.scatter_chunks(selected, indices, 100, shapes, dtypes, 2.0)
-        return [packed, acc, norms, selected, new_residual] + unpacked + scattered
+        return [packed, norms, selected, new_residual, masked_velocity] + unpacked + scattered
 
-    eager = step(tensors, residual)
-    traced = tf.function(step)(tensors, residual)
+    eager = step(tensors, residual, velocity)
+    traced = tf.function(step)(tensors, residual, velocity)
     for e, t in zip(eager, traced):
         assert_same(t, as_f64(e))
 
