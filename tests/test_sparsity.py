@@ -549,3 +549,21 @@ def test_freezing_a_layer_between_fits_resets_csc_state_with_a_warning(caplog):
     assert second_key != first_key
     assert state.residuals[0].shape == [16 * 3 + 3]     # only the last layer's gradients
     assert int(state.step.numpy()) == 4                 # a fresh warm-up, counted from 0
+
+
+def test_mixed_float16_with_loss_scaling_trains_through_csc():
+    """Keras unscales the gradients before the all-reduce: residuals hold true gradients."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        csc = gf_tf.ChunkSparsity(density=0.1, chunk_size=8, warmup_steps=1, momentum=0.9)
+        gfar, model, x, y = _keras_setup(csc)
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+        history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    (state,) = csc.states().values()
+    assert int(state.step.numpy()) == 8
+    residual = state.residuals[0].numpy()
+    assert np.all(np.isfinite(residual)) and 0 < np.abs(residual).max() < 100
+    assert np.isfinite(history.history["loss"][-1])
+    assert all(np.all(np.isfinite(w)) for w in model.get_weights())
