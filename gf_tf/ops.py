@@ -22,6 +22,7 @@ mixed-precision communication and coarse-grained sparse communication.
 import ctypes
 import os
 import struct
+import sys
 import threading
 import types
 import warnings
@@ -33,8 +34,8 @@ LIBRARY_ENV = "GF_TF_OPS_LIBRARY"
 LIBRARY_FILE = "_gf_tf_ops.so"
 # Written next to the library by setup.py: the TensorFlow version it was built against.
 VERSION_FILE_SUFFIX = ".tf_version"
-BUILD_COMMAND = ("pip install --no-build-isolation -e .   "
-                 "(or: python setup.py build_ext --inplace) in the gf_tf checkout")
+BUILD_COMMAND = ("`pip install --no-build-isolation -e .` (or `python setup.py build_ext --inplace`) "
+                 "in the gf_tf checkout")
 
 _FLOATING = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 _WIRE = (tf.float16, tf.bfloat16, tf.float32)
@@ -75,9 +76,13 @@ def library_path() -> str:
 
 def _fall_back(reason: str) -> None:
     _library.status = f"composite ({reason})"
+    # Attribute the warning to the first caller outside this module.
+    frame, stacklevel = sys._getframe(0), 1  # pylint: disable=protected-access
+    while frame.f_back is not None and frame.f_code.co_filename == __file__:
+        frame, stacklevel = frame.f_back, stacklevel + 1
     warnings.warn(f"gf_tf: {reason}; using the composite TensorFlow ops instead "
-                  f"(same results, slower). Build it with: {BUILD_COMMAND}",
-                  RuntimeWarning, stacklevel=4)
+                  f"(same results, slower). Build it with {BUILD_COMMAND}.",
+                  RuntimeWarning, stacklevel=stacklevel)
 
 
 def _load_library() -> None:
