@@ -156,11 +156,15 @@ def load_digits(seed: int = 0) -> Source:
     return _from_arrays("digits", {TRAIN: (x_train, y_train), TEST: (x_test, y_test)}, 10)
 
 
+class DatasetUnavailable(RuntimeError):
+    """A dataset could not be loaded (e.g. a download failed offline); the message says what to do."""
+
+
 def _download(name, load_data):
     try:
         return load_data()
     except Exception as e:  # URLError, OSError, ... depending on how the network fails
-        raise RuntimeError(
+        raise DatasetUnavailable(
             f"could not load {name} through keras.datasets ({type(e).__name__}: {e}). It downloads "
             f"once into ~/.keras/datasets; offline, copy the file there from a machine that has it, "
             f"or use --dataset digits (bundled with scikit-learn, no download).") from e

@@ -226,9 +226,13 @@ _TRAIN_FLAGS = ("model", "dataset", "data_dir", "strategy", "num_devices", "comp
 
 
 def run():
-    """Entry point: errors in flag values print one line, not a traceback."""
+    """Entry point: errors in flag values or TF_CONFIG, and unavailable datasets, print one line."""
+    from models.datasets import DatasetUnavailable
     try:
         app.run(main)
+    except DatasetUnavailable as e:
+        print(f"models.train: error: {e}", file=sys.stderr)
+        sys.exit(1)
     except ValueError as e:
         if "unknown --" in str(e) or str(e).startswith(("--", "TF_CONFIG")):
             print(f"models.train: error: {e}", file=sys.stderr)

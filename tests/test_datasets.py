@@ -176,7 +176,7 @@ def test_download_failure_says_what_to_do(monkeypatch, name):
         raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
 
     monkeypatch.setattr(getattr(keras.datasets, name), "load_data", offline)
-    with pytest.raises(RuntimeError, match=r"could not load .*--dataset digits"):
+    with pytest.raises(datasets.DatasetUnavailable, match=r"could not load .*--dataset digits"):
         getattr(datasets, f"load_{name}")()
 
 
