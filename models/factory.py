@@ -123,7 +123,8 @@ def build_strategy(name: str, num_devices: int = 1, gradient_flow=None,
       TF_CONFIG (checked first with gf_tf.launch.validate_tf_config; without
       TF_CONFIG a one-worker cluster of this process), each worker with
       `num_devices` CPU replicas.
-    mirrored: tf.distribute.MirroredStrategy over `num_devices` logical CPUs.
+    mirrored: tf.distribute.MirroredStrategy over `num_devices` logical CPUs
+      (gradient_flow None: TensorFlow's default cross-device ops).
     one_device: tf.distribute.OneDeviceStrategy on the CPU (no all-reduce;
       gradient_flow must be None).
     Collectives fail after `timeout_seconds` instead of hanging.
@@ -136,8 +137,7 @@ def build_strategy(name: str, num_devices: int = 1, gradient_flow=None,
                              "--compression none --density 1, or --strategy mirrored --num_devices 2")
         return tf.distribute.OneDeviceStrategy("/cpu:0")
     if name == "mirrored":
-        return tf.distribute.MirroredStrategy(
-            devices, cross_device_ops=gradient_flow or tf.distribute.ReductionToOneDevice())
+        return tf.distribute.MirroredStrategy(devices, cross_device_ops=gradient_flow)
     if "TF_CONFIG" in os.environ:
         launch.validate_tf_config(os.environ["TF_CONFIG"])
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout_seconds)
