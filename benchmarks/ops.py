@@ -4,31 +4,31 @@
     python -m benchmarks.ops --sets resnet20 --iters 20
 
 For each gradient list (float32 tensors shaped like the network's parameters,
-benchmarks/workers/gradients.py) and each variant, one tf.function is traced
-and warmed up, then timed: ms is the median of --iters calls (each returns
-when the CPU kernels have finished). Reported per row:
+benchmarks/workers/gradients.py) every row is one traced, warmed-up
+tf.function; rows are timed round-robin (one call of each per round, --iters
+rounds), so background load slows all rows alike. Columns:
 
-- ms, and x ours: this row's time / our op's time (> 1: ours is faster);
-- x floor: time / the memory-bandwidth floor for the bytes the op must move
-  (bytes read + bytes written, listed in the "MB moved" column), measured in
-  the same run as a NumPy copy of the same total byte count between two
-  preallocated, already-touched arrays (half the bytes read, half written);
-- peak MB: peak resident memory the call adds while it runs, outputs
-  included (VmHWM - VmRSS before the call), measured in a subprocess that
-  runs each row once with malloc-backed, unpooled large buffers (MEMORY_ENV);
-- rows are timed round-robin (one call of each row per round), so background
-  load slows all rows alike.
-- call overhead: a tf.function that takes the same inputs and returns the
-  first one: the fixed per-call cost no op can avoid (it dominates the small
-  list); net x fl: (ms - call overhead) / floor ms.
+- ms: median wall time of one call (it returns when the CPU kernels are done);
+  call ms: the same for a null tf.function with the row's inputs and number
+  of outputs (identities); net ms = ms - call ms. That fixed cost of calling
+  a function with many tensors dominates the small list; inside a training
+  step's graph it does not exist.
+- x ours: this row's time / our op's time (> 1: ours is faster), on ms and on net ms.
+- MB moved: bytes the op must read + write. floor ms: a NumPy copy of that
+  many bytes (half read, half written) between preallocated, already touched
+  arrays, timed in the same rounds: the memory-bandwidth floor. x floor:
+  ms / floor ms, and net ms / floor ms.
+- peak MB: peak resident memory a call adds while it runs, outputs included
+  (VmHWM - VmRSS before it), from a subprocess that runs each row once with
+  unpooled malloc buffers (MEMORY_ENV).
 
-Variants: ours = compiled kernels (gf_tf.ops.compiled); composite = gf_tf's
-stock-TF implementation (gf_tf.ops.composite); TF baselines as named. The
-pack rows scale by 1/N (N = 2) before the FP16 cast, the unpack rows by N
-after it, as the all-reduce does; the TF baselines skip that multiply (it
-would only slow them down). The chunk rows use chunk_size --chunk-size and
-the top --density of chunks by L1 norm. The composite chunk path is timed
-over at most 3 calls (it takes seconds on the large list).
+Rows: "ours" = the compiled kernels (gf_tf.ops.compiled), "composite" = gf_tf's
+stock-TF implementation (gf_tf.ops.composite), "TF" = plain TensorFlow
+orderings. Our pack and the composite scale by 1/N (N = 2) before the FP16
+cast, our unpack by N after it, as the all-reduce does; the TF baselines skip
+that multiply (it would only slow them down). The chunk rows use
+--chunk-size and the top --density of chunks by L1 norm; the composite chunk
+path is timed over at most 3 rounds (it takes seconds on the large list).
 """
 
 import argparse
@@ -49,7 +49,6 @@ from benchmarks.workers.gradients import GRADIENT_SETS, num_elements  # noqa: E4
 from gf_tf import ops  # noqa: E402
 
 NUM_REPLICAS = 2
-OVERHEAD = "call overhead (tf.function, same inputs)"
 MB = 1e6
 
 
@@ -114,7 +113,7 @@ def floor_copy(total_bytes):
 
 
 def make_variants(shapes, chunk_size, density):
-    """(group, label, fn, args, bytes moved[, max iters]) for every row, in table order."""
+    """(group, label, fn, args, bytes moved, null fn[, max rounds]) for every row, in table order."""
     n = num_elements(shapes)
     rng = np.random.default_rng(0)
     grads = [tf.constant(rng.normal(size=s).astype(np.float32)) for s in shapes]
@@ -140,43 +139,52 @@ def make_variants(shapes, chunk_size, density):
             return impl.scatter_chunks(sel, idx, chunk_size, shapes, dtypes, NUM_REPLICAS), new_residual
         return fn(run)
 
+    # Null functions: same inputs and number of outputs as a row, no work. Their
+    # time is the fixed cost of the call itself ("call ms").
+    null_grads = fn(lambda g: tf.identity(g[0]))
+    null_unpack = fn(lambda b: [tf.identity(b)] * len(shapes))
+    null_two = fn(lambda a, unused: (tf.identity(a), tf.identity(a)))
+    null_scatter = fn(lambda s, unused: [tf.identity(s)] * len(shapes))
+    null_path = fn(lambda r, unused: ([tf.identity(r)] * len(shapes), tf.identity(r)))
+
     pack_bytes = 4 * n + 2 * n
     return [
-        ("overhead", OVERHEAD,
-         fn(lambda g: tf.identity(g[0])), (grads,), 0),
-        ("pack", "ours: pack (fp32 -> fp16, x1/N)",
-         fn(lambda g: ops.compiled.pack(g, tf.float16, scale)), (grads,), pack_bytes),
+        ("pack", "ours: pack",
+         fn(lambda g: ops.compiled.pack(g, tf.float16, scale)), (grads,), pack_bytes, null_grads),
         ("pack", "composite: per-tensor cast(x1/N) -> concat",
-         fn(lambda g: ops.composite.pack(g, tf.float16, scale)), (grads,), pack_bytes),
+         fn(lambda g: ops.composite.pack(g, tf.float16, scale)), (grads,), pack_bytes, null_grads),
         ("pack", "TF concat -> cast",
          fn(lambda g: tf.cast(tf.concat([tf.reshape(t, [-1]) for t in g], 0), tf.float16)),
-         (grads,), pack_bytes),
+         (grads,), pack_bytes, null_grads),
         ("pack", "TF per-tensor cast -> concat",
          fn(lambda g: tf.concat([tf.reshape(tf.cast(t, tf.float16), [-1]) for t in g], 0)),
-         (grads,), pack_bytes),
-        ("unpack", "ours: unpack (fp16 -> fp32, xN)",
-         fn(lambda b: ops.compiled.unpack(b, shapes, dtypes, NUM_REPLICAS)), (packed16,), pack_bytes),
+         (grads,), pack_bytes, null_grads),
+        ("unpack", "ours: unpack",
+         fn(lambda b: ops.compiled.unpack(b, shapes, dtypes, NUM_REPLICAS)), (packed16,),
+         pack_bytes, null_unpack),
         ("unpack", "composite: split -> cast(xN)",
-         fn(lambda b: ops.composite.unpack(b, shapes, dtypes, NUM_REPLICAS)), (packed16,), pack_bytes),
+         fn(lambda b: ops.composite.unpack(b, shapes, dtypes, NUM_REPLICAS)), (packed16,),
+         pack_bytes, null_unpack),
         ("unpack", "TF split -> cast",
          fn(lambda b: [tf.reshape(tf.cast(p, tf.float32), s)
-                       for p, s in zip(tf.split(b, sizes), shapes)]), (packed16,), pack_bytes),
+                       for p, s in zip(tf.split(b, sizes), shapes)]), (packed16,), pack_bytes,
+         null_unpack),
         ("unpack", "TF cast -> split",
          fn(lambda b: [tf.reshape(p, s) for p, s in zip(tf.split(tf.cast(b, tf.float32), sizes), shapes)]),
-         (packed16,), pack_bytes),
+         (packed16,), pack_bytes, null_unpack),
         ("chunk", "ours: accumulate (+ L1 norms)",
          fn(lambda r, g: ops.compiled.accumulate(r, g, chunk_size, None, 0.0)[:2]),
-         (residual, grads), 12 * n),
+         (residual, grads), 12 * n, null_two),
         ("chunk", "ours: gather_chunks (+ residual)",
          fn(lambda a, i: ops.compiled.gather_chunks(a, i, chunk_size, tf.float16, scale, None)[:2]),
-         (acc, indices), 8 * n + 6 * m),
+         (acc, indices), 8 * n + 6 * m, null_two),
         ("chunk", "ours: scatter_chunks",
          fn(lambda s, i: ops.compiled.scatter_chunks(s, i, chunk_size, shapes, dtypes, NUM_REPLICAS)),
-         (selected, indices), 4 * n + 2 * m),
+         (selected, indices), 4 * n + 2 * m, null_scatter),
         ("chunk", "ours: chunk path (acc, top-k, gather, scatter)", chunk_path(ops.compiled),
-         (residual, grads), 12 * n + 4 * n + 4 * n),
+         (residual, grads), 12 * n + 4 * n + 4 * n, null_path),
         ("chunk", "composite: chunk path", chunk_path(ops.composite),
-         (residual, grads), 12 * n + 4 * n + 4 * n, 3),
+         (residual, grads), 12 * n + 4 * n + 4 * n, null_path, 3),
     ]
 
 
@@ -186,23 +194,23 @@ def run_set(name, shapes, args):
           f"chunk_size {args.chunk_size}, density {args.density} ==", flush=True)
     rows = make_variants(shapes, args.chunk_size, args.density)
     calls = {}
-    for group, label, fn, fn_args, moved, *max_iters in rows:
-        calls[label] = (fn, fn_args, min([args.iters] + max_iters))
-        if moved:
-            calls[("floor", moved)] = floor_copy(moved) + (args.iters,)
+    for group, label, fn, fn_args, moved, null_fn, *max_rounds in rows:
+        calls[label] = (fn, fn_args, min([args.iters] + max_rounds))
+        calls[("null", label)] = (null_fn, fn_args, args.iters)
+        calls[("floor", moved)] = floor_copy(moved) + (args.iters,)
     ms = time_interleaved(calls, args.iters)
     peaks = memory_peaks(name, args)
-    ours = {group: ms[label] for group, label, *_ in rows
-            if label.startswith("ours") and group != "chunk"}
-    overhead = ms[OVERHEAD]
-    print(f"{'op':<48} {'ms':>8} {'x ours':>7} {'MB moved':>9} {'floor ms':>9} {'x floor':>8} "
-          f"{'net x fl':>8} {'peak MB':>8}")
+    net = {label: ms[label] - ms[("null", label)] for _, label, *_ in rows}
+    print(f"{'op':<47} {'ms':>6} {'call ms':>7} {'net ms':>6} {'x ours':>6} {'net x':>6} "
+          f"{'MB moved':>8} {'floor ms':>8} {'x floor':>7} {'net x':>6} {'peak MB':>7}")
     for group, label, _, _, moved, *_ in rows:
-        ratio = f"{ms[label] / ours[group]:7.2f}" if group in ours else f"{'':>7}"
-        floor = ms[("floor", moved)] if moved else float("nan")
-        print(f"{label:<48} {ms[label]:8.2f} {ratio} {moved / MB:9.1f} {floor:9.2f} "
-              f"{ms[label] / floor:8.2f} {(ms[label] - overhead) / floor:8.2f} "
-              f"{peaks.get(label, float('nan')):8.1f}")
+        floor = ms[("floor", moved)]
+        mine = f"ours: {group}"
+        ratios = (f"{ms[label] / ms[mine]:6.2f} {net[label] / net[mine]:6.2f}" if mine in ms
+                  else f"{'':>6} {'':>6}")
+        print(f"{label:<47} {ms[label]:6.2f} {ms[('null', label)]:7.2f} {net[label]:6.2f} {ratios} "
+              f"{moved / MB:8.1f} {floor:8.2f} {ms[label] / floor:7.2f} {net[label] / floor:6.2f} "
+              f"{peaks.get(label, float('nan')):7.1f}")
 
 
 def main(argv=None):
