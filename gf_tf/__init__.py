@@ -7,13 +7,34 @@ Public API:
   GradientFlowStats  Keras callback: bytes sent, compression ratio, chunks, residual norm
   ops      pack/unpack and the chunk ops (compiled, with a composite-TF fallback)
   launch   local multi-worker launcher and TF_CONFIG helpers (gf-tf-run)
+
+Names are imported on first use, so `gf-tf-run` (gf_tf.launch) starts without
+importing TensorFlow.
 """
 
-from gf_tf import launch, ops
-from gf_tf.cross_device_ops import GradientFlowAllReduce
-from gf_tf.strategy import MultiWorkerMirroredStrategy
-from gf_tf.sparsity import ChunkSparsity
-from gf_tf.stats import GradientFlowStats
+import importlib
 
-__all__ = ["ChunkSparsity", "GradientFlowAllReduce", "GradientFlowStats",
-           "MultiWorkerMirroredStrategy", "launch", "ops"]
+_EXPORTS = {
+    "GradientFlowAllReduce": "gf_tf.cross_device_ops",
+    "MultiWorkerMirroredStrategy": "gf_tf.strategy",
+    "ChunkSparsity": "gf_tf.sparsity",
+    "GradientFlowStats": "gf_tf.stats",
+}
+_SUBMODULES = ("launch", "ops")
+
+__all__ = sorted(_EXPORTS) + list(_SUBMODULES)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"gf_tf.{name}")
+    else:
+        raise AttributeError(f"module 'gf_tf' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
