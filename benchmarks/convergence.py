@@ -12,6 +12,7 @@ epochs, seeds, batch size and learning-rate schedule for every row:
               --warmup_steps dense steps, plain SGD (momentum lives in CSC)
   CSC d cold  the same without warm-up (sparse from the first step), to show
               what the warm-up contributes
+  CSC d cold m0  plain error feedback and plain SGD (no momentum anywhere), no warm-up
 and prints one row per run: test accuracy (whole test set), its difference to
 dense FP32 in points, bytes sent per step and replica after warm-up, and the
 compression ratio against float32 dense bytes.
@@ -72,12 +73,14 @@ def main():
     for d in filter(None, args.cold_densities.split(",")):
         runs.append((f"CSC {float(d):g} cold", ["--compression", "fp16", "--density", d,
                                                  "--warmup_steps", "0"]))
+        runs.append((f"CSC {float(d):g} cold m0", ["--compression", "fp16", "--density", d,
+                                                    "--warmup_steps", "0", "--momentum", "0"]))
 
     print(f"digits_cnn on sklearn digits, {args.workers} workers, {args.epochs} epochs, "
           f"batch {args.batch_size}, lr {args.learning_rate} cosine, seed {args.seed}; "
           f"CSC: chunk_size {args.chunk_size}, {args.warmup_steps} dense warm-up steps, "
           f"momentum correction 0.9", flush=True)
-    header = (f"{'run':<15} {'test acc':>8} {'vs FP32':>8} {'bytes/step':>12} "
+    header = (f"{'run':<18} {'test acc':>8} {'vs FP32':>8} {'bytes/step':>12} "
               f"{'ratio':>7} {'mean bytes/step':>16} {'seconds':>8}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="gf_tf_convergence_") as workdir:
@@ -89,11 +92,12 @@ def main():
     print("\n" + header)
     for name, r in rows:
         after = r["last_epoch_sent_bytes_per_step"]
-        print(f"{name:<15} {100 * r['test_accuracy']:>7.2f}% {100 * (r['test_accuracy'] - base):>+7.2f} "
+        print(f"{name:<18} {100 * r['test_accuracy']:>7.2f}% {100 * (r['test_accuracy'] - base):>+7.2f} "
               f"{after:>12,.0f} {r['dense_bytes_per_step'] / after:>6.1f}x "
               f"{r['sent_bytes_per_step']:>16,.0f} {r['seconds']:>8.0f}")
     print("bytes/step: per replica and step in the last epoch (after warm-up); "
-          "mean bytes/step: over all steps, warm-up included; ratio: float32 dense bytes / bytes/step")
+          "mean bytes/step: over all steps, warm-up included; ratio: float32 dense bytes / bytes/step; "
+          "cold: no warm-up; m0: no momentum anywhere (plain SGD, plain error feedback)")
 
 
 if __name__ == "__main__":
