@@ -178,7 +178,6 @@ GF_TF_SIMD void F32ScaleSimd(const float* src, float* dst, int64_t n, float scal
   for (; i + 8 <= n; i += 8) {
     StoreF32<kStream>(dst + i, _mm256_mul_ps(_mm256_loadu_ps(src + i), s));
   }
-  if (kStream) _mm_sfence();
   F32ScaleScalar(src + i, dst + i, n - i, scale);
 }
 
@@ -191,7 +190,6 @@ GF_TF_SIMD void HalfToF32Simd(const uint16_t* src, float* dst, int64_t n, float 
     __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
     StoreF32<kStream>(dst + i, _mm256_mul_ps(x, s));
   }
-  if (kStream) _mm_sfence();
   HalfToF32Scalar(src + i, dst + i, n - i, scale);
 }
 
@@ -204,7 +202,6 @@ GF_TF_SIMD void Bf16ToF32Simd(const uint16_t* src, float* dst, int64_t n, float 
     __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
     StoreF32<kStream>(dst + i, _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(w, 16)), s));
   }
-  if (kStream) _mm_sfence();
   Bf16ToF32Scalar(src + i, dst + i, n - i, scale);
 }
 
@@ -215,7 +212,6 @@ GF_TF_SIMD void ZeroStreamSimd(char* dst, int64_t bytes) {
   for (; i + 32 <= bytes; i += 32) {
     _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_setzero_si256());
   }
-  _mm_sfence();
   std::memset(dst + i, 0, bytes - i);
 }
 
@@ -227,7 +223,6 @@ GF_TF_SIMD void CopyStreamSimd(char* dst, const char* src, int64_t bytes) {
     _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i),
                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
   }
-  _mm_sfence();
   std::memcpy(dst + i, src + i, bytes - i);
 }
 
@@ -257,7 +252,6 @@ GF_TF_SIMD double AccumulateF32Simd(const float* r, const float* g,
     _mm256_store_ps(part, lanes);
     for (float p : part) l1 += p;
   }
-  if (kStream) _mm_sfence();
   return l1 + AccumulateF32Scalar(r + i, g + i, v == nullptr ? nullptr : v + i,
                                   v_out == nullptr ? nullptr : v_out + i,
                                   momentum, acc + i, n - i);
@@ -483,7 +477,13 @@ void ParallelFor(tensorflow::OpKernelContext* ctx, int64_t total,
   if (total <= 0) return;
   auto* threads = ctx->device()->tensorflow_cpu_worker_threads();
   tensorflow::Shard(threads->num_threads, threads->workers, total, cost_per_unit,
-                    work);
+                    [&work](int64_t begin, int64_t end) {
+    work(begin, end);
+#ifdef GF_TF_X86
+    // Orders this shard's non-temporal stores (if any) before the op completes.
+    _mm_sfence();
+#endif
+  });
 }
 
 }  // namespace gf_tf

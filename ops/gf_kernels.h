@@ -62,7 +62,9 @@ void ForEachSegment(
     const std::function<void(int, int64_t, int64_t, int64_t)>& fn);
 
 // Runs work(begin, end) over [0, total) on the device's CPU thread pool.
-// cost_per_unit is a rough count of cycles per unit of work.
+// cost_per_unit is a rough count of cycles per unit of work. Each shard ends
+// with a store fence, which the non-temporal stores (`stream`) of the
+// functions above rely on: call them only inside ParallelFor.
 void ParallelFor(tensorflow::OpKernelContext* ctx, int64_t total,
                  int64_t cost_per_unit,
                  const std::function<void(int64_t, int64_t)>& work);
