@@ -498,7 +498,7 @@ def test_backup_and_restore_restarts_csc_from_zero_with_a_fresh_warmup(tmp_path)
     assert not np.allclose(model2.get_weights()[0], saved_after_epoch_0[0])
 
 
-def _digits_accuracy(sparsity, epochs=8, seed=0):
+def _digits_accuracy(sparsity, epochs, seed=0):
     """Test accuracy of a 64-64-10 MLP on sklearn's digits, 2 replicas, SGD momentum 0.9
     (in the optimizer when dense, as CSC momentum correction when sparse)."""
     from sklearn.datasets import load_digits
@@ -515,21 +515,21 @@ def _digits_accuracy(sparsity, epochs=8, seed=0):
         keras.utils.set_random_seed(seed)
         model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
                                   keras.layers.Dense(10)])
-        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.0 if sparsity else 0.9),
+        model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.0 if sparsity else 0.9),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"])
-    model.fit(x_train, y_train, batch_size=32, epochs=epochs, shuffle=True, verbose=0)
+    model.fit(x_train, y_train, batch_size=64, epochs=epochs, shuffle=True, verbose=0)
     return model.evaluate(x_test, y_test, verbose=0)[1], gfar.stats.result()
 
 
 def test_digits_mlp_learns_through_csc_alone():
     """Small, fast cousin of benchmarks/convergence.py (which compares against dense
     float32 on 2 workers): no warm-up, 4810 parameters in 301 chunks of 16, 31 sent
-    per step. Dense float32 reaches 0.97 in 8 epochs; plain SGD with the momentum
-    left out entirely reaches 0.92 at this density."""
+    per step, 8 epochs. Measured: dense float32 with SGD momentum 0.9 0.953, this
+    0.950, the same without momentum anywhere 0.922."""
     accuracy, stats = _digits_accuracy(
-        gf_tf.ChunkSparsity(density=0.1, chunk_size=16, momentum=0.9), epochs=6)
-    assert accuracy > 0.94, accuracy
+        gf_tf.ChunkSparsity(density=0.1, chunk_size=16, momentum=0.9), epochs=8)
+    assert accuracy > 0.935, accuracy
     assert stats["selected_chunks_per_step"] == 31 and stats["total_chunks_per_step"] == 301
 
 
