@@ -408,6 +408,8 @@ def main(argv=None) -> int:
                     t0 = time.time()
                     outcome = run_launch(cluster, launch, port, iters, args.warmup, log_dir, args.profile)
                     new = derive_cells(launch, outcome, goodput)
+                    for c in new:   # other jobs on the machine distort CPU-bound cells: keep a record
+                        c["load_average_1min"] = os.getloadavg()[0]
                     cells += new
                     summary = ", ".join(f"{c['set']} {c['median_s']:.3f}s" if "median_s" in c else
                                         f"{c['set']} FAILED" for c in new)
@@ -425,6 +427,10 @@ def main(argv=None) -> int:
     print(f"\nAll-reduce benchmark, {meta['date_utc']}, {meta['cpu']} x{meta['logical_cpus']}, "
           f"TF {meta['tensorflow']}, {iters} timed iterations after {args.warmup} warm-up, "
           f"wall {meta['wall_seconds'] / 60:.1f} min\n")
+    loads = [c["load_average_1min"] for c in cells if "load_average_1min" in c]
+    if loads:
+        print(f"1-min load average of the machine (2 cores) at the end of each cell: "
+              f"{min(loads):.1f} to {max(loads):.1f}; other jobs slow the CPU-bound cells\n")
     if any(c["set"] == "resnet50" for c in cells) and preset != "quick":
         print(targets_table(cells) + "\n")
     print(results_table(cells))

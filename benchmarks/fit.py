@@ -108,7 +108,7 @@ def run_cells(launches: List[Launch], steps_override, log_dir: str, goodput_seco
                     job = cluster.run_job(argvs, port, timeout=3600, log_dir=log_dir,
                                           tag=f"{model}_{method}_n{n}_{report.link_label(rate).replace(' ', '').replace('/', '')}")
                     cell = {"model": model, "workers": n, "rate_mbit": rate, "method": method,
-                            "goodput_bps": max(gp["per_link_bps"])}
+                            "goodput_bps": max(gp["per_link_bps"]), "load_average_1min": os.getloadavg()[0]}
                     if job["error"] or len(job["results"]) != n:
                         cell["error"] = job["error"] or "missing worker results"
                     else:
@@ -257,6 +257,10 @@ def main(argv=None) -> int:
     print(f"\nJSON: {out_path}\nworker logs: {log_dir}")
     print(f"\nmodel.fit benchmark, {meta['date_utc']}, {meta['cpu']} x{meta['logical_cpus']}, "
           f"TF {meta['tensorflow']}, wall {meta['wall_seconds'] / 60:.1f} min\n")
+    loads = [c["load_average_1min"] for c in cells if "load_average_1min" in c]
+    if loads:
+        print(f"1-min load average of the machine (2 cores) at the end of each cell: "
+              f"{min(loads):.1f} to {max(loads):.1f}; other jobs slow the CPU-bound cells\n")
     if any(c["model"] == "alexnet" for c in cells):
         print(targets_table(cells) + "\n")
     print(results_table(cells, references))
