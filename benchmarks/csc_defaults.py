@@ -132,10 +132,10 @@ def quality_table(steps, density):
         print(f"{cs:>10} {sent:>13.2%} {share:>12.1%}")
 
 
-def time_table(density, reps=5):
+def time_table(all_sizes, density, reps=5):
     print(f"\n3. One replica's CSC arithmetic per step, ms (median of {reps}; "
           f"ops: {gf_tf.ops.library_status()})")
-    sizes = {"digits_cnn": 537_226, "resnet50": 25_557_032}
+    sizes = {name: all_sizes[name] for name in ("digits_cnn", "resnet50")}
     print(f"{'chunk_size':>10}" + "".join(f" {name + ' ms':>15}" for name in sizes))
     rng = np.random.default_rng(0)
     data = {name: tf.constant(rng.normal(size=n).astype(np.float32)) for name, n in sizes.items()}
@@ -176,7 +176,7 @@ def main():
     print("parameters: " + ", ".join(f"{k} {v:,}" for k, v in sizes.items()))
     bytes_table(sizes, args.density)
     quality_table(args.steps, args.density)
-    time_table(args.density)
+    time_table(sizes, args.density)
 
 
 if __name__ == "__main__":
