@@ -13,6 +13,7 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -21,19 +22,9 @@ import gf_tf
 from gf_tf.sparsity import select_chunks, selected_chunk_count
 
 
-def _logical_cpus(n=3):
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    try:
-        tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration()] * n)
-    except RuntimeError:
-        pass  # already initialized (e.g. by a conftest or another test module)
-    names = [d.name for d in tf.config.list_logical_devices("CPU")]
-    assert len(names) >= n, f"need {n} logical CPUs, have {names}"
-    return names
-
-
-DEVICES = _logical_cpus(3)
+# Logical CPU devices: configured by tests/conftest.py before TF initialises.
+DEVICES = [d.name for d in tf.config.list_logical_devices("CPU")]
+assert len(DEVICES) >= 3, f"tests/conftest.py should configure >= 3 logical CPUs, got {DEVICES}"
 SUM = tf.distribute.ReduceOp.SUM
 
 
@@ -409,7 +400,6 @@ def test_state_variables_are_plain_local_variables_on_each_replica_device():
 
 # --- Keras: statistics callback and restarts -----------------------------------------
 
-import keras  # noqa: E402  (after TF's logical devices are configured)
 
 
 def _keras_setup(sparsity, seed=0):
