@@ -13,7 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from gf_tf import packing
-from gf_tf import strategy as tf_internal
+from gf_tf import tf_internal
 from gf_tf.compression import PACKABLE_DTYPES, as_compression, dense_all_reduce
 from gf_tf.stats import CommStats
 
@@ -91,7 +91,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         self.bytes_per_pack = int(bytes_per_pack)
         self.sparsity = sparsity
         self._wrapped = cross_device_ops
-        self._workers = None  # strategy.WorkerInfo, set by gf_tf.MultiWorkerMirroredStrategy
+        self._workers = None  # gf_tf.strategy.WorkerInfo, set by gf_tf.MultiWorkerMirroredStrategy
         self._stats = None
         self._strategy = None  # weakref to the strategy whose default ops we took
 

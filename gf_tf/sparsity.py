@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import tensorflow as tf
 
 from gf_tf import compression as compression_lib
-from gf_tf import ops
+from gf_tf import ops, tf_internal
 
 # Chosen with benchmarks/csc_defaults.py and benchmarks/convergence.py: at
 # 1024 elements the norms cost 0.1% of the float32 bytes (15% of what a 1%
@@ -237,17 +237,17 @@ class ChunkSparsity:
                 self._state = {}
             n = pack.num_elements
             name = pack.key.replace("/", "_")
-            residuals = [_local_variable(tf.zeros([n], tf.float32), d, f"gf_residual_{name}_r{r}")
+            residuals = [tf_internal.local_variable(tf.zeros([n], tf.float32), d, f"gf_residual_{name}_r{r}")
                          for r, d in enumerate(devices)]
             velocities = None
             if self.momentum > 0.0:
-                velocities = [_local_variable(tf.zeros([n], tf.float32), d,
+                velocities = [tf_internal.local_variable(tf.zeros([n], tf.float32), d,
                                               f"gf_velocity_{name}_r{r}")
                               for r, d in enumerate(devices)]
             state = _PackState(
-                step=_local_variable(tf.constant(0, tf.int64), "/cpu:0", f"gf_step_{name}"),
+                step=tf_internal.local_variable(tf.constant(0, tf.int64), "/cpu:0", f"gf_step_{name}"),
                 residuals=residuals, velocities=velocities,
-                residual_l1=_local_variable(tf.constant(0.0), "/cpu:0", f"gf_residual_l1_{name}"))
+                residual_l1=tf_internal.local_variable(tf.constant(0.0), "/cpu:0", f"gf_residual_l1_{name}"))
         self._state[pack.key] = state
         return state
 
@@ -411,25 +411,3 @@ def _split(flat, sizes):
         out.append(list(flat[i:i + s]))
         i += s
     return out
-
-
-def _local_variable(initial_value, device: str, name: str) -> tf.Variable:
-    """A plain tf.Variable on `device`, even inside a strategy scope.
-
-    tf.Variable() inside `strategy.scope()` (Keras enters it around fit)
-    goes through the strategy's variable creator and becomes a
-    MirroredVariable. Constructing the resource variable class directly skips
-    the creator stack; TensorFlow's own cross-device ops create their helper
-    variables the same way (cross_device_utils.CollectiveReplicaLauncher).
-    This is the only private TensorFlow name this module uses.
-    """
-    try:
-        from tensorflow.python.ops import resource_variable_ops
-        variable_class = resource_variable_ops.ResourceVariable
-    except (ImportError, AttributeError) as e:  # pragma: no cover - version guard
-        raise RuntimeError(
-            f"gf_tf CSC needs tensorflow.python.ops.resource_variable_ops.ResourceVariable, "
-            f"which TensorFlow {tf.__version__} does not provide; gf_tf is tested with 2.21"
-        ) from e
-    with tf.init_scope(), tf.device(device):
-        return variable_class(initial_value, trainable=False, name=name)

@@ -1,42 +1,14 @@
-"""gf_tf.MultiWorkerMirroredStrategy, and every private TensorFlow attribute gf_tf touches.
+"""gf_tf.MultiWorkerMirroredStrategy: TensorFlow's multi-worker strategy with GradientFlow.
 
-TensorFlow offers no public way to choose the cross-device ops of
-`tf.distribute.MultiWorkerMirroredStrategy`, nor to build the `PerReplica` /
-`Mirrored` values a `tf.distribute.CrossDeviceOps` exchanges. The private
-pieces used for that live here and only here, behind `check_tf_version`:
-
-- `tensorflow.python.distribute.values.PerReplica`, `distribute_utils.regroup`
-  (to build and return distributed values),
-- `tensorflow.python.distribute.cross_device_ops._all_devices_match`,
-- `CrossDeviceOps._num_between_graph_workers` (workers in the collective group),
-  `CrossDeviceOps._all_reduce` and `._gather_implementation` of the wrapped ops
-  (GradientFlowAllReduce overrides the same methods, as TF's contract asks),
-- `MirroredStrategy.extended._collective_ops` (the ops TF uses by default),
-- `MultiWorkerMirroredStrategy.extended._cross_device_ops` (replaced after
-  construction, before anything is traced).
+The private TensorFlow wiring it needs is in `gf_tf.tf_internal`.
 """
 
 import dataclasses
-from typing import List, Sequence, Tuple
+from typing import Tuple
 
 import tensorflow as tf
-from tensorflow.python.distribute import cross_device_ops as _tf_cross_device_ops
-from tensorflow.python.distribute import distribute_utils as _tf_distribute_utils
-from tensorflow.python.distribute import values as _tf_values
 
-from gf_tf import cross_device_ops, keras_compat
-
-TESTED_TF_VERSIONS = ("2.21",)
-
-
-def check_tf_version(version: str = None) -> None:
-    """Raises RuntimeError unless TensorFlow is a version gf_tf's wiring was tested with."""
-    version = version or tf.__version__
-    if ".".join(version.split(".")[:2]) not in TESTED_TF_VERSIONS:
-        raise RuntimeError(
-            f"gf_tf touches private tf.distribute internals and was tested with TensorFlow "
-            f"{', '.join(TESTED_TF_VERSIONS)}.x only; found TensorFlow {version}. "
-            f"Install tensorflow-cpu=={TESTED_TF_VERSIONS[-1]}.* or port gf_tf/strategy.py.")
+from gf_tf import cross_device_ops, keras_compat, tf_internal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,64 +20,6 @@ class WorkerInfo:
     @property
     def num_workers(self) -> int:
         return len(self.names)
-
-
-# --- distributed values ------------------------------------------------------
-
-def per_replica(tensors: Sequence[tf.Tensor]):
-    """A PerReplica value of one tensor per local replica."""
-    check_tf_version()
-    return _tf_values.PerReplica(tuple(tensors))
-
-
-def mirrored(tensors: Sequence[tf.Tensor]):
-    """The all-reduced result of one value: Mirrored (or the tensor itself for one replica), as TF returns it."""
-    return _tf_distribute_utils.regroup(tuple(tensors), wrap_class=_tf_values.Mirrored)
-
-
-def local_values(value) -> List:
-    """The per-replica components of a distributed value (a plain value: [value])."""
-    if isinstance(value, tf.distribute.DistributedValues):
-        return list(value.values)
-    return [value]
-
-
-def destinations_match(value_destination_pairs) -> bool:
-    """True if every value is all-reduced in place (destinations = the value's devices)."""
-    return _tf_cross_device_ops._all_devices_match(value_destination_pairs)  # pylint: disable=protected-access
-
-
-def num_workers_of(ops: tf.distribute.CrossDeviceOps) -> int:
-    """Workers taking part in `ops`'s collectives (1 for single-worker ops)."""
-    return int(ops._num_between_graph_workers)  # pylint: disable=protected-access
-
-
-def replica_all_reduce(ops: tf.distribute.CrossDeviceOps, reduce_op, value, replica_id: int,
-                       options):
-    """`ops._all_reduce`: the replica-context all-reduce of one replica's nest of values."""
-    return ops._all_reduce(reduce_op, value, replica_id, options)  # pylint: disable=protected-access
-
-
-def gather(ops: tf.distribute.CrossDeviceOps, per_replica_value, destinations, axis, options):
-    """`ops._gather_implementation` (strategy.gather, e.g. Keras's multi-worker predict)."""
-    return ops._gather_implementation(per_replica_value, destinations, axis, options)  # pylint: disable=protected-access
-
-
-def default_cross_device_ops(strategy: tf.distribute.Strategy) -> tf.distribute.CrossDeviceOps:
-    """The cross-device ops `strategy` would use if no cross_device_ops were given.
-
-    For `tf.distribute.MirroredStrategy` (TF 2.21): its CollectiveAllReduce over
-    the local devices (RING on CPU, NCCL on physical GPUs), or
-    ReductionToOneDevice for mixed CPU/GPU device lists.
-    """
-    check_tf_version()
-    if isinstance(strategy, tf.distribute.MirroredStrategy):
-        return strategy.extended._collective_ops  # pylint: disable=protected-access
-    raise ValueError(
-        f"GradientFlowAllReduce(cross_device_ops=None) takes the cross-device ops of "
-        f"tf.distribute.MirroredStrategy or gf_tf.MultiWorkerMirroredStrategy, but the current "
-        f"strategy is {type(strategy).__name__}. Pass cross_device_ops=... explicitly, e.g. "
-        f"tf.distribute.ReductionToOneDevice(), or call it inside the strategy's scope.")
 
 
 # --- the multi-worker strategy ----------------------------------------------
@@ -136,7 +50,7 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
 
     def __init__(self, cluster_resolver=None, communication_options=None,
                  gradient_flow=_DEFAULT):
-        check_tf_version()
+        tf_internal.check_tf_version()
         if gradient_flow is not _DEFAULT and gradient_flow is not None and not isinstance(
                 gradient_flow, cross_device_ops.GradientFlowAllReduce):
             raise TypeError(f"gradient_flow must be a gf_tf.GradientFlowAllReduce or None, "
@@ -149,9 +63,8 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             gradient_flow = cross_device_ops.GradientFlowAllReduce()
         self.gradient_flow = gradient_flow
         if gradient_flow is not None:
-            extended = self.extended
-            gradient_flow._attach(extended._cross_device_ops, _worker_info(self))  # pylint: disable=protected-access
-            extended._cross_device_ops = gradient_flow  # pylint: disable=protected-access
+            gradient_flow._attach(tf_internal.cross_device_ops_of(self), _worker_info(self))  # pylint: disable=protected-access
+            tf_internal.set_cross_device_ops(self, gradient_flow)
 
 
 def _worker_info(strategy) -> WorkerInfo:

@@ -19,7 +19,7 @@ import tensorflow as tf
 
 import cluster
 import gf_tf
-from gf_tf import keras_compat, strategy as gf_strategy
+from gf_tf import keras_compat, tf_internal
 
 DEVICES = [d.name for d in tf.config.list_logical_devices("CPU")]
 SUM = tf.distribute.ReduceOp.SUM
@@ -196,17 +196,17 @@ def test_bad_settings_raise_clear_errors():
     with pytest.raises(ValueError, match="not another GradientFlowAllReduce"):
         gf_tf.GradientFlowAllReduce(cross_device_ops=gf_tf.GradientFlowAllReduce())
     with pytest.raises(ValueError, match="pass cross_device_ops|Pass cross_device_ops"):
-        gf_strategy.default_cross_device_ops(tf.distribute.OneDeviceStrategy("/cpu:0"))
+        tf_internal.default_cross_device_ops(tf.distribute.OneDeviceStrategy("/cpu:0"))
     with pytest.raises(TypeError, match="gradient_flow must be"):
         gf_tf.MultiWorkerMirroredStrategy(gradient_flow="fp16")
 
 
 def test_untested_versions_fail_clearly():
     with pytest.raises(RuntimeError, match="tested with TensorFlow 2.21"):
-        gf_strategy.check_tf_version("2.22.0")
+        tf_internal.check_tf_version("2.22.0")
     with pytest.raises(RuntimeError, match="tested with Keras 3.15"):
         keras_compat.check_keras_version("3.16.0")
-    gf_strategy.check_tf_version()
+    tf_internal.check_tf_version()
     keras_compat.check_keras_version()
 
 

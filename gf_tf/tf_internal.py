@@ -1,0 +1,139 @@
+"""Every private TensorFlow name gf_tf uses, in one place, behind `check_tf_version`.
+
+TensorFlow offers no public way to choose the cross-device ops of
+`tf.distribute.MultiWorkerMirroredStrategy`, to build the `PerReplica` /
+`Mirrored` values a `tf.distribute.CrossDeviceOps` exchanges, to create a plain
+variable inside a strategy scope, or to tell an XLA graph apart. The private
+pieces used for that:
+
+- `tensorflow.python.distribute.values.PerReplica`, `distribute_utils.regroup`
+  (to build and return distributed values),
+- `tensorflow.python.distribute.cross_device_ops._all_devices_match`,
+- `CrossDeviceOps._num_between_graph_workers` (workers in the collective group),
+  `CrossDeviceOps._all_reduce` and `._gather_implementation` of the wrapped ops
+  (GradientFlowAllReduce overrides the same methods, as TF's contract asks),
+- `MirroredStrategy.extended._collective_ops` (the ops TF uses by default),
+- `MultiWorkerMirroredStrategy.extended._cross_device_ops` (replaced after
+  construction, before anything is traced),
+- `resource_variable_ops.ResourceVariable` (CSC state outside the strategy's
+  variable creator),
+- `control_flow_util.GraphOrParentsInXlaContext` (XLA graphs use the composite ops).
+
+This module imports nothing of gf_tf.
+"""
+
+from typing import List, Sequence
+
+import tensorflow as tf
+from tensorflow.python.distribute import cross_device_ops as _tf_cross_device_ops
+from tensorflow.python.distribute import distribute_utils as _tf_distribute_utils
+from tensorflow.python.distribute import values as _tf_values
+from tensorflow.python.ops import control_flow_util as _tf_control_flow_util
+from tensorflow.python.ops import resource_variable_ops as _tf_resource_variable_ops
+
+TESTED_TF_VERSIONS = ("2.21",)
+
+
+def check_tf_version(version: str = None) -> None:
+    """Raises RuntimeError unless TensorFlow is a version gf_tf's wiring was tested with."""
+    version = version or tf.__version__
+    if ".".join(version.split(".")[:2]) not in TESTED_TF_VERSIONS:
+        raise RuntimeError(
+            f"gf_tf touches private tf.distribute internals and was tested with TensorFlow "
+            f"{', '.join(TESTED_TF_VERSIONS)}.x only; found TensorFlow {version}. "
+            f"Install tensorflow-cpu=={TESTED_TF_VERSIONS[-1]}.* or port gf_tf/tf_internal.py.")
+
+
+# --- distributed values ------------------------------------------------------
+
+def per_replica(tensors: Sequence[tf.Tensor]):
+    """A PerReplica value of one tensor per local replica."""
+    check_tf_version()
+    return _tf_values.PerReplica(tuple(tensors))
+
+
+def mirrored(tensors: Sequence[tf.Tensor]):
+    """The all-reduced result of one value: Mirrored (or the tensor itself for one replica), as TF returns it."""
+    return _tf_distribute_utils.regroup(tuple(tensors), wrap_class=_tf_values.Mirrored)
+
+
+def local_values(value) -> List:
+    """The per-replica components of a distributed value (a plain value: [value])."""
+    if isinstance(value, tf.distribute.DistributedValues):
+        return list(value.values)
+    return [value]
+
+
+def destinations_match(value_destination_pairs) -> bool:
+    """True if every value is all-reduced in place (destinations = the value's devices)."""
+    return _tf_cross_device_ops._all_devices_match(value_destination_pairs)  # pylint: disable=protected-access
+
+
+def num_workers_of(ops: tf.distribute.CrossDeviceOps) -> int:
+    """Workers taking part in `ops`'s collectives (1 for single-worker ops)."""
+    return int(ops._num_between_graph_workers)  # pylint: disable=protected-access
+
+
+def replica_all_reduce(ops: tf.distribute.CrossDeviceOps, reduce_op, value, replica_id: int,
+                       options):
+    """`ops._all_reduce`: the replica-context all-reduce of one replica's nest of values."""
+    return ops._all_reduce(reduce_op, value, replica_id, options)  # pylint: disable=protected-access
+
+
+def gather(ops: tf.distribute.CrossDeviceOps, per_replica_value, destinations, axis, options):
+    """`ops._gather_implementation` (strategy.gather, e.g. Keras's multi-worker predict)."""
+    return ops._gather_implementation(per_replica_value, destinations, axis, options)  # pylint: disable=protected-access
+
+
+def default_cross_device_ops(strategy: tf.distribute.Strategy) -> tf.distribute.CrossDeviceOps:
+    """The cross-device ops `strategy` would use if no cross_device_ops were given.
+
+    For `tf.distribute.MirroredStrategy` (TF 2.21): its CollectiveAllReduce over
+    the local devices (RING on CPU, NCCL on physical GPUs), or
+    ReductionToOneDevice for mixed CPU/GPU device lists.
+    """
+    check_tf_version()
+    if isinstance(strategy, tf.distribute.MirroredStrategy):
+        return strategy.extended._collective_ops  # pylint: disable=protected-access
+    raise ValueError(
+        f"GradientFlowAllReduce(cross_device_ops=None) takes the cross-device ops of "
+        f"tf.distribute.MirroredStrategy or gf_tf.MultiWorkerMirroredStrategy, but the current "
+        f"strategy is {type(strategy).__name__}. Pass cross_device_ops=... explicitly, e.g. "
+        f"tf.distribute.ReductionToOneDevice(), or call it inside the strategy's scope.")
+
+
+
+
+def cross_device_ops_of(strategy: tf.distribute.MultiWorkerMirroredStrategy
+                        ) -> tf.distribute.CrossDeviceOps:
+    """The cross-device ops `strategy` all-reduces with (its CollectiveAllReduce)."""
+    check_tf_version()
+    return strategy.extended._cross_device_ops  # pylint: disable=protected-access
+
+
+def set_cross_device_ops(strategy: tf.distribute.MultiWorkerMirroredStrategy,
+                         ops: tf.distribute.CrossDeviceOps) -> None:
+    """Makes `strategy` all-reduce with `ops`; call before anything is traced under it."""
+    check_tf_version()
+    strategy.extended._cross_device_ops = ops  # pylint: disable=protected-access
+
+
+def local_variable(initial_value, device: str, name: str) -> tf.Variable:
+    """A plain, non-trainable tf.Variable on `device`, even inside a strategy scope.
+
+    tf.Variable() inside `strategy.scope()` (Keras enters it around fit)
+    goes through the strategy's variable creator and becomes a
+    MirroredVariable. Constructing the resource variable class directly skips
+    the creator stack; TensorFlow's own cross-device ops create their helper
+    variables the same way (cross_device_utils.CollectiveReplicaLauncher).
+    """
+    check_tf_version()
+    with tf.init_scope(), tf.device(device):
+        return _tf_resource_variable_ops.ResourceVariable(initial_value, trainable=False, name=name)
+
+
+def in_xla_context() -> bool:
+    """True while building a graph that XLA compiles (tf.function(jit_compile=True))."""
+    if tf.executing_eagerly():
+        return False
+    return _tf_control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
