@@ -14,6 +14,9 @@ rounds), so background load slows all rows alike. Columns:
   a function with many tensors dominates the small list; inside a training
   step's graph it does not exist.
 - x ours: this row's time / our op's time (> 1: ours is faster), on ms and on net ms.
+- cpu ms: median CPU time of the whole process during one call (all threads);
+  cpu x: its ratio to ours. On a loaded machine wall time mostly measures
+  waiting for a core; CPU time still measures the work.
 - MB moved: bytes the op must read + write. floor ms: a NumPy copy of that
   many bytes (half read, half written) between preallocated, already touched
   arrays, timed in the same rounds: the memory-bandwidth floor. x floor:
@@ -91,19 +94,23 @@ def memory_peaks(name, args):
 
 
 def time_interleaved(calls, iters, warmup=2):
-    """{key: median ms}: round-robin over calls = {key: (fn, args, max_iters)}, so that
-    background load slows every row alike. Each call runs min(iters, max_iters) times."""
+    """({key: median wall ms}, {key: median CPU ms of this process}): round-robin over
+    calls = {key: (fn, args, max_iters)}, so that background load slows every row alike.
+    Each call runs min(iters, max_iters) times."""
     for fn, args, max_iters in calls.values():
         for _ in range(min(warmup, max_iters)):
             fn(*args)
-    times = {key: [] for key in calls}
+    wall = {key: [] for key in calls}
+    cpu = {key: [] for key in calls}
     for i in range(iters):
         for key, (fn, args, max_iters) in calls.items():
             if i < max_iters:
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 fn(*args)
-                times[key].append(time.perf_counter() - start)
-    return {key: 1e3 * statistics.median(t) for key, t in times.items()}
+                wall[key].append(time.perf_counter() - start)
+                cpu[key].append(time.process_time() - start_cpu)
+    return ({key: 1e3 * statistics.median(t) for key, t in wall.items()},
+            {key: 1e3 * statistics.median(t) for key, t in cpu.items()})
 
 
 def floor_copy(total_bytes):
@@ -198,19 +205,23 @@ def run_set(name, shapes, args):
         calls[label] = (fn, fn_args, min([args.iters] + max_rounds))
         calls[("null", label)] = (null_fn, fn_args, args.iters)
         calls[("floor", moved)] = floor_copy(moved) + (args.iters,)
-    ms = time_interleaved(calls, args.iters)
+    ms, cpu_ms = time_interleaved(calls, args.iters)
     peaks = memory_peaks(name, args)
     net = {label: ms[label] - ms[("null", label)] for _, label, *_ in rows}
-    print(f"{'op':<47} {'ms':>6} {'call ms':>7} {'net ms':>6} {'x ours':>6} {'net x':>6} "
-          f"{'MB moved':>8} {'floor ms':>8} {'x floor':>7} {'net x':>6} {'peak MB':>7}")
+    print(f"{'op':<47} {'ms':>7} {'call ms':>7} {'net ms':>7} {'x ours':>6} {'net x':>6} "
+          f"{'cpu ms':>7} {'cpu x':>6} {'MB moved':>8} {'floor ms':>8} {'x floor':>7} {'net x':>6} "
+          f"{'peak MB':>7}")
     for group, label, _, _, moved, *_ in rows:
         floor = ms[("floor", moved)]
         mine = f"ours: {group}"
-        ratios = (f"{ms[label] / ms[mine]:6.2f} {net[label] / net[mine]:6.2f}" if mine in ms
-                  else f"{'':>6} {'':>6}")
-        print(f"{label:<47} {ms[label]:6.2f} {ms[('null', label)]:7.2f} {net[label]:6.2f} {ratios} "
-              f"{moved / MB:8.1f} {floor:8.2f} {ms[label] / floor:7.2f} {net[label] / floor:6.2f} "
-              f"{peaks.get(label, float('nan')):7.1f}")
+        if mine in ms:
+            ratios = f"{ms[label] / ms[mine]:6.2f} {net[label] / net[mine]:6.2f}"
+            cpu_ratio = f"{cpu_ms[label] / cpu_ms[mine]:6.2f}"
+        else:
+            ratios, cpu_ratio = f"{'':>6} {'':>6}", f"{'':>6}"
+        print(f"{label:<47} {ms[label]:7.2f} {ms[('null', label)]:7.2f} {net[label]:7.2f} {ratios} "
+              f"{cpu_ms[label]:7.2f} {cpu_ratio} {moved / MB:8.1f} {floor:8.2f} "
+              f"{ms[label] / floor:7.2f} {net[label] / floor:6.2f} {peaks.get(label, float('nan')):7.1f}")
 
 
 def main(argv=None):
