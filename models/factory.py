@@ -94,15 +94,16 @@ def build_gradient_flow(compression: str = "fp16", bytes_per_pack: int = 4 << 20
     density 1.0 means dense (no CSC); --compression none with density 1.0 means
     plain TF (float32, TF's packing). momentum: CSC momentum correction
     (the optimizer must then run without momentum). Raises ValueError for a density outside
-    (0, 1] or a non-positive chunk_size / bytes_per_pack.
+    (0, 1], a non-positive chunk_size or a negative bytes_per_pack.
     """
     wire = choose("compression", compression, COMPRESSIONS)
     if not 0.0 < density <= 1.0:
         raise ValueError(f"--density must be in (0, 1] (fraction of chunks sent), got {density}")
     if chunk_size < 1:
         raise ValueError(f"--chunk_size must be >= 1 (elements), got {chunk_size}")
-    if bytes_per_pack < 1:
-        raise ValueError(f"--bytes_per_pack must be >= 1, got {bytes_per_pack}")
+    if bytes_per_pack < 0:
+        raise ValueError(f"--bytes_per_pack must be >= 0 (wire bytes; 0 = one pack per dtype), "
+                         f"got {bytes_per_pack}")
     if warmup_steps < 0:
         raise ValueError(f"--warmup_steps must be >= 0, got {warmup_steps}")
     sparsity = None

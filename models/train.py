@@ -33,7 +33,7 @@ flags.DEFINE_string("data_dir", "", "directory of TFRecord files (--dataset imag
 flags.DEFINE_string("strategy", "multi_worker_mirrored", "multi_worker_mirrored, mirrored, one_device")
 flags.DEFINE_integer("num_devices", 1, "replicas (logical CPU devices) per worker")
 flags.DEFINE_string("compression", "fp16", "wire format of gradients: fp16, bf16, none")
-flags.DEFINE_integer("bytes_per_pack", 4 << 20, "gradient bytes per all-reduce pack (float32 bytes)")
+flags.DEFINE_integer("bytes_per_pack", 4 << 20, "lazy all-reduce threshold: wire bytes per pack; 0 = one pack per dtype")
 flags.DEFINE_float("density", 0.01, "fraction of chunks sent per step after warm-up (CSC); 1 = dense")
 flags.DEFINE_integer("chunk_size", 1024, "CSC chunk size in elements")
 flags.DEFINE_integer("warmup_steps", 20, "dense steps before CSC starts")

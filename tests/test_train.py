@@ -36,7 +36,7 @@ def test_unknown_flag_values_list_the_valid_ones(call, flag, valid):
     ({"density": 0.0}, "--density must be in (0, 1]"),
     ({"density": 1.5}, "--density must be in (0, 1]"),
     ({"density": 0.1, "chunk_size": 0}, "--chunk_size must be >= 1"),
-    ({"bytes_per_pack": 0}, "--bytes_per_pack must be >= 1"),
+    ({"bytes_per_pack": -1}, "--bytes_per_pack must be >= 0"),
     ({"warmup_steps": -1}, "--warmup_steps must be >= 0"),
 ])
 def test_out_of_range_communication_flags_name_the_flag(kwargs, message):
