@@ -30,6 +30,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
+from gf_tf import tf_internal
+
 LIBRARY_ENV = "GF_TF_OPS_LIBRARY"
 LIBRARY_FILE = "_gf_tf_ops.so"
 # Written next to the library by setup.py: the TensorFlow version it was built against.
@@ -127,20 +129,6 @@ def library_status() -> str:
     return _library.status
 
 
-def _in_xla_compilation() -> bool:
-    if tf.executing_eagerly():
-        return False
-    # No public API tells whether the graph being built is an XLA cluster
-    # (tf.function(jit_compile=True)); this is the check TensorFlow itself uses.
-    try:
-        from tensorflow.python.ops import control_flow_util  # pylint: disable=g-import-not-at-top
-        in_xla = control_flow_util.GraphOrParentsInXlaContext
-    except (ImportError, AttributeError) as e:
-        raise RuntimeError(f"gf_tf.ops cannot tell XLA graphs apart in TensorFlow {tf.__version__} "
-                           f"({e}); call gf_tf.ops.composite or gf_tf.ops.compiled explicitly") from e
-    return in_xla(tf.compat.v1.get_default_graph())
-
-
 def _on_cpu(tensors) -> bool:
     for t in tensors:
         device = (getattr(t, "device", "") or "").upper()
@@ -150,7 +138,7 @@ def _on_cpu(tensors) -> bool:
 
 
 def _implementation(tensors):
-    if _lib() is not None and _on_cpu(tensors) and not _in_xla_compilation():
+    if _lib() is not None and _on_cpu(tensors) and not tf_internal.in_xla_context():
         return compiled
     return composite
 
