@@ -11,6 +11,16 @@ import tensorflow as tf
 from gf_tf import ops
 
 
+def test_the_compiled_library_is_loaded():
+    """README's test command builds the library; if it did not load, the compiled-path tests
+    would only skip. GF_TF_ALLOW_COMPOSITE=1 allows a run of the composite path alone."""
+    if os.environ.get("GF_TF_ALLOW_COMPOSITE") == "1":
+        pytest.skip("GF_TF_ALLOW_COMPOSITE=1")
+    assert ops._lib() is not None, (
+        f"{ops.library_status()}; build it with `pip install -e .` in the checkout "
+        f"(or set GF_TF_ALLOW_COMPOSITE=1 to test the composite ops alone)")
+
+
 @pytest.fixture(scope="module")
 def library():
     if ops._lib() is None:
