@@ -404,14 +404,8 @@ class GfScatterChunksOp : public OpKernel {
                 InvalidArgument("scatter_chunks: selected has ", selected.NumElements(),
                                 " elements but the chunks in indices cover ", covered,
                                 "; they must match"));
-    OpOutputList outputs;
-    OP_REQUIRES_OK(ctx, ctx->output_list("tensors", &outputs));
-    std::vector<char*> out_data(shapes_.size());
-    for (size_t i = 0; i < shapes_.size(); ++i) {
-      Tensor* t = nullptr;
-      OP_REQUIRES_OK(ctx, outputs.allocate(i, shapes_[i], &t));
-      out_data[i] = static_cast<char*>(t->data());
-    }
+    std::vector<char*> out_data;
+    OP_REQUIRES_OK(ctx, AllocateTensorsOutput(ctx, shapes_, &out_data));
     const char* sel = static_cast<const char*>(selected.data());
     const int wire_bytes = tensorflow::DataTypeSize(wire_dtype_);
     const bool stream = simd_ && StreamOutput(n * sizeof(float));

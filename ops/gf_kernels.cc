@@ -486,4 +486,18 @@ void ParallelFor(tensorflow::OpKernelContext* ctx, int64_t total,
   });
 }
 
+tensorflow::Status AllocateTensorsOutput(
+    tensorflow::OpKernelContext* ctx,
+    const std::vector<tensorflow::TensorShape>& shapes, std::vector<char*>* data) {
+  tensorflow::OpOutputList outputs;
+  TF_RETURN_IF_ERROR(ctx->output_list("tensors", &outputs));
+  data->resize(shapes.size());
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    tensorflow::Tensor* t = nullptr;
+    TF_RETURN_IF_ERROR(outputs.allocate(i, shapes[i], &t));
+    (*data)[i] = static_cast<char*>(t->data());
+  }
+  return tensorflow::Status();
+}
+
 }  // namespace gf_tf

@@ -69,6 +69,12 @@ void ParallelFor(tensorflow::OpKernelContext* ctx, int64_t total,
                  int64_t cost_per_unit,
                  const std::function<void(int64_t, int64_t)>& work);
 
+// Allocates the output list "tensors" with `shapes` and returns each output's
+// data pointer in `data` (the unpacking ops write straight into them).
+tensorflow::Status AllocateTensorsOutput(
+    tensorflow::OpKernelContext* ctx,
+    const std::vector<tensorflow::TensorShape>& shapes, std::vector<char*>* data);
+
 inline int64_t NumChunks(int64_t n, int64_t chunk_size) {
   return (n + chunk_size - 1) / chunk_size;
 }

@@ -158,14 +158,8 @@ class GfUnpackOp : public OpKernel {
                 InvalidArgument("GfUnpack: the packed buffer has ", packed.NumElements(),
                                 " elements but the shapes hold ", total,
                                 "; they must match"));
-    OpOutputList outputs;
-    OP_REQUIRES_OK(ctx, ctx->output_list("tensors", &outputs));
-    std::vector<char*> out_data(shapes_.size());
-    for (size_t i = 0; i < shapes_.size(); ++i) {
-      Tensor* t = nullptr;
-      OP_REQUIRES_OK(ctx, outputs.allocate(i, shapes_[i], &t));
-      out_data[i] = static_cast<char*>(t->data());
-    }
+    std::vector<char*> out_data;
+    OP_REQUIRES_OK(ctx, AllocateTensorsOutput(ctx, shapes_, &out_data));
     const char* src = static_cast<const char*>(packed.data());
     const int wire_bytes = tensorflow::DataTypeSize(wire_dtype_);
     const bool stream = simd_ && StreamOutput(total * sizeof(float));
