@@ -33,10 +33,7 @@ gradient_flow = gf_tf.GradientFlowAllReduce(sparsity=sparsity)
 strategy = gf_tf.MultiWorkerMirroredStrategy(
     communication_options=worker_util.communication_options(), gradient_flow=gradient_flow)
 
-rng = np.random.default_rng(0)
-n = args.global_batch * args.steps
-x = rng.normal(size=(n, 8)).astype(np.float32)
-y = (x @ rng.normal(size=(8, 3)) + 0.1 * rng.normal(size=(n, 3))).astype(np.float32)
+x, y = worker_util.regression_data(args.global_batch * args.steps)
 
 with strategy.scope():
     keras.utils.set_random_seed(1)

@@ -20,6 +20,14 @@ def communication_options():
     return tf.distribute.experimental.CommunicationOptions(timeout_seconds=comm_timeout())
 
 
+def regression_data(num_examples: int):
+    """Seeded (x float32 [n, 8], y float32 [n, 3]): a noisy linear map, the same on every worker."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(num_examples, 8)).astype(np.float32)
+    y = (x @ rng.normal(size=(8, 3)) + 0.1 * rng.normal(size=(num_examples, 3))).astype(np.float32)
+    return x, y
+
+
 def write_result(**arrays) -> None:
     """Saves named arrays where tests/cluster.py reads them (GF_TF_RESULT)."""
     np.savez(os.environ["GF_TF_RESULT"], **{k: np.asarray(v) for k, v in arrays.items()})
