@@ -223,22 +223,27 @@ class EmulatedCluster:
             if time.time() > deadline:
                 error = f"{tag}: not finished after {timeout:.0f} s (killed)"
             time.sleep(0.2)
-        for p in procs:
+        killed = set()
+        for i, p in enumerate(procs):
             if p.poll() is None:
                 p.kill()
+                killed.add(i)
             p.wait()
-        results = []
+        results, failures = [], []
         for i, (p, (out, err)) in enumerate(zip(procs, files)):
             out.seek(0)
             err.seek(0)
             lines = [l for l in out.read().splitlines() if l.startswith("RESULT ")]
             if p.returncode == 0 and lines:
                 results.append(json.loads(lines[-1][len("RESULT "):]))
-            elif error is None:
+            else:
                 tail = [l.strip() for l in err.read().splitlines() if l.strip()][-2:]
-                error = f"{tag} worker {i} exited {p.returncode}: " + " | ".join(tail)
+                how = "killed by the benchmark" if i in killed else f"exited {p.returncode}"
+                failures.append((i in killed, f"{tag} worker {i} {how}: " + " | ".join(tail)))
             out.close()
             err.close()
+        if error is None and failures:
+            error = sorted(failures)[0][1]   # the worker that failed by itself names the cause
         return {"error": error, "results": results}
 
     def interface_bytes(self, host: int) -> Dict[str, int]:
