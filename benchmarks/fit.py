@@ -118,6 +118,7 @@ def run_cells(launches: List[Launch], steps_override, log_dir: str, goodput_seco
                                                            "loss_first", "loss_last", "losses_finite")})
                         cell["images_per_s_per_worker_view"] = [r["images_per_s"] for r in job["results"]]
                         for key in ("sent_payload_bytes_per_step", "dense_payload_bytes_per_step",
+                                    "wire_tx_bytes_per_step", "wire_rx_bytes_per_step",
                                     "gradient_flow", "ops_library"):
                             if key in chief:
                                 cell[key] = chief[key]
@@ -155,7 +156,7 @@ def derive(cells: List[Dict], references: Dict[str, Dict], cores: int) -> None:
 
 def results_table(cells: List[Dict], references: Dict[str, Dict]) -> str:
     headers = ["model", "params", "N", "link", "method", "images/s", "step s", "scaling eff.",
-               "vs unshaped", "speedup vs TF fp32", "MB sent/step", "loss first->last"]
+               "vs unshaped", "speedup vs TF fp32", "MB sent/step", "wire MB/step", "loss first->last"]
     model_order = list(MODELS)
     order = {m: i for i, m in enumerate(methods.METHODS)}
     rows = []
@@ -163,19 +164,20 @@ def results_table(cells: List[Dict], references: Dict[str, Dict]) -> str:
         ref = references.get(model)
         if ref and "images_per_s" in ref:
             rows.append([model, f"{ref['params'] / 1e6:.2f}M", 1, "-", "reference (1 core, no comm.)",
-                         ref["images_per_s"], ref["median_step_s"], 1.0, None, None, None,
+                         ref["images_per_s"], ref["median_step_s"], 1.0, None, None, None, None,
                          f"{ref['loss_first']:.3g}->{ref['loss_last']:.3g}"])
     for c in sorted(cells, key=lambda c: (model_order.index(c["model"]), c["workers"], c["rate_mbit"] is None,
                                           c["rate_mbit"] or 0, order[c["method"]])):
         if "error" in c:
             rows.append([c["model"], None, c["workers"], report.link_label(c["rate_mbit"]), c["method"],
-                         "FAILED", None, None, None, None, None, c["error"][:60]])
+                         "FAILED", None, None, None, None, None, None, c["error"][:60]])
             continue
         sent = c.get("sent_payload_bytes_per_step")
         rows.append([c["model"], f"{c['params'] / 1e6:.2f}M", c["workers"], report.link_label(c["rate_mbit"]),
                      c["method"], c["images_per_s"], c["median_step_s"], c.get("scaling_efficiency"),
                      c.get("vs_unshaped"), c.get("speedup_vs_tf_fp32"),
                      sent / 1e6 if sent is not None else None,
+                     c["wire_tx_bytes_per_step"] / 1e6 if "wire_tx_bytes_per_step" in c else None,
                      f"{c['loss_first']:.3g}->{c['loss_last']:.3g}" + ("" if c["losses_finite"] else " NON-FINITE")])
     return report.markdown_table(headers, rows)
 

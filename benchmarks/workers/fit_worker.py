@@ -102,8 +102,10 @@ def main():
     # Epoch 0 (warm-up, traced) and epoch 1 (timed) have different lengths: run them as two fits.
     model.fit(data, epochs=1, steps_per_epoch=args.warmup_steps, verbose=0, callbacks=[clock])
     stats_before = _stats(gradient_flow)
+    wire_before = _wire_counters()
     model.fit(data, initial_epoch=1, epochs=2, steps_per_epoch=args.steps, verbose=0, callbacks=[clock])
     stats_after = _stats(gradient_flow)
+    wire_after = _wire_counters()
     # Steady state: from the end of the first step of the timed fit (which also creates the
     # input iterator) to the end of its last step.
     ends = clock.batch_end[1]
@@ -120,6 +122,9 @@ def main():
         "losses_finite": bool(np.all(np.isfinite(clock.losses))),
         "cpu": args.cpu,
     }
+    if wire_before and wire_after:   # all steps of the timed fit, measured on this namespace's eth0
+        result["wire_tx_bytes_per_step"] = (wire_after[0] - wire_before[0]) / args.steps
+        result["wire_rx_bytes_per_step"] = (wire_after[1] - wire_before[1]) / args.steps
     if gradient_flow is not None:
         import gf_tf
         result["gradient_flow"] = repr(gradient_flow)
@@ -129,6 +134,15 @@ def main():
         result["sent_payload_bytes_per_step"] = (stats_after["sent_bytes"] - stats_before["sent_bytes"]) / steps
         result["dense_payload_bytes_per_step"] = (stats_after["dense_bytes"] - stats_before["dense_bytes"]) / steps
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def _wire_counters():
+    try:
+        with open("/sys/class/net/eth0/statistics/tx_bytes") as tx, \
+                open("/sys/class/net/eth0/statistics/rx_bytes") as rx:
+            return int(tx.read()), int(rx.read())
+    except OSError:   # not inside an emulated host
+        return None
 
 
 def _stats(gradient_flow):
