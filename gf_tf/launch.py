@@ -179,6 +179,10 @@ def _stop(workers: List[_Worker], first_signal) -> None:
     while time.monotonic() < deadline and any(w.proc.poll() is None for w in workers):
         time.sleep(_POLL_SECONDS)
     for w in workers:
+        if w.proc.poll() is None:
+            # e.g. TensorFlow waiting for a missing peer ignores SIGTERM and SIGINT.
+            print(f"[gf-tf-run] {w.label} still running {GRACE_SECONDS:g} s after the signal: "
+                  f"killing it", file=sys.stderr, flush=True)
         # Also reaps grandchildren left in the group by a worker that exited.
         w.signal_group(signal.SIGKILL)
         w.proc.wait()
@@ -199,6 +203,9 @@ def run_tasks(tf_configs: Sequence[str], argv: Sequence[str], env: Optional[Dict
     configs = validate_tf_configs(tf_configs)
     out = out if out is not None else sys.stdout.buffer
     base_env = dict(os.environ if env is None else env)
+    # TensorFlow's C++ INFO/WARNING lines (oneDNN banners, coordination service) bury the
+    # workers' output; a TF_CPP_MIN_LOG_LEVEL the user set is kept.
+    base_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     lock = threading.Lock()
     received = []
     handlers = {sig: signal.signal(sig, lambda s, _frame: received.append(s))

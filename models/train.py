@@ -11,8 +11,9 @@ trains with --strategy mirrored over 2 logical CPU devices of this process
 which a one-worker cluster with one replica would skip. It says so at start.
 
 At the end every worker prints the test accuracy (the whole test set,
-evaluated locally with the trained weights, which are identical on every
-worker), the training throughput in images/s (all workers together, first
+evaluated locally: the trainable weights are identical on every worker, but
+BatchNormalization's moving statistics are each worker's own, as under TF's
+MultiWorkerMirroredStrategy, so the workers' figures can differ slightly), the training throughput in images/s (all workers together, first
 step excluded) and the bytes one replica sent per step against float32
 dense all-reduce. Only the chief writes to --model_dir; other workers write
 to model_dir/workertemp_<i>, as TF's multi-worker guide prescribes.
@@ -124,8 +125,21 @@ def _test_accuracy(model, source, batch_size) -> float:
     return correct / total
 
 
+_AT_LEAST = {"epochs": 1, "batch_size": 1, "num_devices": 1, "steps_per_epoch": 0, "seed": 0}
+
+
+def _check_flag_ranges():
+    """Raises ValueError("--flag ...") for out-of-range numbers, before the cluster starts."""
+    for name, low in _AT_LEAST.items():
+        if FLAGS[name].value < low:
+            raise ValueError(f"--{name} must be >= {low}, got {FLAGS[name].value}")
+    if FLAGS.collective_timeout <= 0:
+        raise ValueError(f"--collective_timeout must be > 0 seconds, got {FLAGS.collective_timeout}")
+
+
 def main(argv):
     del argv
+    _check_flag_ranges()
     logging.set_verbosity(logging.WARNING)  # TF's per-collective INFO lines drown the results
     import keras
     import gf_tf

@@ -151,7 +151,7 @@ def test_a_failing_worker_stops_the_others_and_sets_the_exit_code(tmp_path):
     assert _wait_for(lambda: not _alive(worker0) and not _alive(grandchild), timeout=5)
 
 
-def test_a_worker_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path, monkeypatch):
+def test_a_worker_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(launch, "GRACE_SECONDS", 1.0)
     code = launch.run_workers(2, _python(f"""
         import json, os, signal, sys, time
@@ -165,6 +165,7 @@ def test_a_worker_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path, mo
     """), out=io.BytesIO())
     assert code == 1
     assert _wait_for(lambda: not _alive(int((tmp_path / "pid").read_text())), timeout=5)
+    assert "worker 0 still running 1 s after the signal: killing it" in capsys.readouterr().err
 
 
 def test_no_command_is_an_error():

@@ -75,6 +75,22 @@ def test_bad_flag_value_exits_2_with_the_valid_values():
     assert "unknown --model 'vgg16'; valid values: digits_cnn" in run.stderr.decode()
 
 
+@pytest.mark.parametrize("flag, value, message", [
+    ("--epochs", "0", "--epochs must be >= 1, got 0"),
+    ("--batch_size", "0", "--batch_size must be >= 1, got 0"),
+    ("--seed", "-1", "--seed must be >= 0, got -1"),
+    ("--collective_timeout", "0", "--collective_timeout must be > 0 seconds"),
+])
+def test_out_of_range_numbers_exit_2_with_one_line_naming_the_flag(flag, value, message):
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env.pop("TF_CONFIG", None)
+    run = subprocess.run([sys.executable, "-m", "models.train", flag, value], env=env,
+                         capture_output=True, timeout=60, cwd=REPO_ROOT)
+    assert run.returncode == 2
+    assert message in run.stderr.decode()
+    assert "Traceback" not in run.stderr.decode()
+
+
 # --- a real 2-worker run -----------------------------------------------------------------
 
 def test_two_worker_training_run_learns_and_reports_bytes(tmp_path):
