@@ -372,21 +372,8 @@ class GfScatterChunksOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("Tout", &out_dtypes_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("scale", &scale_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("simd", &simd_));
-    std::vector<PartialTensorShape> shapes;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("shapes", &shapes));
-    OP_REQUIRES(ctx, shapes.size() == out_dtypes_.size(),
-                InvalidArgument("scatter_chunks: ", shapes.size(), " shapes but ",
-                                out_dtypes_.size(), " output dtypes (Tout)"));
-    std::vector<int64_t> sizes;
-    for (size_t i = 0; i < shapes.size(); ++i) {
-      TensorShape full;
-      OP_REQUIRES(ctx, shapes[i].AsTensorShape(&full),
-                  InvalidArgument("scatter_chunks: shapes[", i, "] = ",
-                                  shapes[i].DebugString(), " is not fully defined"));
-      shapes_.push_back(full);
-      sizes.push_back(full.num_elements());
-    }
-    offsets_ = PrefixOffsets(sizes);
+    OP_REQUIRES_OK(ctx, ReadOutputShapes(ctx, "scatter_chunks", out_dtypes_.size(), &shapes_,
+                                         &offsets_));
   }
 
   void Compute(OpKernelContext* ctx) override {

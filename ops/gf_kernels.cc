@@ -486,6 +486,31 @@ void ParallelFor(tensorflow::OpKernelContext* ctx, int64_t total,
   });
 }
 
+tensorflow::Status ReadOutputShapes(tensorflow::OpKernelConstruction* ctx,
+                                    const char* op, size_t num_outputs,
+                                    std::vector<tensorflow::TensorShape>* shapes,
+                                    std::vector<int64_t>* offsets) {
+  std::vector<tensorflow::PartialTensorShape> partial;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("shapes", &partial));
+  if (partial.size() != num_outputs) {
+    return tensorflow::errors::InvalidArgument(op, ": ", partial.size(), " shapes but ",
+                                               num_outputs, " output dtypes (Tout)");
+  }
+  std::vector<int64_t> sizes;
+  for (size_t i = 0; i < partial.size(); ++i) {
+    tensorflow::TensorShape full;
+    if (!partial[i].AsTensorShape(&full)) {
+      return tensorflow::errors::InvalidArgument(
+          op, ": shapes[", i, "] = ", partial[i].DebugString(),
+          " is not fully defined; unpacking needs static shapes");
+    }
+    shapes->push_back(full);
+    sizes.push_back(full.num_elements());
+  }
+  *offsets = PrefixOffsets(sizes);
+  return tensorflow::Status();
+}
+
 tensorflow::Status AllocateTensorsOutput(
     tensorflow::OpKernelContext* ctx,
     const std::vector<tensorflow::TensorShape>& shapes, std::vector<char*>* data) {

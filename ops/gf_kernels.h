@@ -69,6 +69,14 @@ void ParallelFor(tensorflow::OpKernelContext* ctx, int64_t total,
                  int64_t cost_per_unit,
                  const std::function<void(int64_t, int64_t)>& work);
 
+// Reads the "shapes" attr of an unpacking op (one fully defined shape per
+// output dtype) into `shapes`, and the element offsets of those tensors laid
+// end to end into `offsets` (see PrefixOffsets). `op` names the op in errors.
+tensorflow::Status ReadOutputShapes(tensorflow::OpKernelConstruction* ctx,
+                                    const char* op, size_t num_outputs,
+                                    std::vector<tensorflow::TensorShape>* shapes,
+                                    std::vector<int64_t>* offsets);
+
 // Allocates the output list "tensors" with `shapes` and returns each output's
 // data pointer in `data` (the unpacking ops write straight into them).
 tensorflow::Status AllocateTensorsOutput(
