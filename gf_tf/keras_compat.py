@@ -14,10 +14,19 @@ Keras 3.15's TensorFlow trainer fails under `tf.distribute.MultiWorkerMirroredSt
    placeholder tensor ... has_next"); we raise a clear ValueError instead.
 
 Every patch is active only for a MultiWorkerMirroredStrategy in multi-worker
-mode and delegates to Keras's own code otherwise. These are the only private
-Keras attributes gf_tf touches (keras.src.backend.tensorflow.trainer:
-TensorFlowTrainer._maybe_symbolic_build, TensorFlowTrainer._make_function,
-reduce_per_replica), guarded by `check_keras_version`.
+mode and delegates to Keras's own code otherwise.
+
+One more hook routes gradients to GradientFlow (`install_gradient_hook`,
+installed by GradientFlowAllReduce): `TFOptimizer._all_reduce_sum_gradients`
+(keras.src.backend.tensorflow.optimizer), the optimizer's one gradient
+all-reduce, calls `gf_tf.all_reduce_gradients` when the strategy's
+cross-device ops are a GradientFlowAllReduce, and Keras's own code otherwise.
+
+These are the only private Keras attributes gf_tf touches
+(keras.src.backend.tensorflow.trainer: TensorFlowTrainer._maybe_symbolic_build,
+TensorFlowTrainer._make_function, reduce_per_replica;
+keras.src.backend.tensorflow.optimizer: TFOptimizer._all_reduce_sum_gradients),
+guarded by `check_keras_version`.
 """
 
 import functools
@@ -62,6 +71,36 @@ def install() -> None:
     cls._make_function = _patched_make_function(cls._make_function)
     tf_trainer.reduce_per_replica = _patched_reduce_per_replica(tf_trainer.reduce_per_replica)
     cls._gf_tf_patched = True
+
+
+def install_gradient_hook() -> None:
+    """Routes the Keras optimizer's gradient all-reduce to gf_tf.all_reduce_gradients (idempotent).
+
+    Only where the strategy carries a GradientFlowAllReduce; elsewhere Keras's
+    own code runs unchanged. Raises RuntimeError on an untested Keras version.
+    """
+    check_keras_version()
+    from keras.src.backend.tensorflow import optimizer as tf_optimizer  # pylint: disable=import-outside-toplevel
+    cls = tf_optimizer.TFOptimizer
+    if getattr(cls, "_gf_tf_gradient_hook", False):
+        return
+    cls._all_reduce_sum_gradients = _patched_all_reduce_sum_gradients(
+        cls._all_reduce_sum_gradients)
+    cls._gf_tf_gradient_hook = True
+
+
+def _patched_all_reduce_sum_gradients(original):
+    @functools.wraps(original)
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        from gf_tf import gradients  # pylint: disable=import-outside-toplevel
+        replica_ctx = tf.distribute.get_replica_context()
+        if replica_ctx is None or not gradients.uses_gradient_flow(replica_ctx.strategy):
+            return original(self, grads_and_vars)
+        grads_and_vars = list(grads_and_vars)
+        grads = [g for g, _ in grads_and_vars]
+        reduced = gradients.all_reduce_gradients(grads, [v for _, v in grads_and_vars])
+        return list(zip(reduced, [v for _, v in grads_and_vars]))
+    return _all_reduce_sum_gradients
 
 
 def _patched_symbolic_build(original):

@@ -39,8 +39,10 @@ VERSION_FILE_SUFFIX = ".tf_version"
 BUILD_COMMAND = ("`pip install --no-build-isolation -e .` (or `python setup.py build_ext --inplace`) "
                  "in the gf_tf checkout")
 
-_FLOATING = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
-_WIRE = (tf.float16, tf.bfloat16, tf.float32)
+# The dtypes the kernels take (gradients) and send (wire); gf_tf.compression builds on these.
+GRAD_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+WIRE_DTYPES = (tf.float16, tf.bfloat16, tf.float32)
+_FLOATING, _WIRE = GRAD_DTYPES, WIRE_DTYPES
 
 
 def num_chunks(num_elements: int, chunk_size: int) -> int:
