@@ -5,7 +5,7 @@ Public API:
   MultiWorkerMirroredStrategy  tf.distribute.MultiWorkerMirroredStrategy with GradientFlow
   ChunkSparsity  coarse-grained sparse communication (CSC) for GradientFlowAllReduce(sparsity=...)
   GradientFlowStats  Keras callback: bytes sent, compression ratio, chunks, residual norm
-  ops      pack/unpack and the chunk ops (compiled, with a composite-TF fallback)
+  ops      pack/unpack, abs_max and the chunk ops (compiled, with a composite-TF fallback)
   launch   local multi-worker launcher and TF_CONFIG helpers (gf-tf-run)
 
 Names are imported on first use, so `gf-tf-run` (gf_tf.launch) starts without
