@@ -21,7 +21,7 @@ from gf_tf.packing import PackSpec
 AllReduceSum = Callable[[List[tf.Tensor]], List[tf.Tensor]]
 
 _WIRE_DTYPES = {"fp16": tf.float16, "bf16": tf.bfloat16, None: None}
-PACKABLE_DTYPES = (tf.float16, tf.bfloat16, tf.float32)
+PACKABLE_DTYPES = ops.WIRE_DTYPES  # dtypes a pack travels in (canonical set: gf_tf.ops)
 
 
 @dataclasses.dataclass(frozen=True)
