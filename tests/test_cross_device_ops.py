@@ -268,6 +268,24 @@ def test_mirrored_strategy_fit_runs_the_fp16_path(devices):
     assert int(gf["replica_stat_steps"]) == 1     # the replica path counts its step once, too
 
 
+def test_replica_context_path_runs_csc_with_real_collectives():
+    """Without merge_call (as under XLA on all-GPU devices) each replica runs the same funnel:
+    CSC's first step sends the top chunk (of 2) of the 7-element float32 gradient."""
+    gf = run_mirrored("--devices", "2", "--density", "0.5")
+    a_sum = gf["replica_a_ref"]
+    chunks = [slice(0, 4), slice(4, 7)]
+    # The chunk norms are all-reduced: the SUM over replicas of each replica's chunk L1 norm.
+    per_replica = gf["replica_a_inputs"]
+    norms = [np.abs(per_replica[:, c]).sum() for c in chunks]
+    want = np.zeros(7)
+    want[chunks[int(np.argmax(norms))]] = a_sum[chunks[int(np.argmax(norms))]]
+    for got in gf["replica_a"]:
+        np.testing.assert_allclose(got, want, rtol=2 ** -10, atol=1e-6)
+    np.testing.assert_array_equal(gf["replica_b"], np.broadcast_to(gf["replica_b_ref"], gf["replica_b"].shape))
+    assert int(gf["replica_stat_steps"]) == 1
+    assert all(np.all(np.isfinite(gf[f"w{k}"])) for k in range(4))
+
+
 def test_mirrored_strategy_mixed_float16_with_loss_scale_optimizer():
     gf = run_mirrored("--devices", "2", "--mixed_precision")
     assert str(gf["optimizer"]) == "LossScaleOptimizer"
