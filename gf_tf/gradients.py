@@ -85,6 +85,7 @@ def uses_gradient_flow(strategy: tf.distribute.Strategy) -> bool:
 
 
 def _gradient_flow_of(strategy):
-    from gf_tf.cross_device_ops import GradientFlowAllReduce  # pylint: disable=import-outside-toplevel
+    """The strategy's cross-device ops if they carry gradients the GradientFlow way
+    (GradientFlowAllReduce: they have `all_reduce_gradients`), else None."""
     ops = tf_internal.strategy_cross_device_ops(strategy)
-    return ops if isinstance(ops, GradientFlowAllReduce) else None
+    return ops if callable(getattr(ops, "all_reduce_gradients", None)) else None
