@@ -11,8 +11,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from gf_tf import packing
-from gf_tf import tf_internal
+from gf_tf import agreement, packing, tf_internal
 from gf_tf.compression import PACKABLE_DTYPES, WIRE_FORMATS, as_compression
 from gf_tf.reducers import Communicator, DenseReducer, Sent
 from gf_tf.state import StateRegistry, VariableSetState
@@ -234,8 +233,9 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         devices = list(strategy.extended.worker_devices)
         state = self._states.get(list(variables), signature, plan,
                                  lambda pack: self.reducer.create_state(pack, devices))
-        if replicas[0] == 0:
-            self._check_workers_agree(strategy, state, devices, options)
+        if replicas[0] == 0 and self._workers is not None:
+            agreement.check_workers_agree(self._workers, self._settings(state), devices,
+                                          self._cross_ops(), options)
         comm = Communicator(all_reduce_sum, strategy.num_replicas_in_sync,
                             reduce_op == _MEAN, replicas)
         results = [[None] * len(signature) for _ in grads]
@@ -279,9 +279,6 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
                 for i, value in zip(pack.indices, reduced):
                     results[r][i] = value
         return sent
-
-    # --- cross-worker agreement -------------------------------------------------
-
     def _settings(self, state: VariableSetState):
         """The fields every worker must agree on, as (name, number, how to print it)."""
         shapes = repr([None if s is None else (tuple(s[0].as_list()), s[1].name)
@@ -296,42 +293,6 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
             ("sparsity settings (CRC32)", _sparsity_fingerprint(self.sparsity),
              lambda c: f"{int(c):08x}"),
         ]
-
-    def _check_workers_agree(self, strategy, state: VariableSetState, devices, options):
-        """Fixed-shape handshake: a float64 [workers x (1 + fields)] SUM all-reduce.
-
-        Each worker's local replica 0 writes [1, fields...] into its row, every
-        other replica zeros; the sum is the table of all workers' settings. It
-        runs eagerly (tf.init_scope) while the step is traced, once per trace
-        and variable set, so a mismatch raises a Python ValueError before any
-        packed collective exists.
-        """
-        workers = self._workers
-        if workers is None or workers.num_workers == 1:
-            return
-        settings = self._settings(state)
-        width = 1 + len(settings)
-        mine = np.zeros([workers.num_workers, width], np.float64)
-        mine[workers.rank] = [1.0] + [float(number) for _, number, _ in settings]
-        with tf.init_scope():
-            rows = []
-            for r, device in enumerate(devices):
-                with tf.device(device):
-                    rows.append(tf.constant(mine.ravel() if r == 0 else np.zeros(mine.size)))
-            pr = tf_internal.per_replica(rows)
-            summed = self._cross_ops().batch_reduce(_SUM, [(pr, pr)], options)[0]
-            table = tf_internal.local_values(summed)[0].numpy().reshape(mine.shape)
-        problems = []
-        for k, (name, _, show) in enumerate(settings, start=1):
-            column = table[:, k]
-            if np.any(column != column[0]) or np.any(table[:, 0] != 1.0):
-                listed = ", ".join(f"{worker} = {show(v)}" for worker, v in zip(workers.names, column))
-                problems.append(f"{name}: {listed}")
-        if problems:
-            raise ValueError(
-                "gf_tf.GradientFlowAllReduce settings differ across workers (every worker must "
-                "use the same compression, bytes_per_pack, sparsity and model): "
-                + "; ".join(problems))
 
 
 def _groups_by_dtype(indices, samples):
