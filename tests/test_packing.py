@@ -7,7 +7,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import pytest
 import tensorflow as tf
 
-from gf_tf.compression import Compression, as_compression, scales
+from gf_tf.compression import Compression, as_compression, needs_scaling
 from gf_tf.packing import plan_fingerprint, plan_packs
 
 FP16 = Compression("fp16").wire_dtype
@@ -91,8 +91,6 @@ def test_bad_arguments_raise_clear_errors():
         FP16(tf.float64)
 
 
-def test_prescale_postscale():
-    assert scales(tf.float16, 4) == (0.25, 4.0)
-    assert scales(tf.float16, 4, mean=True) == (0.25, 1.0)
-    assert scales(tf.float32, 4) == (1.0, 1.0)
-    assert scales(tf.float32, 4, mean=True) == (1.0, 0.25)
+def test_only_the_float16_wire_is_scaled():
+    assert needs_scaling(tf.float16)
+    assert not needs_scaling(tf.bfloat16) and not needs_scaling(tf.float32)
