@@ -6,6 +6,7 @@ Public API:
   ChunkSparsity  coarse-grained sparse communication (CSC) for GradientFlowAllReduce(sparsity=...)
   GradientFlowStats  Keras callback: bytes sent, compression ratio, chunks, residual norm
   all_reduce_gradients  a custom loop's gradient all-reduce, compressed by GradientFlow
+  checkpoint  CSC state in checkpoints; BackupAndRestore for multi-worker GradientFlow jobs
   keras_compat  the Keras fixes for multi-worker fit (install()) and the gradient hook
   ops      pack/unpack, abs_max and the chunk ops (compiled, with a composite-TF fallback)
   launch   local multi-worker launcher and TF_CONFIG helpers (gf-tf-run)
@@ -23,7 +24,7 @@ _EXPORTS = {
     "GradientFlowStats": "gf_tf.stats",
     "all_reduce_gradients": "gf_tf.gradients",
 }
-_SUBMODULES = ("keras_compat", "launch", "ops")
+_SUBMODULES = ("checkpoint", "keras_compat", "launch", "ops")
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES)
 

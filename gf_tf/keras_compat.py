@@ -25,7 +25,9 @@ cross-device ops are a GradientFlowAllReduce, and Keras's own code otherwise.
 These are the only private Keras attributes gf_tf touches
 (keras.src.backend.tensorflow.trainer: TensorFlowTrainer._maybe_symbolic_build,
 TensorFlowTrainer._make_function, reduce_per_replica;
-keras.src.backend.tensorflow.optimizer: TFOptimizer._all_reduce_sum_gradients),
+keras.src.backend.tensorflow.optimizer: TFOptimizer._all_reduce_sum_gradients,
+TFOptimizer.build, TFOptimizer._distribution_strategy (install_checkpoint_hook);
+keras.src.saving.keras_saveable.KerasSaveable),
 guarded by `check_keras_version`.
 """
 
@@ -87,6 +89,41 @@ def install_gradient_hook() -> None:
     cls._all_reduce_sum_gradients = _patched_all_reduce_sum_gradients(
         cls._all_reduce_sum_gradients)
     cls._gf_tf_gradient_hook = True
+    install_checkpoint_hook()
+
+
+def install_checkpoint_hook() -> None:
+    """Attaches gf_tf.checkpoint's CSC state to each Keras optimizer built under GradientFlow (idempotent).
+
+    Patches `TFOptimizer.build` (keras.src.backend.tensorflow.optimizer; every
+    optimizer's `build` reaches it through `super().build`): after Keras's
+    build, `gf_tf.checkpoint.attach(optimizer, optimizer._distribution_strategy,
+    variables)`. BackupAndRestore builds the optimizer before it loads, so the
+    state's checkpoint object exists before any restore. Raises RuntimeError
+    on an untested Keras version.
+    """
+    check_keras_version()
+    from keras.src.backend.tensorflow import optimizer as tf_optimizer  # pylint: disable=import-outside-toplevel
+    cls = tf_optimizer.TFOptimizer
+    if getattr(cls, "_gf_tf_checkpoint_hook", False):
+        return
+    original = cls.build
+
+    @functools.wraps(original)
+    def build(self, variables):
+        original(self, variables)
+        from gf_tf import checkpoint  # pylint: disable=import-outside-toplevel
+        checkpoint.attach(self, self._distribution_strategy, variables)  # pylint: disable=protected-access
+
+    cls.build = build
+    cls._gf_tf_checkpoint_hook = True
+
+
+def keras_saveable_class():
+    """`keras.src.saving.keras_saveable.KerasSaveable`: the base Keras's weight saving walks."""
+    check_keras_version()
+    from keras.src.saving.keras_saveable import KerasSaveable  # pylint: disable=import-outside-toplevel
+    return KerasSaveable
 
 
 def _patched_all_reduce_sum_gradients(original):

@@ -127,8 +127,10 @@ class ChunkSparsity:
     velocities, step counters) belongs to the variables whose gradients it
     holds: GradientFlowAllReduce keeps one per variable set (see
     `GradientFlowAllReduce.states()`), so two models or two optimizers under
-    one strategy never share it. State is NOT saved in checkpoints: after a
-    restart residuals start from zero and the warm-up runs again.
+    one strategy never share it. The state is saved with the optimizer's
+    checkpoint (`gf_tf.checkpoint`: `model.save_weights`, `ModelCheckpoint`,
+    `BackupAndRestore`), each worker its own; use
+    `gf_tf.checkpoint.BackupAndRestore` with several workers.
     """
 
     def __init__(self, density: float = DEFAULT_DENSITY,

@@ -37,6 +37,10 @@ class VariableSetState(tf.Module):
         self.packs = packs
         self._refs = [_weak(v) for v in variables]
 
+    def owners(self) -> list:
+        """The variables whose gradients this set holds (None where one was garbage-collected)."""
+        return [ref() for ref in self._refs]
+
     def serves(self, variables: Sequence) -> bool:
         """True if `variables` are exactly this set's variables (same objects, same order)."""
         return len(variables) == len(self._refs) and all(
@@ -57,6 +61,16 @@ class StateRegistry:
     def __init__(self):
         self._sets: Dict[Tuple[int, ...], VariableSetState] = {}
         self._lock = threading.Lock()
+        self._listeners = []   # weak references to callables(VariableSetState)
+
+    def add_listener(self, listener: Callable[[VariableSetState], None]) -> None:
+        """Calls `listener(state)` (a bound method, held weakly) for every set created from now on.
+
+        It runs eagerly under the registry's lock, before the state's first use,
+        so it may assign the state's variables (a deferred checkpoint restore,
+        gf_tf.checkpoint) or raise to stop the trace.
+        """
+        self._listeners.append(weakref.WeakMethod(listener))
 
     def get(self, variables: Sequence, signature, plan: Tuple[PackSpec, ...],
             create_pack_state: Callable[[PackSpec], Optional[tf.Module]]) -> VariableSetState:
@@ -82,8 +96,17 @@ class StateRegistry:
             with tf.init_scope():
                 packs = [create_pack_state(pack) for pack in plan]
             state = VariableSetState(describe(variables), variables, signature, plan, packs)
+            with tf.init_scope():
+                for ref in list(self._listeners):
+                    if ref() is not None:
+                        ref()(state)
             self._sets[key] = state
             return state
+
+    def all_states(self) -> List[VariableSetState]:
+        """The live variable-set states, oldest first."""
+        with self._lock:
+            return list(self._sets.values())
 
     def states(self) -> Dict[str, VariableSetState]:
         """The live variable-set states by name."""

@@ -74,28 +74,6 @@ def _throughput_callback(global_batch_size):
     return Throughput()
 
 
-def _restore_only(backup_dir):
-    """BackupAndRestore that restores from the chief's `backup_dir` and never writes or deletes.
-
-    Every worker must resume at the same epoch with the same weights, or their
-    collectives stop matching; reading the chief's one copy guarantees that
-    (so --model_dir must be visible to every worker: same host or shared storage).
-    """
-    import keras
-
-    class RestoreOnly(keras.callbacks.BackupAndRestore):
-        def on_epoch_end(self, epoch, logs=None):
-            pass
-
-        def on_train_batch_end(self, batch, logs=None):
-            pass
-
-        def on_train_end(self, logs=None):
-            pass
-
-    return RestoreOnly(backup_dir)
-
-
 def _bytes_per_step(gradient_flow, model, history) -> dict:
     """Per-replica bytes per step: sent, and float32 dense all-reduce of the same gradients.
 
@@ -195,7 +173,9 @@ def main(argv):
         write_dir = FLAGS.model_dir if is_chief else os.path.join(FLAGS.model_dir, f"workertemp_{task_id}")
         backup_dir = os.path.join(FLAGS.model_dir, "backup")
         callbacks += [
-            keras.callbacks.BackupAndRestore(backup_dir) if is_chief else _restore_only(backup_dir),
+            # Every worker restores the chief's weights and epoch and its own CSC state
+            # (gf_tf.checkpoint): the chief writes the backup, the others their CSC state.
+            gf_tf.checkpoint.BackupAndRestore(backup_dir),
             keras.callbacks.ModelCheckpoint(os.path.join(write_dir, "checkpoint.weights.h5"),
                                             save_weights_only=True),
         ]

@@ -1,0 +1,365 @@
+"""CSC state in checkpoints: residuals, velocities and step counters saved with the optimizer.
+
+Error feedback (GradientFlow arXiv 1902.06855, CSC; DGC arXiv 1712.01887 s3)
+carries each worker's unsent gradient mass from step to step. Losing it on a
+restart wastes that mass and the dense warm-up. This module saves it with the
+model's checkpoint:
+
+- `GradientFlowCheckpoint` is attached to every Keras optimizer built under a
+  strategy whose cross-device ops are a `gf_tf.GradientFlowAllReduce`
+  (keras_compat.install_checkpoint_hook), as the attribute `_gf_tf_checkpoint`.
+  So it is part of the optimizer's checkpoint: `model.save_weights` /
+  `load_weights` (Keras walks the optimizer's KerasSaveable attributes; the
+  state is under `optimizer/_gf_tf_checkpoint`), `ModelCheckpoint`,
+  `keras.callbacks.BackupAndRestore` and `tf.train.Checkpoint(model=...,
+  optimizer=...)` (a TF dependency of the optimizer).
+- A restore that comes before the state exists (BackupAndRestore restores in
+  `on_train_begin`, before the first step is traced) is held and applied when
+  GradientFlow creates the variable set's state, after checking it matches.
+- Each worker saves ITS OWN replicas' state (workers see different data, so
+  residuals differ); the file records the worker's rank and the worker count.
+  `BackupAndRestore` here is Keras's callback made multi-worker: the chief
+  writes the backup (weights, optimizer, epoch and the chief's CSC state) and
+  every other worker writes only its CSC state next to it,
+  `backup_dir/gf_tf_state.worker<rank>.npz`; every worker restores the
+  chief's weights and epoch and its own CSC state.
+
+Mismatches (never silent):
+- ValueError: another worker count, another replica count per worker, another
+  worker's file loaded by plain `load_weights`, another variable list or pack
+  plan, momentum correction switched on/off.
+- Warned reset (residuals and velocities zero, step counters kept in step
+  with the other workers): a checkpoint without CSC state for a run with CSC,
+  or a worker whose own CSC backup is missing or from another step than the
+  chief's backup (e.g. it was killed between the chief's save and its own).
+- Warning, state ignored: CSC state in the checkpoint, no CSC in this run.
+"""
+
+import io
+import json
+import logging
+import os
+import weakref
+from typing import Dict, List, Optional
+
+import numpy as np
+import keras
+import tensorflow as tf
+
+from gf_tf import keras_compat, tf_internal
+
+FORMAT = 1
+ATTRIBUTE = "_gf_tf_checkpoint"
+
+_log = logging.getLogger(__name__)
+
+
+class _Held:
+    """Plain holder (not tracked by tf.Module): restored data not yet applied."""
+
+    def __init__(self):
+        self.meta = None            # the saved meta dict
+        self.arrays = None          # {key: np.ndarray}
+        self.applied = set()        # indices of meta["sets"] already applied
+        self.expect_side_file = False
+        self.reference = None       # (meta, arrays) of the chief, on other workers
+        self.gf = None              # weak reference to the GradientFlowAllReduce
+        self.variables = []         # weak references to the optimizer's trainable variables
+        self.num_local = 1
+        self.iterations = None      # the optimizer's step counter
+
+
+class GradientFlowCheckpoint(keras_compat.keras_saveable_class(), tf.Module):
+    """The CSC state of one optimizer's variable sets, as a Keras and TF checkpoint dependency.
+
+    Keras format (`save_own_variables`): "meta" (uint8 JSON: format, worker,
+    num_workers, local_replicas, momentum, optimizer_iterations, per set the
+    positions of its variables in the optimizer's list and its pack keys and
+    sizes), and per set s, pack p, local replica r: "s{s}_p{p}_step_r{r}"
+    (int64 scalar), "s{s}_p{p}_residual_r{r}" and "s{s}_p{p}_velocity_r{r}"
+    (float32 [n]), "s{s}_p{p}_residual_l1" (float32 scalar).
+    """
+
+    def __init__(self, gradient_flow, strategy, variables):
+        super().__init__(name="gf_tf_checkpoint")
+        self._self_held = _Held()
+        self._self_held.gf = weakref.ref(gradient_flow)
+        self._self_held.variables = [weakref.ref(v) for v in variables]
+        self._self_held.num_local = len(strategy.extended.worker_devices)
+        gradient_flow._states.add_listener(self._on_new_state)  # pylint: disable=protected-access
+
+    # --- Keras -----------------------------------------------------------------
+
+    def _obj_type(self):
+        # One of the types Keras 3.15's saving_lib.get_attr_skipset accepts; its
+        # skip list (a Loss's attributes) hides nothing of ours, and nothing of
+        # ours is a KerasSaveable, so the walk stops here.
+        return "Loss"
+
+    def save_own_variables(self, store):
+        meta, arrays = self.state_arrays()
+        store["meta"] = _encode(meta)
+        for key, value in arrays.items():
+            store[key] = value
+
+    def load_own_variables(self, store):
+        keys = list(store.keys())
+        if "meta" not in keys:
+            self.restore(None, {})
+            return
+        self.restore(_decode(store["meta"]), {k: np.asarray(store[k]) for k in keys if k != "meta"})
+
+    # --- what this worker holds ------------------------------------------------
+
+    @property
+    def _gf(self):
+        return self._self_held.gf()
+
+    def _worker(self):
+        workers = getattr(self._gf, "_workers", None)
+        return (0, 1) if workers is None else (workers.rank, workers.num_workers)
+
+    def _positions(self, state) -> Optional[List[int]]:
+        """Positions of `state`'s variables in the optimizer's list, or None if not all are there."""
+        index = {}
+        for i, ref in enumerate(self._self_held.variables):
+            variable = ref()
+            if variable is not None:   # a Keras Variable; gradients come with its tf.Variable
+                index[id(variable)] = index[id(getattr(variable, "value", variable))] = i
+        positions = [index.get(id(v)) for v in state.owners()]
+        return None if any(p is None for p in positions) else positions
+
+    def _my_sets(self):
+        return [(s, self._positions(s)) for s in self._gf._states.all_states()  # pylint: disable=protected-access
+                if s.has_state and self._positions(s) is not None]
+
+    def _momentum(self) -> bool:
+        sparsity = getattr(self._gf, "sparsity", None)
+        return bool(sparsity is not None and sparsity.momentum > 0.0)
+
+    def state_arrays(self):
+        """(meta, {key: array}) of this worker's CSC state (held data if not applied yet)."""
+        rank, num_workers = self._worker()
+        held = self._self_held
+        sets = self._my_sets()
+        if not sets and held.meta is not None and held.meta["worker"] == rank:
+            return held.meta, dict(held.arrays)   # restored, no step run since
+        meta = {"format": FORMAT, "worker": rank, "num_workers": num_workers,
+                "local_replicas": self._self_held.num_local, "momentum": self._momentum(),
+                "optimizer_iterations": self._iterations(), "sets": []}
+        arrays = {}
+        for s, (state, positions) in enumerate(sets):
+            meta["sets"].append({"variables": positions, "name": state.set_name,
+                                 "packs": [[p.key, p.num_elements] for p in state.plan]})
+            for p, pack in enumerate(state.packs):
+                if pack is None:
+                    continue
+                for r in range(self._self_held.num_local):
+                    arrays[f"s{s}_p{p}_step_r{r}"] = pack.steps[r].numpy()
+                    arrays[f"s{s}_p{p}_residual_r{r}"] = pack.residuals[r].numpy()
+                    if pack.velocities:
+                        arrays[f"s{s}_p{p}_velocity_r{r}"] = pack.velocities[r].numpy()
+                arrays[f"s{s}_p{p}_residual_l1"] = pack.residual_l1.numpy()
+        return meta, arrays
+
+    def _iterations(self) -> int:
+        iterations = self._self_held.iterations
+        return -1 if iterations is None else int(iterations.numpy())
+
+    # --- restore ------------------------------------------------------------------
+
+    def restore(self, meta: Optional[dict], arrays: Dict[str, np.ndarray]) -> None:
+        """Checks `meta` against this run and applies it now or when the state is created.
+
+        Raises ValueError on a mismatch that would give wrong state (see module doc).
+        """
+        held = self._self_held
+        rank, num_workers = self._worker()
+        csc = getattr(self._gf, "sparsity", None) is not None
+        if meta is None or not meta.get("sets"):
+            if csc and not held.expect_side_file:
+                _log.warning("gf_tf: the checkpoint holds no CSC state (saved by a run without "
+                             "gf_tf CSC, or before its first step): residuals and momentum start "
+                             "from zero and the warm-up runs again.")
+            return
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"gf_tf: CSC state of format {meta.get('format')!r} in the checkpoint, "
+                             f"this gf_tf reads format {FORMAT}")
+        if not csc:
+            _log.warning("gf_tf: the checkpoint holds CSC state (residuals, step counters) but this "
+                         "GradientFlowAllReduce has no sparsity: the state is ignored.")
+            return
+        _check(meta["num_workers"] == num_workers,
+               f"it was saved by a job of {meta['num_workers']} workers, this job has "
+               f"{num_workers}. Residuals are per worker: resume with the same worker count")
+        _check(meta["local_replicas"] == self._self_held.num_local,
+               f"it was saved with {meta['local_replicas']} replicas per worker, this worker has "
+               f"{self._self_held.num_local}. Resume with the same devices per worker")
+        if meta["worker"] != rank:
+            _check(held.expect_side_file,
+                   f"it holds worker {meta['worker']}'s state and this is worker {rank}. Each "
+                   f"worker must load the file it saved itself (or use "
+                   f"gf_tf.checkpoint.BackupAndRestore)")
+            held.reference = (meta, arrays)
+            return
+        _check(bool(meta["momentum"]) == self._momentum(),
+               f"momentum correction was {'on' if meta['momentum'] else 'off'} when it was saved "
+               f"and is {'on' if self._momentum() else 'off'} now")
+        held.meta, held.arrays, held.applied = meta, arrays, set()
+        for state in self._gf._states.all_states():  # pylint: disable=protected-access
+            self._apply(state)
+
+    def _on_new_state(self, state) -> None:
+        self._apply(state)
+
+    def _apply(self, state) -> None:
+        held = self._self_held
+        positions = self._positions(state)
+        if held.meta is None or positions is None or not state.has_state:
+            return
+        match = [s for s, saved in enumerate(held.meta["sets"]) if saved["variables"] == positions]
+        if not match:
+            saved = "; ".join(f"[{x['name']}] (optimizer positions {x['variables']})"
+                              for x in held.meta["sets"])
+            raise ValueError(
+                f"gf_tf: cannot restore CSC state: the checkpoint holds it for {saved}, but this "
+                f"step all-reduces [{state.set_name}] (optimizer positions {positions}). Restore "
+                f"into the same model with the same trainable variables, or start without the "
+                f"checkpoint's optimizer state.")
+        s = match[0]
+        packs = [[p.key, p.num_elements] for p in state.plan]
+        _check(held.meta["sets"][s]["packs"] == packs,
+               f"its pack plan {held.meta['sets'][s]['packs']} differs from this run's {packs} "
+               f"(another bytes_per_pack, compression or model). Use the same settings")
+        for p, pack in enumerate(state.packs):
+            if pack is None:
+                continue
+            for r in range(self._self_held.num_local):
+                pack.steps[r].assign(held.arrays[f"s{s}_p{p}_step_r{r}"])
+                pack.residuals[r].assign(held.arrays[f"s{s}_p{p}_residual_r{r}"])
+                if pack.velocities:
+                    pack.velocities[r].assign(held.arrays[f"s{s}_p{p}_velocity_r{r}"])
+            pack.residual_l1.assign(held.arrays[f"s{s}_p{p}_residual_l1"])
+        held.applied.add(s)
+        if len(held.applied) == len(held.meta["sets"]):
+            held.meta = held.arrays = None
+
+    # --- a worker's own file next to the chief's backup -----------------------------
+
+    def save_side_file(self, path: str) -> None:
+        """Writes this worker's CSC state to `path` (.npz), atomically (write, then rename)."""
+        meta, arrays = self.state_arrays()
+        buffer = io.BytesIO()
+        np.savez(buffer, meta=_encode(meta), **arrays)
+        tmp = f"{path}.tmp"
+        with tf.io.gfile.GFile(tmp, "wb") as f:
+            f.write(buffer.getvalue())
+        tf.io.gfile.rename(tmp, path, overwrite=True)
+
+    def restore_side_file(self, path: str) -> None:
+        """Restores this worker's state from `path`, checked against the chief's backup.
+
+        A missing file, or one saved at another step than the chief's backup,
+        gives a warned reset: zero residuals and velocities, the chief's step
+        counters (so every worker keeps the same schedule).
+        """
+        held = self._self_held
+        held.expect_side_file = False
+        reference = held.reference
+        if reference is None:
+            return
+        meta = arrays = None
+        if tf.io.gfile.exists(path):
+            with tf.io.gfile.GFile(path, "rb") as f:
+                loaded = np.load(io.BytesIO(f.read()))
+                arrays = {k: loaded[k] for k in loaded.files if k != "meta"}
+                meta = _decode(loaded["meta"])
+        steps = {k: v for k, v in reference[1].items() if "_step_" in k}
+        if meta is None or any(k not in arrays or int(arrays[k]) != int(v) for k, v in steps.items()):
+            _log.warning("gf_tf: worker %d's CSC backup %s is %s the chief's backup: its residuals "
+                         "and momentum start from zero (step counters follow the chief's).",
+                         self._worker()[0], path, "missing next to" if meta is None
+                         else "from another step than")
+            meta = dict(reference[0], worker=self._worker()[0])
+            arrays = {k: (v if "_step_" in k else np.zeros_like(v))
+                      for k, v in reference[1].items()}
+        self.restore(meta, arrays)
+
+
+def attach(optimizer, strategy, variables) -> None:
+    """Gives `optimizer` its GradientFlowCheckpoint if `strategy` all-reduces through GradientFlow."""
+    gradient_flow = tf_internal.strategy_cross_device_ops(strategy)
+    from gf_tf.cross_device_ops import GradientFlowAllReduce  # pylint: disable=import-outside-toplevel
+    if not isinstance(gradient_flow, GradientFlowAllReduce) or hasattr(optimizer, ATTRIBUTE):
+        return
+    with tf.init_scope():
+        checkpoint = GradientFlowCheckpoint(gradient_flow, strategy, list(variables))
+    checkpoint._self_held.iterations = optimizer.iterations  # pylint: disable=protected-access
+    setattr(optimizer, ATTRIBUTE, checkpoint)
+
+
+def of(optimizer) -> Optional[GradientFlowCheckpoint]:
+    """The optimizer's GradientFlowCheckpoint (None before it is built or without GradientFlow)."""
+    return getattr(optimizer, ATTRIBUTE, None)
+
+
+def _check(condition: bool, why: str) -> None:
+    if not condition:
+        raise ValueError(f"gf_tf: cannot restore the checkpoint's CSC state: {why}.")
+
+
+def _encode(meta: dict) -> np.ndarray:
+    return np.frombuffer(json.dumps(meta, sort_keys=True).encode(), np.uint8).copy()
+
+
+def _decode(array) -> dict:
+    return json.loads(np.asarray(array, np.uint8).tobytes().decode())
+
+
+class BackupAndRestore(keras.callbacks.BackupAndRestore):
+    """`keras.callbacks.BackupAndRestore` for GradientFlow jobs of one or more workers.
+
+    Keras 3.15's callback has no multi-worker logic: every worker would write
+    the same files. Here the chief (worker 0) writes the backup as Keras does
+    (`latest.weights.h5`, `training_metadata.json`; with the chief's CSC
+    state), every other worker writes only its own CSC state,
+    `gf_tf_state.worker<rank>.npz`, in the same `backup_dir` (which must be
+    visible to every worker: one host or shared storage). On restart every
+    worker restores the chief's weights, optimizer and epoch (so all resume
+    identically) and its own CSC state. Args as Keras's callback.
+    """
+
+    def _rank(self) -> int:
+        gradient_flow = tf_internal.strategy_cross_device_ops(self.model.distribute_strategy)
+        workers = getattr(gradient_flow, "_workers", None)
+        return 0 if workers is None else workers.rank
+
+    def _side_path(self) -> str:
+        return os.path.join(self.backup_dir, f"gf_tf_state.worker{self._rank()}.npz")
+
+    def on_train_begin(self, logs=None):
+        if self._rank() == 0:
+            return super().on_train_begin(logs)
+        optimizer = self.model.optimizer
+        if optimizer is not None and not optimizer.built:
+            optimizer.build(self.model.trainable_variables)
+        checkpoint = of(optimizer)
+        if checkpoint is not None:
+            checkpoint._self_held.expect_side_file = True  # pylint: disable=protected-access
+        super().on_train_begin(logs)
+        if checkpoint is not None:
+            checkpoint.restore_side_file(self._side_path())
+
+    def _save_model(self):
+        if self._rank() == 0:
+            return super()._save_model()
+        checkpoint = of(self.model.optimizer)
+        if checkpoint is not None:
+            tf.io.gfile.makedirs(self.backup_dir)
+            checkpoint.save_side_file(self._side_path())
+
+    def on_train_end(self, logs=None):
+        if self._rank() == 0:
+            return super().on_train_end(logs)
+        if self.delete_checkpoint and tf.io.gfile.exists(self._side_path()):
+            tf.io.gfile.remove(self._side_path())

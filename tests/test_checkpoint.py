@@ -1,0 +1,242 @@
+"""CSC state (residuals, velocities, step counters) in Keras checkpoints: gf_tf.checkpoint.
+
+In-process, 2 replicas of a MirroredStrategy over logical CPUs. The 2-worker
+SIGKILL / BackupAndRestore run is in tests/test_checkpoint_multiworker.py.
+"""
+
+import logging
+
+import h5py
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import gf_tf
+from gf_tf import checkpoint
+from gf_tf.strategy import WorkerInfo
+
+DEVICES = [d.name for d in tf.config.list_logical_devices("CPU")]
+
+
+def _setup(seed=0, momentum=0.5, sparsity=True, devices=2, bytes_per_pack=4 << 20, hidden=16):
+    csc = gf_tf.ChunkSparsity(density=0.1, chunk_size=8, warmup_steps=2,
+                              momentum=momentum) if sparsity else None
+    gfar = gf_tf.GradientFlowAllReduce(sparsity=csc, bytes_per_pack=bytes_per_pack,
+                                       cross_device_ops=tf.distribute.ReductionToOneDevice())
+    strategy = tf.distribute.MirroredStrategy(DEVICES[:devices], cross_device_ops=gfar)
+    with strategy.scope():
+        keras.utils.set_random_seed(seed)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(hidden, activation="relu"),
+                                  keras.layers.Dense(3)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    return gfar, model
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8)).astype(np.float32)
+    return x, (x @ rng.normal(size=(8, 3))).astype(np.float32)
+
+
+def _state(gfar):
+    (variable_set,) = gfar.states().values()
+    return variable_set.packs[0]
+
+
+def _snapshot(state):
+    return {"steps": [int(s.numpy()) for s in state.steps],
+            "residuals": [r.numpy().copy() for r in state.residuals],
+            "velocities": [u.numpy().copy() for u in state.velocities or []]}
+
+
+def _trained(tmp_path, epochs=1, **kw):
+    gfar, model = _setup(**kw)
+    x, y = _data()
+    model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0)
+    path = str(tmp_path / "a.weights.h5")
+    model.save_weights(path)
+    return gfar, model, path
+
+
+def test_save_weights_holds_each_replicas_state(tmp_path):
+    gfar, _, path = _trained(tmp_path)
+    saved = _snapshot(_state(gfar))
+    assert saved["steps"] == [4, 4] and np.any(saved["residuals"][1])
+    with h5py.File(path, "r") as f:
+        group = f["optimizer/_gf_tf_checkpoint/vars"]
+        np.testing.assert_array_equal(group["s0_p0_residual_r1"][()], saved["residuals"][1])
+        np.testing.assert_array_equal(group["s0_p0_velocity_r0"][()], saved["velocities"][0])
+        assert int(group["s0_p0_step_r0"][()]) == 4
+
+
+def test_load_weights_before_the_first_step_is_applied_when_the_state_is_created(tmp_path):
+    """load_weights into a fresh model (no GradientFlow state yet) then fit: the
+    held state is applied at the trace, so training continues exactly as an
+    uninterrupted run (bitwise)."""
+    x, y = _data()
+    gfar_a, model_a = _setup()
+    model_a.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+
+    gfar_b, model_b, path = _trained(tmp_path)
+    gfar_c, model_c = _setup(seed=7)
+    model_c.optimizer.build(model_c.trainable_variables)
+    model_c.load_weights(path)
+    assert gfar_c.states() == {}
+    model_c.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert _snapshot(_state(gfar_c))["steps"] == [8, 8]
+    for a, c in zip(model_a.get_weights(), model_c.get_weights()):
+        np.testing.assert_array_equal(a, c)
+    a, c = _snapshot(_state(gfar_a)), _snapshot(_state(gfar_c))
+    for r in range(2):
+        np.testing.assert_array_equal(a["residuals"][r], c["residuals"][r])
+        np.testing.assert_array_equal(a["velocities"][r], c["velocities"][r])
+
+
+def test_load_weights_after_training_overwrites_the_live_state(tmp_path):
+    gfar, model, path = _trained(tmp_path)
+    saved = _snapshot(_state(gfar))
+    x, y = _data()
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert _snapshot(_state(gfar))["steps"] == [8, 8]
+    model.load_weights(path)
+    now = _snapshot(_state(gfar))
+    assert now["steps"] == saved["steps"]
+    for r in range(2):
+        np.testing.assert_array_equal(now["residuals"][r], saved["residuals"][r])
+        np.testing.assert_array_equal(now["velocities"][r], saved["velocities"][r])
+
+
+def _load_into(path, **kw):
+    gfar, model = _setup(**kw)
+    model.optimizer.build(model.trainable_variables)
+    model.load_weights(path)
+    x, y = _data()
+    model.fit(x[:16], y[:16], batch_size=16, epochs=1, verbose=0)
+    return gfar
+
+
+def test_another_replica_count_is_refused(tmp_path):
+    _, _, path = _trained(tmp_path)
+    with pytest.raises(ValueError, match="saved with 2 replicas per worker, this worker has 3"):
+        _load_into(path, devices=3)
+
+
+def test_another_pack_plan_is_refused(tmp_path):
+    _, _, path = _trained(tmp_path)
+    with pytest.raises(ValueError, match=r"pack plan .* differs from this run's"):
+        _load_into(path, bytes_per_pack=64)
+
+
+def test_momentum_switched_off_is_refused(tmp_path):
+    _, _, path = _trained(tmp_path)
+    with pytest.raises(ValueError, match="momentum correction was on when it was saved and is off"):
+        _load_into(path, momentum=0.0)
+
+
+def test_another_variable_list_is_refused(tmp_path):
+    _, _, path = _trained(tmp_path)
+    gfar, model = _setup()
+    model.layers[0].trainable = False
+    with model.distribute_strategy.scope():
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    # Keras itself refuses the optimizer variables (2 vs 4); ours must say why too.
+    with pytest.raises(ValueError, match=r"checkpoint holds it for \[4 variables.*this step "
+                                         r"all-reduces \[2 variables"):
+        model.load_weights(path)
+        x, y = _data()
+        model.fit(x[:16], y[:16], batch_size=16, epochs=1, verbose=0)
+
+
+def test_another_workers_file_is_refused(tmp_path):
+    gfar, _, path = _trained(tmp_path)
+    gfar2, model2 = _setup()
+    model2.optimizer.build(model2.trainable_variables)
+    # As gf_tf.MultiWorkerMirroredStrategy would set it for worker 1 of a 2-worker job.
+    gfar2._workers = WorkerInfo(rank=1, names=("worker 0", "worker 1"))  # pylint: disable=protected-access
+    with pytest.raises(ValueError, match="saved by a job of 1 workers, this job has 2"):
+        model2.load_weights(path)
+
+
+def test_checkpoint_without_csc_state_gives_a_warned_reset(tmp_path, caplog):
+    _, model, _ = _trained(tmp_path, sparsity=False)
+    path = str(tmp_path / "dense.weights.h5")
+    model.save_weights(path)
+    with caplog.at_level(logging.WARNING, logger="gf_tf.checkpoint"):
+        gfar = _load_into(path)
+    assert "holds no CSC state" in caplog.text
+    assert _snapshot(_state(gfar))["steps"] == [1, 1]
+
+
+def test_csc_state_into_a_run_without_csc_is_ignored_with_a_warning(tmp_path, caplog):
+    _, _, path = _trained(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="gf_tf.checkpoint"):
+        _load_into(path, sparsity=False)
+    assert "this GradientFlowAllReduce has no sparsity: the state is ignored" in caplog.text
+
+
+def test_plain_keras_model_loads_a_gf_tf_checkpoint(tmp_path):
+    """Weights saved under GradientFlow load into a model without any strategy."""
+    _, trained, path = _trained(tmp_path)
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(3)])
+    model.load_weights(path)
+    for a, b in zip(trained.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+class _Interrupt(keras.callbacks.Callback):
+    def __init__(self, epoch):
+        super().__init__()
+        self.at = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.at:
+            raise RuntimeError("simulated preemption")
+
+
+def test_backup_and_restore_resumes_csc_state(tmp_path):
+    """gf_tf.checkpoint.BackupAndRestore on one worker: after a crash at the end of
+    epoch 1 the restarted job restores the residuals, momentum and step counter
+    and finishes with the weights of an uninterrupted run, bitwise."""
+    x, y = _data()
+    gfar_a, model_a = _setup()
+    model_a.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+
+    backup = str(tmp_path / "backup")
+    gfar_b, model_b = _setup()
+    with pytest.raises(RuntimeError, match="simulated preemption"):
+        model_b.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0,
+                    callbacks=[checkpoint.BackupAndRestore(backup), _Interrupt(epoch=1)])
+    saved = _snapshot(_state(gfar_b))   # the backup was written at the end of epoch 1
+    assert saved["steps"] == [8, 8]
+
+    gfar_c, model_c = _setup(seed=5)
+    restored = {}
+    recorder = _Recorder(restored)
+    model_c.optimizer.build(model_c.trainable_variables)   # attaches the checkpoint's listener
+    gfar_c._states.add_listener(recorder.record)  # pylint: disable=protected-access
+    history = model_c.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0,
+                          callbacks=[checkpoint.BackupAndRestore(backup),
+                                     gf_tf.GradientFlowStats(gfar_c)])
+    assert history.epoch == [2]
+    assert restored["steps"] == [8, 8]
+    for r in range(2):
+        np.testing.assert_array_equal(restored["residuals"][r], saved["residuals"][r])
+        np.testing.assert_array_equal(restored["velocities"][r], saved["velocities"][r])
+    # No second warm-up: the 4 steps of epoch 3 are sparse (3 of 25 chunks each).
+    assert history.history["gf_selected_chunks_per_step"] == [3]
+    for a, c in zip(model_a.get_weights(), model_c.get_weights()):
+        np.testing.assert_array_equal(a, c)
+
+
+class _Recorder:
+    """A state listener registered after the checkpoint's: sees the state as restored."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def record(self, state):
+        self.out.update(_snapshot(state.packs[0]))

@@ -1,0 +1,85 @@
+"""One worker of a 2-worker Keras fit with CSC and gf_tf.checkpoint.BackupAndRestore.
+
+--kill_after_epoch k: at the end of epoch k (after the backup callback ran),
+worker 1 SIGKILLs itself. Every worker writes its CSC state (residuals, velocity,
+step counter) at the end of epoch k to --state_dir/epoch<k>_worker<i>.npz. A run
+started over an existing backup records the state as restored (right when the
+variable set's state is created, before the first step) and writes it with the
+final weights to GF_TF_RESULT.
+"""
+
+import argparse
+import os
+import signal
+
+import numpy as np
+import tensorflow as tf
+import keras
+
+import worker_util
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--backup_dir", required=True)
+parser.add_argument("--state_dir", required=True)
+parser.add_argument("--epochs", type=int, default=4)
+parser.add_argument("--kill_after_epoch", type=int, default=-1)
+parser.add_argument("--steps_per_epoch", type=int, default=4)
+parser.add_argument("--global_batch", type=int, default=16)
+args = parser.parse_args()
+
+import gf_tf  # after argparse: fail fast on bad flags
+from gf_tf import checkpoint
+
+tf.config.experimental.enable_op_determinism()
+rank = worker_util.task_index()
+sparsity = gf_tf.ChunkSparsity(density=0.1, chunk_size=16, warmup_steps=3, momentum=0.5)
+gradient_flow = gf_tf.GradientFlowAllReduce(sparsity=sparsity)
+strategy = gf_tf.MultiWorkerMirroredStrategy(
+    communication_options=worker_util.communication_options(), gradient_flow=gradient_flow)
+
+x, y = worker_util.regression_data(args.global_batch * args.steps_per_epoch)
+with strategy.scope():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(32, activation="tanh"),
+                              keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+
+
+def snapshot(state):
+    pack = state.packs[0]
+    return {"steps": np.array([int(s.numpy()) for s in pack.steps]),
+            "residual": pack.residuals[0].numpy(), "velocity": pack.velocities[0].numpy()}
+
+
+class AtEpochEnd(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch != args.kill_after_epoch:
+            return
+        (state,) = gradient_flow.states().values()
+        np.savez(os.path.join(args.state_dir, f"epoch{epoch}_worker{rank}.npz"), **snapshot(state))
+        if rank == 1:
+            print(f"worker 1: SIGKILL after epoch {epoch}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Recorder:
+    """Registered after the checkpoint's listener: sees the state as restored."""
+    restored = None
+
+    def record(self, state):
+        Recorder.restored = snapshot(state)
+
+
+model.optimizer.build(model.trainable_variables)   # attaches gf_tf.checkpoint's listener first
+recorder = Recorder()
+gradient_flow._states.add_listener(recorder.record)  # pylint: disable=protected-access
+dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.global_batch)
+history = model.fit(dataset, epochs=args.epochs, verbose=0, shuffle=False,
+                    callbacks=[checkpoint.BackupAndRestore(args.backup_dir), AtEpochEnd(),
+                               gf_tf.GradientFlowStats(gradient_flow)])
+result = {f"w{i}": w for i, w in enumerate(model.get_weights())}
+result.update({f"restored_{k}": v for k, v in Recorder.restored.items()})
+result["epochs_run"] = np.array(history.epoch)
+result["selected_chunks"] = np.array(history.history["gf_selected_chunks_per_step"])
+worker_util.write_result(**result)
+print("done", history.epoch, flush=True)
