@@ -109,6 +109,27 @@ class GradientFlowCheckpoint(keras_compat.keras_saveable_class(), tf.Module):
             return
         self.restore(_decode(store["meta"]), {k: np.asarray(store[k]) for k in keys if k != "meta"})
 
+    # --- tf.train.Checkpoint: the same content as one string tensor ------------------
+
+    def _serialize_to_tensors(self):
+        return {"csc_state": tf.constant(self.to_bytes())}
+
+    def _restore_from_tensors(self, restored_tensors):
+        self.restore_bytes(restored_tensors["csc_state"].numpy())
+        return tf.no_op()
+
+    def to_bytes(self) -> bytes:
+        """This worker's CSC state as .npz bytes ("meta" plus the arrays of save_own_variables)."""
+        meta, arrays = self.state_arrays()
+        buffer = io.BytesIO()
+        np.savez(buffer, meta=_encode(meta), **arrays)
+        return buffer.getvalue()
+
+    def restore_bytes(self, data: bytes) -> None:
+        """Restores what `to_bytes` wrote (checked as `restore` checks)."""
+        loaded = np.load(io.BytesIO(data))
+        self.restore(_decode(loaded["meta"]), {k: loaded[k] for k in loaded.files if k != "meta"})
+
     # --- what this worker holds ------------------------------------------------
 
     @property
@@ -248,12 +269,9 @@ class GradientFlowCheckpoint(keras_compat.keras_saveable_class(), tf.Module):
 
     def save_side_file(self, path: str) -> None:
         """Writes this worker's CSC state to `path` (.npz), atomically (write, then rename)."""
-        meta, arrays = self.state_arrays()
-        buffer = io.BytesIO()
-        np.savez(buffer, meta=_encode(meta), **arrays)
         tmp = f"{path}.tmp"
         with tf.io.gfile.GFile(tmp, "wb") as f:
-            f.write(buffer.getvalue())
+            f.write(self.to_bytes())
         tf.io.gfile.rename(tmp, path, overwrite=True)
 
     def restore_side_file(self, path: str) -> None:

@@ -240,3 +240,28 @@ class _Recorder:
 
     def record(self, state):
         self.out.update(_snapshot(state.packs[0]))
+
+
+def test_tf_train_checkpoint_of_model_and_optimizer_holds_the_csc_state(tmp_path):
+    """tf.train.Checkpoint(model=..., optimizer=...): save after one epoch, restore into a fresh
+    model before its first step, train on: bitwise the uninterrupted run."""
+    x, y = _data()
+    gfar_a, model_a = _setup()
+    model_a.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+
+    gfar_b, model_b = _setup()
+    model_b.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    saved = _snapshot(_state(gfar_b))
+    path = tf.train.Checkpoint(model=model_b, optimizer=model_b.optimizer).write(
+        str(tmp_path / "ckpt"))
+
+    gfar_c, model_c = _setup(seed=7)
+    model_c.optimizer.build(model_c.trainable_variables)
+    tf.train.Checkpoint(model=model_c, optimizer=model_c.optimizer).read(path).assert_consumed()
+    model_c.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert saved["steps"] == [4, 4] and _snapshot(_state(gfar_c))["steps"] == [8, 8]
+    for a, c in zip(model_a.get_weights(), model_c.get_weights()):
+        np.testing.assert_array_equal(a, c)
+    a, c = _snapshot(_state(gfar_a)), _snapshot(_state(gfar_c))
+    for r in range(2):
+        np.testing.assert_array_equal(a["residuals"][r], c["residuals"][r])
