@@ -279,6 +279,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
                 for i, value in zip(pack.indices, reduced):
                     results[r][i] = value
         return sent
+
     def _settings(self, state: VariableSetState):
         """The fields every worker must agree on, as (name, number, how to print it)."""
         shapes = repr([None if s is None else (tuple(s[0].as_list()), s[1].name)
