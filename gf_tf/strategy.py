@@ -4,6 +4,10 @@ The private TensorFlow wiring it needs is in `gf_tf.tf_internal`.
 """
 
 import dataclasses
+import os
+import socket
+import sys
+import threading
 from typing import Tuple
 
 import tensorflow as tf
@@ -25,6 +29,8 @@ class WorkerInfo:
 # --- the multi-worker strategy ----------------------------------------------
 
 _DEFAULT = object()
+# Seconds a worker waits at start-up for peers that have not started (then fails naming them).
+DEFAULT_PEER_STARTUP_TIMEOUT = 300.0
 
 
 class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
@@ -40,23 +46,41 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         so instance keys, RING/NCCL and timeouts stay TensorFlow's. Create it
         outside any strategy scope; one instance serves one strategy.
 
+      peer_startup_timeout: seconds every worker waits at start-up for peers
+        that have not started; then it fails with a message naming them
+        (default 300; None waits forever, TensorFlow's default). On the
+        leader (chief, or worker 0), where TensorFlow's wait cannot be
+        interrupted, that message is printed and the process exits with code 1. A peer lost
+        later is detected by TensorFlow's coordination-service heartbeats (a
+        killed worker within a second here, a frozen one in about 7 s).
+
     Also installs the Keras 3 multi-worker `model.fit` fixes of
     `gf_tf.keras_compat` (keras-team/keras#20585), with or without GradientFlow.
 
     Raises:
       RuntimeError: untested TensorFlow or Keras version.
       TypeError: gradient_flow is not a GradientFlowAllReduce.
+      ValueError: peer_startup_timeout is not a positive number or None.
     """
 
     def __init__(self, cluster_resolver=None, communication_options=None,
-                 gradient_flow=_DEFAULT):
+                 gradient_flow=_DEFAULT, peer_startup_timeout=DEFAULT_PEER_STARTUP_TIMEOUT):
         tf_internal.check_tf_version()
         if gradient_flow is not _DEFAULT and gradient_flow is not None and not isinstance(
                 gradient_flow, cross_device_ops.GradientFlowAllReduce):
             raise TypeError(f"gradient_flow must be a gf_tf.GradientFlowAllReduce or None, "
                             f"got {type(gradient_flow).__name__}")
-        super().__init__(cluster_resolver=cluster_resolver,
-                         communication_options=communication_options)
+        watchdog = None
+        if peer_startup_timeout is not None:
+            if not peer_startup_timeout > 0:
+                raise ValueError(f"peer_startup_timeout must be > 0 seconds or None, got {peer_startup_timeout}")
+            watchdog = _startup_watchdog(cluster_resolver, peer_startup_timeout)
+        try:
+            super().__init__(cluster_resolver=cluster_resolver,
+                             communication_options=communication_options)
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
         keras_compat.install()
         if gradient_flow is _DEFAULT:
             # Created after the strategy: its variables then live on this worker's job.
@@ -76,3 +100,46 @@ def _worker_info(strategy) -> WorkerInfo:
         return WorkerInfo(rank=0, names=("worker 0",))
     names = tuple(f"{job} {i}" for job, i in tasks)
     return WorkerInfo(rank=tasks.index((resolver.task_type, int(resolver.task_id))), names=names)
+
+
+
+def _startup_watchdog(cluster_resolver, seconds: float):
+    """A started timer that ends this process if the cluster has not formed within `seconds`.
+
+    A non-leader worker gets TensorFlow's own error after the coordination
+    service's registration timeout (set here too). The leader (chief, or
+    worker 0) waits for missing peers inside TensorFlow with no timeout and
+    ignores SIGINT/SIGTERM, so the timer prints one line naming the peers whose
+    port does not answer and calls os._exit(1). None for a one-worker cluster.
+    """
+    resolver = cluster_resolver or tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    spec = resolver.cluster_spec()
+    tasks = [(job, i, address) for job in ("chief", "worker") if job in spec.jobs
+             for i, address in enumerate(spec.job_tasks(job))]
+    if len(tasks) < 2:
+        return None
+    tf_internal.configure_peer_startup_timeout(spec, seconds)
+    me = (resolver.task_type, int(resolver.task_id or 0))
+
+    def give_up():
+        missing = [f"{job} {i} ({address})" for job, i, address in tasks
+                   if (job, i) != me and not _answers(address)] or ["(all ports answer; a peer is stuck)"]
+        print(f"gf_tf: error: {me[0]} {me[1]}: the cluster did not form within {seconds:g} s "
+              f"(peer_startup_timeout); not started: {', '.join(missing)}. Start every worker with the same "
+              f"TF_CONFIG cluster, or raise the timeout.", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    timer = threading.Timer(seconds, give_up)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def _answers(address: str) -> bool:
+    """True if a TCP connection to host:port succeeds within 2 s."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=2.0):
+            return True
+    except OSError:
+        return False
