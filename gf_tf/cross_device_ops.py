@@ -154,6 +154,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
 
         per_replica = [tf_internal.local_values(value) for value, _ in pairs]
         num_local = len(per_replica[0])
+        tf_internal.check_not_xla_across_devices(num_local)  # issue 10: jit_compile, several devices
         num_replicas = num_local * tf_internal.num_workers_of(wrapped)
         signature = [_packable_signature(values) for values in per_replica]
         plan = packing.plan_packs(signature, self.bytes_per_pack, self.compression.wire_dtype)

@@ -170,3 +170,22 @@ def configure_peer_startup_timeout(cluster_spec: tf.train.ClusterSpec, seconds: 
         coordinated_jobs=jobs,
         cluster_register_timeout_in_ms=int(seconds * 1000))
     return True
+
+
+def check_not_xla_across_devices(num_local_replicas: int) -> None:
+    """Raises ValueError when a multi-device all-reduce is traced inside an XLA-compiled function.
+
+    `model.compile(jit_compile=True)` under a MirroredStrategy with several
+    CPU devices makes Keras compile each replica's step with XLA, and TF 2.21
+    then fails at run time with "Trying to access resource ... located in
+    device CPU:1 from device CPU:0" (TF's own cross-device ops fail the same
+    way; tensorflow.org/xla/known_issues). Called at trace time, this stops
+    the job at once with what to change instead.
+    """
+    if num_local_replicas > 1 and in_xla_context():
+        raise ValueError(
+            f"jit_compile=True does not work with {num_local_replicas} local replicas of a "
+            f"MirroredStrategy in TensorFlow {tf.__version__}: XLA compiles each replica's step on one "
+            f"device but the replicas' variables live on different devices. Compile the model with "
+            f"jit_compile=False (model.compile(..., jit_compile=False)), or use one device per worker "
+            f"(gf_tf.MultiWorkerMirroredStrategy with one replica per worker).")

@@ -219,3 +219,24 @@ def test_lost_worker_message_names_peers_other_than_this_task():
     assert line.startswith("lost worker 2: it stopped or became unreachable (UnavailableError: Collective ops "
                            "is aborted by"), line
     assert launch.lost_worker_message(ValueError("/job:worker/task:2"), config) is None
+
+
+# --- jit_compile under a multi-device MirroredStrategy ------------------------------------------
+
+def test_jit_compile_with_several_local_replicas_stops_at_once_naming_jit_compile():
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    import gf_tf
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"],
+                                              cross_device_ops=gf_tf.GradientFlowAllReduce(compression="fp16"))
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    before = [w.numpy() for w in model.trainable_weights]
+    x, y = np.random.rand(16, 4).astype("float32"), np.random.rand(16, 3).astype("float32")
+    with pytest.raises(ValueError, match=r"jit_compile=True does not work with 2 local replicas.*"
+                                         r"jit_compile=False"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    for b, w in zip(before, model.trainable_weights):   # stopped before any step ran
+        np.testing.assert_array_equal(b, w.numpy())
