@@ -16,10 +16,10 @@ trusted network (firewalled from everything else) while a job runs.
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -173,9 +173,15 @@ def exit_on_signals(name: str, signals=(signal.SIGINT, signal.SIGTERM)) -> None:
     `sigwait`, prints `<name>: interrupted by SIGINT: stopping` to stderr and
     calls `os._exit` (no Python clean-up, no traceback).
 
+    While TensorFlow holds the GIL (waiting for a missing peer) that thread
+    cannot run either; a `gf_tf.watchdog` process in the same process group
+    then prints the line and SIGKILLs this process after its grace period.
+
     Call it from the main thread before TensorFlow starts its threads (they
     inherit the blocked mask). Used by `python -m models.train`.
     """
+    from gf_tf import watchdog  # pylint: disable=import-outside-toplevel
+    watchdog.start("signals", name)
     wanted = set(signals)
     signal.pthread_sigmask(signal.SIG_BLOCK, wanted)
 
@@ -395,6 +401,43 @@ def run_workers(num_workers: int, argv: Sequence[str], env: Optional[Dict[str, s
     return run_tasks([tf_config(cluster, i) for i in range(num_workers)], argv, env, out, tf_log)
 
 
+# Set in the environment of a launcher already re-started inside its private network namespace.
+_ISOLATED_ENV = "GF_TF_RUN_PRIVATE_NETWORK"
+
+
+def private_network_command() -> Optional[List[str]]:
+    """The `unshare` prefix that gives a new network namespace here, or None if the OS refuses.
+
+    Root: `unshare --net`; others: `unshare --user --map-root-user --net`
+    (unprivileged user namespaces). Probed once by running `true` under it
+    and bringing up loopback with `ip`.
+    """
+    if not (shutil.which("unshare") and shutil.which("ip")):
+        return None
+    prefix = ["unshare", "--net"] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user", "--net"]
+    probe = subprocess.run([*prefix, "ip", "link", "set", "lo", "up"], capture_output=True)
+    return prefix if probe.returncode == 0 else None
+
+
+def _enter_private_network(argv: Sequence[str]) -> None:
+    """Re-executes this launcher in a new network namespace with only loopback, or says why not.
+
+    The namespace has no route to anything outside it: the workers' ports
+    (TF's gRPC servers listen on all interfaces) cannot be reached from other
+    hosts or other namespaces. It disappears with the last of its processes,
+    on every exit path. Returns only when isolation is not possible.
+    """
+    prefix = private_network_command()
+    if prefix is None:
+        print("gf-tf-run: cannot create a private network namespace here (needs root or unprivileged user "
+              "namespaces, and `unshare`/`ip`): the workers' ports are open on this host's networks",
+              file=sys.stderr, flush=True)
+        return
+    os.environ[_ISOLATED_ENV] = "1"
+    script = "ip link set lo up && exec \"$0\" \"$@\""
+    os.execvp(prefix[0], [*prefix, "sh", "-c", script, sys.executable, "-m", "gf_tf.launch", *argv])
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of `gf-tf-run` and `python -m gf_tf.launch`."""
     parser = argparse.ArgumentParser(
@@ -414,6 +457,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="comma-separated host:port of every worker of a multi-host job; with --index")
     parser.add_argument("--index", type=int, default=None,
                         help="which worker of --workers this host runs (0 is the chief)")
+    parser.add_argument("--host_network", action="store_true",
+                        help="with -n: run the workers on this host's network instead of a private "
+                             "network namespace with only loopback (e.g. to download datasets)")
     parser.add_argument("--tf_log", action="store_true",
                         help="show TensorFlow's C++ start-up and INFO lines (hidden by default; "
                              "TF_CPP_MIN_LOG_LEVEL alone does not hide them)")
@@ -445,6 +491,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         num_workers = 2 if args.num_workers is None else args.num_workers
         if num_workers < 1:
             parser.error(f"-n must be >= 1, got {num_workers}")
+        if os.environ.get(_ISOLATED_ENV) == "1":
+            print(f"gf-tf-run: the {num_workers} workers run in a private network namespace (loopback only; "
+                  f"--host_network to turn this off)", file=sys.stderr, flush=True)
+        elif not args.host_network:
+            _enter_private_network(sys.argv[1:] if argv is None else list(argv))
         return run_workers(num_workers, command, tf_log=args.tf_log)
     except ValueError as e:
         print(f"gf-tf-run: error: {e}", file=sys.stderr)

@@ -4,15 +4,11 @@ The private TensorFlow wiring it needs is in `gf_tf.tf_internal`.
 """
 
 import dataclasses
-import os
-import socket
-import sys
-import threading
 from typing import Tuple
 
 import tensorflow as tf
 
-from gf_tf import cross_device_ops, keras_compat, tf_internal
+from gf_tf import cross_device_ops, keras_compat, tf_internal, watchdog
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +46,7 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         that have not started; then it fails with a message naming them
         (default 300; None waits forever, TensorFlow's default). On the
         leader (chief, or worker 0), where TensorFlow's wait cannot be
-        interrupted, that message is printed and the process exits with code 1. A peer lost
+        interrupted, a watchdog process prints that message and kills it (SIGKILL). A peer lost
         later is detected by TensorFlow's coordination-service heartbeats (a
         killed worker within a second here, a frozen one in about 7 s).
 
@@ -70,17 +66,18 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
                 gradient_flow, cross_device_ops.GradientFlowAllReduce):
             raise TypeError(f"gradient_flow must be a gf_tf.GradientFlowAllReduce or None, "
                             f"got {type(gradient_flow).__name__}")
-        watchdog = None
+        guard = None
         if peer_startup_timeout is not None:
             if not peer_startup_timeout > 0:
                 raise ValueError(f"peer_startup_timeout must be > 0 seconds or None, got {peer_startup_timeout}")
-            watchdog = _startup_watchdog(cluster_resolver, peer_startup_timeout)
+            guard = _startup_watchdog(cluster_resolver, peer_startup_timeout)
         try:
             super().__init__(cluster_resolver=cluster_resolver,
                              communication_options=communication_options)
         finally:
-            if watchdog is not None:
-                watchdog.cancel()
+            if guard is not None:
+                guard.kill()
+                guard.wait()
         keras_compat.install()
         if gradient_flow is _DEFAULT:
             # Created after the strategy: its variables then live on this worker's job.
@@ -104,13 +101,13 @@ def _worker_info(strategy) -> WorkerInfo:
 
 
 def _startup_watchdog(cluster_resolver, seconds: float):
-    """A started timer that ends this process if the cluster has not formed within `seconds`.
+    """A started `gf_tf.watchdog` that ends this process if the cluster has not formed within `seconds`.
 
     A non-leader worker gets TensorFlow's own error after the coordination
     service's registration timeout (set here too). The leader (chief, or
-    worker 0) waits for missing peers inside TensorFlow with no timeout and
-    ignores SIGINT/SIGTERM, so the timer prints one line naming the peers whose
-    port does not answer and calls os._exit(1). None for a one-worker cluster.
+    worker 0) waits for missing peers inside TensorFlow with no timeout, holding
+    the GIL, so a separate process prints one line naming the peers whose port
+    does not answer and SIGKILLs it. None for a one-worker cluster.
     """
     resolver = cluster_resolver or tf.distribute.cluster_resolver.TFConfigClusterResolver()
     spec = resolver.cluster_spec()
@@ -120,26 +117,5 @@ def _startup_watchdog(cluster_resolver, seconds: float):
         return None
     tf_internal.configure_peer_startup_timeout(spec, seconds)
     me = (resolver.task_type, int(resolver.task_id or 0))
-
-    def give_up():
-        missing = [f"{job} {i} ({address})" for job, i, address in tasks
-                   if (job, i) != me and not _answers(address)] or ["(all ports answer; a peer is stuck)"]
-        print(f"gf_tf: error: {me[0]} {me[1]}: the cluster did not form within {seconds:g} s "
-              f"(peer_startup_timeout); not started: {', '.join(missing)}. Start every worker with the same "
-              f"TF_CONFIG cluster, or raise the timeout.", file=sys.stderr, flush=True)
-        os._exit(1)
-
-    timer = threading.Timer(seconds, give_up)
-    timer.daemon = True
-    timer.start()
-    return timer
-
-
-def _answers(address: str) -> bool:
-    """True if a TCP connection to host:port succeeds within 2 s."""
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=2.0):
-            return True
-    except OSError:
-        return False
+    peers = [(f"{job} {i}", address) for job, i, address in tasks if (job, i) != me]
+    return watchdog.start("deadline", f"gf_tf: error: {me[0]} {me[1]}", seconds, peers)
