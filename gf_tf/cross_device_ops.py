@@ -12,6 +12,7 @@ from typing import List, Optional
 import numpy as np
 import tensorflow as tf
 
+from gf_tf import keras_compat
 from gf_tf import packing
 from gf_tf import tf_internal
 from gf_tf.compression import PACKABLE_DTYPES, as_compression, dense_all_reduce
@@ -80,6 +81,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
                  bytes_per_pack: int = DEFAULT_BYTES_PER_PACK, sparsity=None,
                  cross_device_ops: Optional[tf.distribute.CrossDeviceOps] = None):
         super().__init__()
+        keras_compat.install_loss_scale_agreement()  # issue 10: replicas skip non-finite steps together
         self.compression = as_compression(compression)
         if isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, (int, np.integer)) \
                 or bytes_per_pack < 0:

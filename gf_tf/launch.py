@@ -11,7 +11,9 @@ Usage:
                                                      # the task TF_CONFIG names
 
 Security: TensorFlow's worker gRPC servers listen on all interfaces and have
-no authentication, even when TF_CONFIG names 127.0.0.1. Keep the ports on a
+no authentication, even when TF_CONFIG names 127.0.0.1. `-n N` therefore runs
+the workers in a private network namespace with only loopback where the OS
+allows it (--host_network turns that off); otherwise keep the ports on a
 trusted network (firewalled from everything else) while a job runs.
 """
 
@@ -183,6 +185,8 @@ def exit_on_signals(name: str, signals=(signal.SIGINT, signal.SIGTERM)) -> None:
     from gf_tf import watchdog  # pylint: disable=import-outside-toplevel
     watchdog.start("signals", name)
     wanted = set(signals)
+    for sig in wanted:   # a thread started earlier may still take one: no KeyboardInterrupt then
+        signal.signal(sig, lambda *_: None)
     signal.pthread_sigmask(signal.SIG_BLOCK, wanted)
 
     def wait():
@@ -448,8 +452,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                "  gf-tf-run --workers 10.0.0.1:2222,10.0.0.2:2222 --index 0 -- python -m models.train\n"
                "  TF_CONFIG='{...}' gf-tf-run -- python -m models.train\n\n"
                "TensorFlow's worker servers listen on ALL interfaces without authentication,\n"
-               "even for 127.0.0.1 clusters: run only where those ports are firewalled from\n"
-               "untrusted networks.",
+               "even for 127.0.0.1 clusters: -n runs the workers in a private loopback-only\n"
+               "network namespace where possible; otherwise (or with --host_network) run only\n"
+               "where those ports are firewalled from untrusted networks.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-n", "--num_workers", type=int, default=None,
                         help="start this many local workers on free 127.0.0.1 ports (default 2)")

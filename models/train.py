@@ -249,8 +249,8 @@ def run():
     one line naming that worker and exit code 1 (gf_tf.launch.lost_worker_message).
     """
     from gf_tf import launch
-    from models.datasets import DatasetUnavailable
     launch.exit_on_signals("models.train")   # before TensorFlow starts any thread
+    from models.datasets import DatasetUnavailable   # imports TensorFlow
     try:
         app.run(main)
     except DatasetUnavailable as e:

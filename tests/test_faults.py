@@ -294,3 +294,26 @@ def test_a_worker_port_is_reachable_from_another_namespace_only_without_isolatio
             assert said == isolated, err.decode()
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         subprocess.run(["ip", "link", "del", host_dev], capture_output=True)
+
+
+# --- non-finite steps skipped together ------------------------------------------------------------
+
+def test_an_inf_on_replica_1_only_is_skipped_by_every_replica_and_halves_the_loss_scale_once():
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    import gf_tf
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"],
+                                              cross_device_ops=gf_tf.GradientFlowAllReduce(compression="fp16"))
+    keras.utils.set_random_seed(1)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0 ** 10)
+        model.compile(optimizer=optimizer, loss="mse")
+    rng = np.random.default_rng(0)
+    x, y = rng.random((32, 4), dtype=np.float32), rng.random((32, 3), dtype=np.float32)
+    x[8 + 5, 2] = np.inf   # step 2 (batch 8..15): its second half goes to replica 1
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert all(np.all(np.isfinite(w.numpy())) for w in model.trainable_weights)
+    assert float(optimizer.dynamic_scale.numpy()) == 2.0 ** 9   # halved once
+    assert int(optimizer.iterations.numpy()) == 3               # 4 steps, one skipped
