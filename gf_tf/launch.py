@@ -443,7 +443,12 @@ def _enter_private_network(argv: Sequence[str]) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of `gf-tf-run` and `python -m gf_tf.launch`."""
+    """Entry point of `gf-tf-run` and `python -m gf_tf.launch`.
+
+    Only the command line (`argv` None) re-executes itself in a private network
+    namespace for -n: a call from Python with `argv` runs on the host's network
+    (it must not replace the calling process).
+    """
     parser = argparse.ArgumentParser(
         prog="gf-tf-run",
         description="Run a command as the workers of a TensorFlow multi-worker job, with TF_CONFIG set.",
@@ -499,8 +504,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if os.environ.get(_ISOLATED_ENV) == "1":
             print(f"gf-tf-run: the {num_workers} workers run in a private network namespace (loopback only; "
                   f"--host_network to turn this off)", file=sys.stderr, flush=True)
-        elif not args.host_network:
-            _enter_private_network(sys.argv[1:] if argv is None else list(argv))
+        elif not args.host_network and argv is None:   # the command line, not a call from Python
+            _enter_private_network(sys.argv[1:])
         return run_workers(num_workers, command, tf_log=args.tf_log)
     except ValueError as e:
         print(f"gf-tf-run: error: {e}", file=sys.stderr)
