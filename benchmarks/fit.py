@@ -154,6 +154,28 @@ def derive(cells: List[Dict], references: Dict[str, Dict], cores: int) -> None:
             c["speedup_vs_tf_fp32"] = c["images_per_s"] / base["images_per_s"]
 
 
+# Above this, a cell's scaling efficiency is more likely a mis-measured reference than real
+# (N workers pinned to min(N, cores) cores cannot beat min(N, cores) x the 1-core reference by much).
+SUSPICIOUS_SCALING_EFFICIENCY = 1.3
+
+
+def sanity_notes(cells: List[Dict]) -> List[str]:
+    """Lines flagging figures that look mis-measured (reported, never asserted: load moves them).
+
+    Today one check: scaling efficiency above SUSPICIOUS_SCALING_EFFICIENCY
+    (e.g. the 1-core reference ran while other jobs loaded the machine).
+    """
+    notes = []
+    for c in cells:
+        eff = c.get("scaling_efficiency")
+        if eff is not None and eff > SUSPICIOUS_SCALING_EFFICIENCY:
+            notes.append(f"check: {c['model']} N={c['workers']} {report.link_label(c['rate_mbit'])} "
+                         f"{c['method']}: scaling efficiency {eff:.2f} > {SUSPICIOUS_SCALING_EFFICIENCY} "
+                         f"(N workers on min(N, cores) cores cannot beat that many 1-core references by "
+                         f"much): was the reference slowed by load? Rerun on a quiet machine.")
+    return notes
+
+
 def results_table(cells: List[Dict], references: Dict[str, Dict]) -> str:
     headers = ["model", "params", "N", "link", "method", "images/s", "step s", "scaling eff.",
                "vs unshaped", "speedup vs TF fp32", "MB sent/step", "wire MB/step", "loss first->last"]
@@ -266,6 +288,8 @@ def main(argv=None) -> int:
     if any(c["model"] == "alexnet" for c in cells):
         print(targets_table(cells) + "\n")
     print(results_table(cells, references))
+    for note in sanity_notes(cells):
+        print(note)
     failed = [c for c in cells if "error" in c] + [r for r in references.values() if "error" in r]
     return 1 if failed else 0
 

@@ -11,7 +11,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from gf_tf import agreement, packing, tf_internal
+from gf_tf import agreement, keras_compat, packing, tf_internal
 from gf_tf.compression import PACKABLE_DTYPES, WIRE_FORMATS, as_compression
 from gf_tf.reducers import Communicator, DenseReducer, Sent
 from gf_tf.state import StateRegistry, VariableSetState
@@ -96,8 +96,9 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         self._stats = None
         self._strategy = None  # the strategy whose default ops we took
         self._states = StateRegistry()
-        from gf_tf import keras_compat  # pylint: disable=import-outside-toplevel
+        # Keras's gradient all-reduce comes here; replicas skip non-finite steps together.
         keras_compat.install_gradient_hook()
+        keras_compat.install_loss_scale_agreement()
 
     def __repr__(self):
         return (f"GradientFlowAllReduce(compression={self.compression.name!r}, "
@@ -186,6 +187,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
     def _reduce_merged(self, strategy, per_replica, variables, reduce_op, options):
         grads = [tf_internal.local_values(v) for v in per_replica]
         num_local = len(grads[0])
+        tf_internal.check_not_xla_across_devices(num_local)
 
         def all_reduce_sum(tensors):
             pr = tf_internal.per_replica(tensors)

@@ -73,6 +73,7 @@ def install() -> None:
     cls._make_function = _patched_make_function(cls._make_function)
     tf_trainer.reduce_per_replica = _patched_reduce_per_replica(tf_trainer.reduce_per_replica)
     cls._gf_tf_patched = True
+    install_loss_scale_agreement()
 
 
 def install_gradient_hook() -> None:
@@ -183,3 +184,50 @@ def _patched_reduce_per_replica(original):
             return original(v, strategy, reduction)
         return tf.nest.map_structure(reduce_one, values)
     return reduce_per_replica
+
+
+# --- LossScaleOptimizer: every replica of every worker takes the same finite/non-finite branch ---
+
+def install_loss_scale_agreement() -> None:
+    """Patches Keras 3.15's `LossScaleOptimizer._tf_apply` so all replicas agree on "gradients finite".
+
+    Keras checks each replica's *local* gradients and, under `merge_call`, uses
+    the first local replica's answer: an inf on replica 1 only is applied, and
+    under MultiWorkerMirroredStrategy a worker that skips leaves the others
+    waiting in the all-reduce (FACTS.md). Here the number of replicas with
+    non-finite gradients is summed over all replicas of all workers
+    (`strategy.reduce(SUM)`, a float32 all-reduce through the strategy's own
+    collectives) before the branch, so every replica skips the step and halves
+    the loss scale together. Paths without `merge_call` keep Keras's code.
+    Idempotent; RuntimeError on an untested Keras version.
+    """
+    check_keras_version()
+    from keras.src.optimizers import loss_scale_optimizer as lso  # pylint: disable=import-outside-toplevel
+    cls = lso.LossScaleOptimizer
+    if getattr(cls, "_gf_tf_agreement", False):
+        return
+    cls._tf_apply = _patched_tf_apply(cls._tf_apply)
+    cls._gf_tf_agreement = True
+
+
+def _patched_tf_apply(original):
+    @functools.wraps(original)
+    def _tf_apply(self, grads, trainable_variables=None):
+        if (tf.distribute.in_cross_replica_context()
+                or tf.__internal__.distribute.strategy_supports_no_merge_call()):
+            return original(self, grads, trainable_variables)
+
+        def handle_cross_replica(distribution, grads, trainable_variables):
+            bad = distribution.extended.call_for_each_replica(
+                lambda g: tf.cast(tf.logical_not(self.check_finite(g)), tf.float32), args=(grads,))
+            finite = tf.equal(distribution.reduce(tf.distribute.ReduceOp.SUM, bad, axis=None), 0.0)
+
+            def apply_fn():
+                distribution.extended.call_for_each_replica(
+                    self._stateful_handle_finite_grads, args=(grads, trainable_variables))
+
+            tf.cond(finite, apply_fn, self._stateful_handle_non_finite_grads)
+
+        tf.distribute.get_replica_context().merge_call(
+            handle_cross_replica, args=(grads, trainable_variables))
+    return _tf_apply

@@ -11,13 +11,17 @@ Usage:
                                                      # the task TF_CONFIG names
 
 Security: TensorFlow's worker gRPC servers listen on all interfaces and have
-no authentication, even when TF_CONFIG names 127.0.0.1. Keep the ports on a
+no authentication, even when TF_CONFIG names 127.0.0.1. `-n N` therefore runs
+the workers in a private network namespace with only loopback where the OS
+allows it (--host_network turns that off); otherwise keep the ports on a
 trusted network (firewalled from everything else) while a job runs.
 """
 
 import argparse
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -140,13 +144,148 @@ def validate_tf_configs(texts: Sequence[str]) -> List[dict]:
     return configs
 
 
+# TensorFlow's C++ start-up lines, printed by absl before absl::InitializeLog() and so
+# regardless of TF_CPP_MIN_LOG_LEVEL (seen with TF 2.21): its banner, INFO lines, the CPU
+# feature note and its continuation, and the oneDNN DT_HALF note, which is not an error.
+_STARTUP_LINES = (
+    re.compile(rb"^WARNING: All log messages before absl::InitializeLog\(\) is called"),
+    re.compile(rb"^I\d{4} [\d:.]+ +\d+ [\w./-]+:\d+\] "),                 # every INFO line
+    re.compile(rb"^To enable the following instructions: .* rebuild TensorFlow"),
+    re.compile(rb"^[WE]\d{4} .*\] oneDNN supports DT_\w+ only on platforms with"),
+)
+
+
+def is_tf_startup_line(line: bytes) -> bool:
+    """True for TensorFlow's C++ start-up and INFO lines that `gf-tf-run` hides by default.
+
+    They are printed by absl before TensorFlow initialises its logging, so
+    TF_CPP_MIN_LOG_LEVEL does not silence them (TF 2.21). Real C++ warnings
+    and errors (`W`/`E` lines other than the oneDNN DT_HALF note) are kept.
+    """
+    return any(p.match(line) for p in _STARTUP_LINES)
+
+
+def exit_on_signals(name: str, signals=(signal.SIGINT, signal.SIGTERM)) -> None:
+    """Makes SIGINT/SIGTERM end this process at once with one line and exit code 128 + signal.
+
+    A TensorFlow worker blocked in C++ (waiting for a peer, in a collective)
+    never returns to Python, so Python's KeyboardInterrupt comes late or never,
+    and TensorFlow's preemption notifier swallows SIGTERM. Here the signals
+    are blocked in every thread and one daemon thread takes them with
+    `sigwait`, prints `<name>: interrupted by SIGINT: stopping` to stderr and
+    calls `os._exit` (no Python clean-up, no traceback).
+
+    While TensorFlow holds the GIL (waiting for a missing peer) that thread
+    cannot run either; a `gf_tf.watchdog` process in the same process group
+    then prints the line and SIGKILLs this process after its grace period.
+
+    Call it from the main thread before TensorFlow starts its threads (they
+    inherit the blocked mask). Used by `python -m models.train`.
+    """
+    from gf_tf import watchdog  # pylint: disable=import-outside-toplevel
+    watchdog.start("signals", name)
+    wanted = set(signals)
+    for sig in wanted:   # a thread started earlier may still take one: no KeyboardInterrupt then
+        signal.signal(sig, lambda *_: None)
+    signal.pthread_sigmask(signal.SIG_BLOCK, wanted)
+
+    def wait():
+        sig = signal.sigwait(wanted)
+        print(f"{name}: interrupted by {signal.Signals(sig).name}: stopping", file=sys.stderr, flush=True)
+        os._exit(128 + sig)
+
+    threading.Thread(target=wait, name="gf_tf.exit_on_signals", daemon=True).start()
+
+
+_TASK_NAME = re.compile(r"/job:(\w+)(?:/replica:\d+)?/task:(\d+)")
+# TensorFlow errors that mean a peer is gone or a collective could not complete.
+_PEER_ERRORS = ("UnavailableError", "DeadlineExceededError", "AbortedError", "CancelledError",
+                "InternalError", "UnknownError")
+
+
+def lost_worker_message(error: BaseException, tf_config_text: Optional[str] = None) -> Optional[str]:
+    """One line naming the worker(s) this task lost, or None if `error` is not about a lost peer.
+
+    `error` is what `model.fit` (or any collective) raised: a TensorFlow
+    UnavailableError, DeadlineExceededError, AbortedError, ... . The peers are
+    the tasks its message (or chained errors') names other than this task
+    (TF_CONFIG's task); a timed-out collective that names none gives a line
+    saying a peer stopped answering.
+    """
+    chain, e = [], error
+    while e is not None and len(chain) < 8:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    errors = [e for e in chain if type(e).__module__.startswith("tensorflow")
+              and type(e).__name__ in _PEER_ERRORS]
+    if not errors:
+        return None
+    config = json.loads(tf_config_text or os.environ.get("TF_CONFIG") or "{}")
+    me = (config.get("task", {}).get("type"), str(config.get("task", {}).get("index")))
+    text = " ".join(str(e) for e in errors)
+    peers = sorted({m.groups() for m in _TASK_NAME.finditer(text)} - {me}, key=lambda t: (t[0], int(t[1])))
+    cause = f"{type(errors[0]).__name__}: {_reason(str(errors[0]))[:200]}"
+    leader = _coordination_leader(config.get("cluster", {}))
+    if not peers and "CoordinationService" in text and leader and leader != me:
+        peers = [leader]   # the coordination service (heartbeats, registration) lives on the leader
+    if not peers:
+        return (f"a collective failed, probably because a peer worker stopped or is unreachable ({cause}); "
+                f"restart every worker of the job")
+    names = ", ".join(f"{job} {i}" for job, i in peers)
+    return (f"lost {names}: it stopped or became unreachable ({cause}); the job cannot continue "
+            f"without it: restart every worker (with --model_dir, training resumes from the last epoch)")
+
+
+def _coordination_leader(cluster: dict):
+    """(job, index) of the task hosting TensorFlow's coordination service: the chief, else worker 0."""
+    for job in ("chief", "worker"):
+        if cluster.get(job):
+            return (job, "0")
+    return None
+
+
+def _reason(message: str) -> str:
+    """The informative line of a TensorFlow error message (not "Graph execution error:" or a traceback)."""
+    lines = [l.strip() for l in message.splitlines()
+             if l.strip() and not l.startswith((" ", "\t", "File ")) and not l.strip().startswith(
+                 ("Graph execution error", "Detected at node", "Additional GRPC", ":UNKNOWN", "[["))]
+    return next((l for l in lines if "aborted" in l.lower() or "timed out" in l.lower()
+                 or "deadline" in l.lower() or "heartbeat" in l.lower()), lines[0] if lines else "")
+
+
+def missing_module_error(command: Sequence[str], cwd: Optional[str] = None) -> Optional[str]:
+    """An error line if `command` is `python -m models...` and `models` cannot be imported from `cwd`.
+
+    `models` (the reference models) runs from a checkout of gf_tf and is not
+    installed; from any other directory Python would only say
+    "No module named 'models'". The line names the checkout when gf_tf is an
+    editable install of one. None when the command is anything else.
+    """
+    command = list(command)
+    if "-m" not in command[:-1] or not os.path.basename(command[0]).startswith("python"):
+        return None
+    module = command[command.index("-m") + 1]
+    if module.split(".")[0] != "models":
+        return None
+    cwd = cwd or os.getcwd()
+    if os.path.isfile(os.path.join(cwd, "models", "train.py")):
+        return None
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    where = (f"cd {checkout}" if os.path.isfile(os.path.join(checkout, "models", "train.py"))
+             else "cd to your gf_tf checkout")
+    return (f"`python -m {module}` runs from the root of the gf_tf repository (its models/ package is "
+            f"not installed), and {cwd} is not one: {where} and run the command again")
+
+
 class _Worker:
     """One child process in its own process group, its output prefixed line by line."""
 
-    def __init__(self, label: str, argv: Sequence[str], env: Dict[str, str], out, lock):
+    def __init__(self, label: str, argv: Sequence[str], env: Dict[str, str], out, lock,
+                 hide_tf_startup: bool = False):
         # A new session keeps terminal Ctrl-C away from the child (we forward it)
         # and lets us signal the worker together with anything it started.
         self.label = label
+        self.hide_tf_startup = hide_tf_startup
         self.proc = subprocess.Popen(list(argv), env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True)
@@ -156,6 +295,8 @@ class _Worker:
     def _copy_output(self, out, lock):
         prefix = f"[{self.label}] ".encode()
         for line in iter(self.proc.stdout.readline, b""):
+            if self.hide_tf_startup and is_tf_startup_line(line):
+                continue
             with lock:
                 out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
                 out.flush()
@@ -189,7 +330,7 @@ def _stop(workers: List[_Worker], first_signal) -> None:
 
 
 def run_tasks(tf_configs: Sequence[str], argv: Sequence[str], env: Optional[Dict[str, str]] = None,
-              out=None) -> int:
+              out=None, tf_log: bool = False) -> int:
     """Runs `argv` once per TF_CONFIG string, in parallel, until all exit.
 
     Returns 0 if every task exits 0. If one fails, the others are stopped
@@ -197,6 +338,9 @@ def run_tasks(tf_configs: Sequence[str], argv: Sequence[str], env: Optional[Dict
     (1 if it was killed by a signal). SIGINT/SIGTERM to this process are
     forwarded to every task; then 130 (SIGINT) or 143 (SIGTERM) is returned.
     Must run in the main thread (it installs signal handlers).
+    Unless `tf_log` is True, the tasks' TensorFlow start-up lines
+    (`is_tf_startup_line`) are dropped from the output, and TF_CPP_MIN_LOG_LEVEL
+    is 2 unless `env` sets it.
     """
     if not argv:
         raise ValueError("no command given: use gf-tf-run -n N -- python -m models.train ...")
@@ -204,8 +348,11 @@ def run_tasks(tf_configs: Sequence[str], argv: Sequence[str], env: Optional[Dict
     out = out if out is not None else sys.stdout.buffer
     base_env = dict(os.environ if env is None else env)
     # TensorFlow's C++ INFO/WARNING lines (oneDNN banners, coordination service) bury the
-    # workers' output; a TF_CPP_MIN_LOG_LEVEL the user set is kept.
-    base_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # workers' output; a TF_CPP_MIN_LOG_LEVEL the user set is kept. The lines absl prints
+    # before its logging is initialised ignore that level, so they are filtered here.
+    hide_tf_startup = not tf_log
+    if hide_tf_startup:
+        base_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     lock = threading.Lock()
     received = []
     handlers = {sig: signal.signal(sig, lambda s, _frame: received.append(s))
@@ -215,7 +362,7 @@ def run_tasks(tf_configs: Sequence[str], argv: Sequence[str], env: Optional[Dict
         for text, config in zip(tf_configs, configs):
             task = config["task"]
             workers.append(_Worker(f"{task['type']} {task['index']}", argv,
-                                   {**base_env, "TF_CONFIG": text}, out, lock))
+                                   {**base_env, "TF_CONFIG": text}, out, lock, hide_tf_startup))
         while True:
             if received:
                 sig = received[0]
@@ -248,18 +395,60 @@ def run_tasks(tf_configs: Sequence[str], argv: Sequence[str], env: Optional[Dict
 
 
 def run_workers(num_workers: int, argv: Sequence[str], env: Optional[Dict[str, str]] = None,
-                host: str = "127.0.0.1", out=None) -> int:
+                host: str = "127.0.0.1", out=None, tf_log: bool = False) -> int:
     """Runs `argv` as `num_workers` local workers of one TF cluster; returns the exit code.
 
     Each worker gets TF_CONFIG for task worker:i of a cluster on free ports of
     `host`. Exit code and signal handling as in `run_tasks`.
     """
     cluster = local_cluster(num_workers, host)
-    return run_tasks([tf_config(cluster, i) for i in range(num_workers)], argv, env, out)
+    return run_tasks([tf_config(cluster, i) for i in range(num_workers)], argv, env, out, tf_log)
+
+
+# Set in the environment of a launcher already re-started inside its private network namespace.
+_ISOLATED_ENV = "GF_TF_RUN_PRIVATE_NETWORK"
+
+
+def private_network_command() -> Optional[List[str]]:
+    """The `unshare` prefix that gives a new network namespace here, or None if the OS refuses.
+
+    Root: `unshare --net`; others: `unshare --user --map-root-user --net`
+    (unprivileged user namespaces). Probed once by running `true` under it
+    and bringing up loopback with `ip`.
+    """
+    if not (shutil.which("unshare") and shutil.which("ip")):
+        return None
+    prefix = ["unshare", "--net"] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user", "--net"]
+    probe = subprocess.run([*prefix, "ip", "link", "set", "lo", "up"], capture_output=True)
+    return prefix if probe.returncode == 0 else None
+
+
+def _enter_private_network(argv: Sequence[str]) -> None:
+    """Re-executes this launcher in a new network namespace with only loopback, or says why not.
+
+    The namespace has no route to anything outside it: the workers' ports
+    (TF's gRPC servers listen on all interfaces) cannot be reached from other
+    hosts or other namespaces. It disappears with the last of its processes,
+    on every exit path. Returns only when isolation is not possible.
+    """
+    prefix = private_network_command()
+    if prefix is None:
+        print("gf-tf-run: cannot create a private network namespace here (needs root or unprivileged user "
+              "namespaces, and `unshare`/`ip`): the workers' ports are open on this host's networks",
+              file=sys.stderr, flush=True)
+        return
+    os.environ[_ISOLATED_ENV] = "1"
+    script = "ip link set lo up && exec \"$0\" \"$@\""
+    os.execvp(prefix[0], [*prefix, "sh", "-c", script, sys.executable, "-m", "gf_tf.launch", *argv])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of `gf-tf-run` and `python -m gf_tf.launch`."""
+    """Entry point of `gf-tf-run` and `python -m gf_tf.launch`.
+
+    Only the command line (`argv` None) re-executes itself in a private network
+    namespace for -n: a call from Python with `argv` runs on the host's network
+    (it must not replace the calling process).
+    """
     parser = argparse.ArgumentParser(
         prog="gf-tf-run",
         description="Run a command as the workers of a TensorFlow multi-worker job, with TF_CONFIG set.",
@@ -268,8 +457,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                "  gf-tf-run --workers 10.0.0.1:2222,10.0.0.2:2222 --index 0 -- python -m models.train\n"
                "  TF_CONFIG='{...}' gf-tf-run -- python -m models.train\n\n"
                "TensorFlow's worker servers listen on ALL interfaces without authentication,\n"
-               "even for 127.0.0.1 clusters: run only where those ports are firewalled from\n"
-               "untrusted networks.",
+               "even for 127.0.0.1 clusters: -n runs the workers in a private loopback-only\n"
+               "network namespace where possible; otherwise (or with --host_network) run only\n"
+               "where those ports are firewalled from untrusted networks.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-n", "--num_workers", type=int, default=None,
                         help="start this many local workers on free 127.0.0.1 ports (default 2)")
@@ -277,12 +467,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="comma-separated host:port of every worker of a multi-host job; with --index")
     parser.add_argument("--index", type=int, default=None,
                         help="which worker of --workers this host runs (0 is the chief)")
+    parser.add_argument("--host_network", action="store_true",
+                        help="with -n: run the workers on this host's network instead of a private "
+                             "network namespace with only loopback (e.g. to download datasets)")
+    parser.add_argument("--tf_log", action="store_true",
+                        help="show TensorFlow's C++ start-up and INFO lines (hidden by default; "
+                             "TF_CPP_MIN_LOG_LEVEL alone does not hide them)")
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="the command each worker runs, after --")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("no command given: gf-tf-run -n 2 -- python -m models.train")
+    missing = missing_module_error(command)
+    if missing:
+        print(f"gf-tf-run: error: {missing}", file=sys.stderr)
+        return 2
     try:
         if args.workers is not None:
             if args.num_workers is not None:
@@ -290,18 +490,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if args.index is None:
                 parser.error("--workers needs --index (which of the workers this host runs)")
             cluster = {"worker": [a.strip() for a in args.workers.split(",")]}
-            return run_tasks([tf_config(cluster, args.index)], command)
+            return run_tasks([tf_config(cluster, args.index)], command, tf_log=args.tf_log)
         if args.index is not None:
             parser.error("--index needs --workers")
         if "TF_CONFIG" in os.environ:
             if args.num_workers is not None:
                 parser.error("TF_CONFIG is set, so this host runs the one task it names; "
                              "unset TF_CONFIG to use -n")
-            return run_tasks([os.environ["TF_CONFIG"]], command)
+            return run_tasks([os.environ["TF_CONFIG"]], command, tf_log=args.tf_log)
         num_workers = 2 if args.num_workers is None else args.num_workers
         if num_workers < 1:
             parser.error(f"-n must be >= 1, got {num_workers}")
-        return run_workers(num_workers, command)
+        if os.environ.get(_ISOLATED_ENV) == "1":
+            print(f"gf-tf-run: the {num_workers} workers run in a private network namespace (loopback only; "
+                  f"--host_network to turn this off)", file=sys.stderr, flush=True)
+        elif not args.host_network and argv is None:   # the command line, not a call from Python
+            _enter_private_network(sys.argv[1:])
+        return run_workers(num_workers, command, tf_log=args.tf_log)
     except ValueError as e:
         print(f"gf-tf-run: error: {e}", file=sys.stderr)
         return 2

@@ -18,7 +18,9 @@ pieces used for that:
   construction, before anything is traced),
 - `resource_variable_ops.ResourceVariable` (CSC state outside the strategy's
   variable creator),
-- `control_flow_util.GraphOrParentsInXlaContext` (XLA graphs use the composite ops).
+- `control_flow_util.GraphOrParentsInXlaContext` (XLA graphs use the composite ops),
+- `context.context().configure_coordination_service`, `coordination_config_pb2` and
+  `multi_worker_util.coordination_leader` (how long workers wait for a peer that never starts).
 
 This module imports nothing of gf_tf.
 """
@@ -145,3 +147,53 @@ def in_xla_context() -> bool:
     if tf.executing_eagerly():
         return False
     return _tf_control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+# --- failure detection -------------------------------------------------------
+
+def configure_peer_startup_timeout(cluster_spec: tf.train.ClusterSpec, seconds: float) -> bool:
+    """Makes every worker fail after `seconds` if some peer has not started (joined the cluster) by then.
+
+    TF 2.21's MultiWorkerMirroredStrategy starts TensorFlow's coordination
+    service with `cluster_register_timeout_in_ms=0`, which waits for missing
+    peers forever; it keeps a coordination service configured before it is
+    created. This configures the same service (leader: the chief, or worker 0;
+    jobs chief and worker) with a finite registration timeout. Heartbeats keep
+    TensorFlow's default (a stopped peer was detected in about 7 s here).
+
+    Call before the strategy is created. Returns False (and changes nothing)
+    if a coordination service was already configured in this process.
+    """
+    check_tf_version()
+    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2  # pylint: disable=import-outside-toplevel
+    from tensorflow.python.distribute import multi_worker_util  # pylint: disable=import-outside-toplevel
+    from tensorflow.python.eager import context  # pylint: disable=import-outside-toplevel
+    if context.context().coordination_service is not None:
+        return False
+    jobs = [coordination_config_pb2.CoordinatedJob(name=job, num_tasks=cluster_spec.num_tasks(job))
+            for job in ("chief", "worker") if job in cluster_spec.jobs]
+    context.context().configure_coordination_service(
+        service_type="standalone",
+        service_leader=multi_worker_util.coordination_leader(cluster_spec),
+        coordinated_jobs=jobs,
+        cluster_register_timeout_in_ms=int(seconds * 1000))
+    return True
+
+
+def check_not_xla_across_devices(num_local_replicas: int) -> None:
+    """Raises ValueError when a multi-device all-reduce is traced inside an XLA-compiled function.
+
+    `model.compile(jit_compile=True)` under a MirroredStrategy with several
+    CPU devices makes Keras compile each replica's step with XLA, and TF 2.21
+    then fails at run time with "Trying to access resource ... located in
+    device CPU:1 from device CPU:0" (TF's own cross-device ops fail the same
+    way; tensorflow.org/xla/known_issues). Called at trace time, this stops
+    the job at once with what to change instead.
+    """
+    if num_local_replicas > 1 and in_xla_context():
+        raise ValueError(
+            f"jit_compile=True does not work with {num_local_replicas} local replicas of a "
+            f"MirroredStrategy in TensorFlow {tf.__version__}: XLA compiles each replica's step on one "
+            f"device but the replicas' variables live on different devices. Compile the model with "
+            f"jit_compile=False (model.compile(..., jit_compile=False)), or use one device per worker "
+            f"(gf_tf.MultiWorkerMirroredStrategy with one replica per worker).")

@@ -91,6 +91,12 @@ def input_pipeline(source: Source, split: str, batch_size: int, num_shards: int 
     return ds.with_options(options).prefetch(tf.data.AUTOTUNE)
 
 
+def nearest_multiples(value: int, divisor: int) -> Tuple[int, ...]:
+    """The multiples of `divisor` just below and just above `value` (>= divisor), e.g. (63, 66) for 64, 3."""
+    below = value // divisor * divisor
+    return tuple(v for v in (below, below + divisor) if v >= divisor)
+
+
 def distributed_dataset(strategy: tf.distribute.Strategy, source: Source, split: str,
                         global_batch_size: int, training: bool, seed: int = 0):
     """The split as a `tf.distribute.DistributedDataset` for `model.fit`.
@@ -99,9 +105,11 @@ def distributed_dataset(strategy: tf.distribute.Strategy, source: Source, split:
     `num_input_pipelines` in batches of the per-replica size
     (global_batch_size / replicas; ValueError if it does not divide).
     """
-    if global_batch_size % strategy.num_replicas_in_sync:
+    replicas = strategy.num_replicas_in_sync
+    if global_batch_size % replicas:
         raise ValueError(f"--batch_size {global_batch_size} (global) must be divisible by the "
-                         f"{strategy.num_replicas_in_sync} replicas")
+                         f"{replicas} replicas; nearest valid values: "
+                         f"{', '.join(map(str, nearest_multiples(global_batch_size, replicas)))}")
 
     def dataset_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
         return input_pipeline(source, split, ctx.get_per_replica_batch_size(global_batch_size),

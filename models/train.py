@@ -49,6 +49,7 @@ flags.DEFINE_string("model_dir", "", "TensorBoard logs, checkpoints, BackupAndRe
                     "Must be visible to every worker (same host or shared storage) for resuming")
 flags.DEFINE_integer("seed", 0, "random seed (weights, data order, dropout)")
 flags.DEFINE_float("collective_timeout", 300.0, "seconds before a stuck all-reduce fails")
+flags.DEFINE_float("startup_timeout", 300.0, "seconds a worker waits for peers that have not started")
 
 
 def _throughput_callback(global_batch_size):
@@ -111,8 +112,9 @@ def _check_flag_ranges():
     for name, low in _AT_LEAST.items():
         if FLAGS[name].value < low:
             raise ValueError(f"--{name} must be >= {low}, got {FLAGS[name].value}")
-    if FLAGS.collective_timeout <= 0:
-        raise ValueError(f"--collective_timeout must be > 0 seconds, got {FLAGS.collective_timeout}")
+    for name in ("collective_timeout", "startup_timeout"):
+        if FLAGS[name].value <= 0:
+            raise ValueError(f"--{name} must be > 0 seconds, got {FLAGS[name].value}")
 
 
 def main(argv):
@@ -143,7 +145,7 @@ def main(argv):
     # With CSC the momentum lives in ChunkSparsity (momentum correction), not in the optimizer.
     optimizer_momentum = 0.0 if FLAGS.density < 1.0 else FLAGS.momentum
     strategy = factory.build_strategy(strategy_name, num_devices, gradient_flow,
-                                      FLAGS.collective_timeout)
+                                      FLAGS.collective_timeout, FLAGS.startup_timeout)
     task_type, task_id, is_chief = factory.task_info(strategy)
     say(f"{factory.tf_config_summary()}; {strategy.num_replicas_in_sync} replicas; "
         f"chief: {is_chief}; gradient all-reduce: "
@@ -216,12 +218,19 @@ def main(argv):
 _TRAIN_FLAGS = ("model", "dataset", "data_dir", "strategy", "num_devices", "compression",
                 "bytes_per_pack", "density", "chunk_size", "warmup_steps", "epochs", "steps_per_epoch",
                 "batch_size", "learning_rate", "momentum", "mixed_precision", "model_dir", "seed",
-                "collective_timeout")
+                "collective_timeout", "startup_timeout")
 
 
 def run():
-    """Entry point: errors in flag values or TF_CONFIG, and unavailable datasets, print one line."""
-    from models.datasets import DatasetUnavailable
+    """Entry point: errors in flag values or TF_CONFIG, and unavailable datasets, print one line.
+
+    SIGINT (Ctrl-C) and SIGTERM end it at once with one line and exit code 130 / 143, even while
+    TensorFlow waits for a peer (gf_tf.launch.exit_on_signals). A lost peer worker ends it with
+    one line naming that worker and exit code 1 (gf_tf.launch.lost_worker_message).
+    """
+    from gf_tf import launch
+    launch.exit_on_signals("models.train")   # before TensorFlow starts any thread
+    from models.datasets import DatasetUnavailable   # imports TensorFlow
     try:
         app.run(main)
     except DatasetUnavailable as e:
@@ -232,6 +241,13 @@ def run():
             print(f"models.train: error: {e}", file=sys.stderr)
             sys.exit(2)
         raise
+    except Exception as e:  # pylint: disable=broad-except
+        lost = launch.lost_worker_message(e)
+        if lost is None:
+            raise
+        sys.stdout.flush()
+        print(f"models.train: error: {lost}", file=sys.stderr, flush=True)
+        os._exit(1)   # TF's coordination service would otherwise wait for the lost worker at exit
 
 
 if __name__ == "__main__":

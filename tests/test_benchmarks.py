@@ -4,7 +4,10 @@ The --quick runs are the CI smoke test that keeps benchmarks/ from rotting: real
 worker processes in network namespaces over a rate-limited link. They need root
 (network namespaces, tc) and are skipped with that reason otherwise. The values
 asserted are sanity bounds (a link cannot be beaten, exact sums are exact,
-CSC 1% sends about 1% of the chunks), never speed targets.
+CSC 1% sends about 1% of the chunks), never speed targets: load on the machine
+can only slow a run down, so no lower bound on a rate and no upper bound on a
+time is asserted (issue 10). Suspicious speeds are flagged in the benchmark's
+own report (benchmarks.fit.sanity_notes).
 """
 
 import json
@@ -67,6 +70,16 @@ def test_markdown_table_has_one_row_per_entry_and_aligned_columns():
     assert "1.23" in table[2] and "-" in table[2] and "1234" in table[3]
 
 
+def test_fit_report_flags_implausible_scaling_and_only_that():
+    from benchmarks import fit
+    cells = [{"model": "digits_cnn", "workers": 2, "rate_mbit": 100.0, "method": "csc_1", "scaling_efficiency": 1.63},
+             {"model": "digits_cnn", "workers": 2, "rate_mbit": None, "method": "tf_fp32", "scaling_efficiency": 0.9},
+             {"model": "digits_cnn", "workers": 2, "rate_mbit": 100.0, "method": "gf_fp16", "error": "boom"}]
+    notes = fit.sanity_notes(cells)
+    assert len(notes) == 1
+    assert "csc_1" in notes[0] and "scaling efficiency 1.63 > 1.3" in notes[0] and "load" in notes[0]
+
+
 def test_bad_cluster_arguments_are_rejected_before_touching_anything():
     with pytest.raises(ValueError, match="num_hosts"):
         netem.EmulatedCluster(0)
@@ -106,9 +119,9 @@ def test_cluster_is_shaped_both_ways_idempotent_and_leaves_the_host_untouched():
         assert _root_links() == links_before   # nothing created or shaped in the root namespace
         goodput = cluster.measure_goodput(seconds=1.5)
         for bps in goodput["per_link_bps"]:
-            assert 0.8e8 < bps < 1.0e8, goodput     # ~95.6 Mbit/s of payload on a 100 Mbit/s link
+            assert 0 < bps <= 1.0e8, goodput     # the link is capped (~95.6 Mbit/s of payload when idle)
         counters = cluster.interface_bytes(0)
-        assert counters["tx_bytes"] > 0.8e8 * 1.5 / 8 * 0.9
+        assert counters["tx_bytes"] > 0
     finally:
         cluster.down()
         cluster.down()
@@ -145,14 +158,14 @@ def test_allreduce_quick_reports_sane_figures(tmp_path):
     assert proc.stdout.rstrip().splitlines()[-1].startswith("| resnet20")   # the table is printed last
     data = json.loads(out.read_text())
     goodput = data["goodput"][0]["used_bps"]
-    assert 0.85e8 < goodput <= 1.0e8
+    assert 0 < goodput <= 1.0e8         # capped by the 100 Mbit/s link
     cells = {c["method"]: c for c in data["cells"]}
     assert "tf_fp32" in cells
     for method, c in cells.items():
         assert "error" not in c, c
         assert c["workers"] == 2 and c["rate_mbit"] == 100.0 and c["elements"] == 269_722
-        assert len(c["times_s"]) == 2 and 0 < c["median_s"] < 30
-        assert c["ratio_to_bound"] > 0.85, c     # no method beats the wire
+        assert len(c["times_s"]) == 2 and c["median_s"] > 0
+        assert c["ratio_to_bound"] > 0.85, c     # no method beats the wire (load only raises this)
         if method in ("tf_fp32", "tf_fp16", "gf_fp16"):
             assert 0.85 < c["wire_over_ideal"] < 1.3, c   # counted on the interface, headers included
     assert cells["tf_fp32"]["max_rel_error"] == 0.0          # 2 x v is exact in float32
@@ -160,7 +173,7 @@ def test_allreduce_quick_reports_sane_figures(tmp_path):
     if "gf_fp16" in cells:
         assert cells["gf_fp16"]["max_rel_error"] < 2e-3
         assert cells["gf_fp16"]["payload_bytes"] == pytest.approx(2 * 269_722, rel=0.01)
-        assert 0 < cells["gf_fp16"]["pack_unpack_s"] < cells["gf_fp16"]["median_s"] * 5
+        assert cells["gf_fp16"]["pack_unpack_s"] > 0
     if "csc_1" in cells:
         assert 0.005 < cells["csc_1"]["nonzero_fraction"] < 0.05
         assert cells["csc_1"]["payload_bytes"] < 0.1 * cells["tf_fp32"]["payload_bytes"]
@@ -169,7 +182,7 @@ def test_allreduce_quick_reports_sane_figures(tmp_path):
 
 
 @needs_root
-def test_fit_quick_reports_sane_throughput(tmp_path):
+def test_fit_quick_runs_every_cell_with_finite_losses(tmp_path):
     out = tmp_path / "fit.json"
     proc = _run_module("benchmarks.fit", ["--quick", "--out", str(out)], timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -181,6 +194,5 @@ def test_fit_quick_reports_sane_throughput(tmp_path):
         assert "error" not in c, c
         assert c["images_per_s"] > 0 and c["losses_finite"]
         assert c["global_batch"] == 2 * 32
-        # 2 workers on 2 cores cannot beat twice the 1-core reference by much
-        assert c["scaling_efficiency"] < 1.3, c
+        assert c["scaling_efficiency"] > 0   # its sanity is the report's job (fit.sanity_notes)
     assert not [n for n in _namespaces() if n.startswith(PREFIX)]

@@ -128,27 +128,26 @@ def test_each_worker_gets_its_tf_config_and_a_prefixed_output():
 
 
 def test_a_failing_worker_stops_the_others_and_sets_the_exit_code(tmp_path):
-    # Worker 0 starts a grandchild and waits; worker 1 exits 3 once both are up.
+    # Worker 0 starts a grandchild and waits; worker 1 exits 3 once both are up. That the launcher
+    # returned while worker 0 and its grandchild would still sleep for 10 minutes shows it stopped them
+    # (no time is asserted: load only slows the stop).
     out = io.BytesIO()
-    start = time.monotonic()
     code = launch.run_workers(2, _python(f"""
         import json, os, subprocess, sys, time
         index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
         if index == 0:
-            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
             open(r"{tmp_path}/pids.tmp", "w").write(f"{{os.getpid()}} {{child.pid}}")
             os.rename(r"{tmp_path}/pids.tmp", r"{tmp_path}/pids")
-            time.sleep(120)
+            time.sleep(600)
         while not os.path.exists(r"{tmp_path}/pids"):
             time.sleep(0.05)
         sys.exit(3)
     """), out=out)
-    elapsed = time.monotonic() - start
     assert code == 3
-    assert elapsed < 20, f"launcher took {elapsed:.1f} s to stop"
     assert b"worker 1 exited with code 3" in out.getvalue()
     worker0, grandchild = map(int, (tmp_path / "pids").read_text().split())
-    assert _wait_for(lambda: not _alive(worker0) and not _alive(grandchild), timeout=5)
+    assert _wait_for(lambda: not _alive(worker0) and not _alive(grandchild), timeout=30)
 
 
 def test_a_worker_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path, monkeypatch, capsys):
@@ -158,13 +157,15 @@ def test_a_worker_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path, mo
         index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
         if index == 0:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            open(r"{tmp_path}/pid", "w").write(str(os.getpid()))
+            open(r"{tmp_path}/pid.tmp", "w").write(str(os.getpid()))
+            os.rename(r"{tmp_path}/pid.tmp", r"{tmp_path}/pid")
             time.sleep(120)
-        time.sleep(0.5)
+        while not os.path.exists(r"{tmp_path}/pid"):   # worker 0 ignores SIGTERM by now
+            time.sleep(0.05)
         sys.exit(1)
     """), out=io.BytesIO())
     assert code == 1
-    assert _wait_for(lambda: not _alive(int((tmp_path / "pid").read_text())), timeout=5)
+    assert _wait_for(lambda: not _alive(int((tmp_path / "pid").read_text())), timeout=30)
     assert "worker 0 still running 1 s after the signal: killing it" in capsys.readouterr().err
 
 
@@ -197,7 +198,7 @@ def test_ctrl_c_is_forwarded_to_every_worker_and_the_launcher_exits(tmp_path):
         assert _wait_for(lambda: all((tmp_path / f"pid{i}").exists() for i in range(2)), timeout=30)
         time.sleep(0.2)  # let the pid files be written completely
         launcher.send_signal(signal.SIGINT)
-        out, err = launcher.communicate(timeout=20)
+        out, err = launcher.communicate(timeout=60)
     finally:
         launcher.kill()
     assert launcher.returncode == 128 + signal.SIGINT, err.decode()

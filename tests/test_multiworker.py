@@ -105,3 +105,13 @@ def test_mixed_float16_with_loss_scale_optimizer_two_workers():
     assert all(np.all(np.isfinite(w)) for w in weights(r))
     assert np.all(np.isfinite(r["loss"]))
     assert ("float16", MODEL_ELEMENTS) in zip(r["reduce_dtypes"], r["reduce_elements"])
+
+
+def test_an_inf_on_worker_1_alone_is_skipped_by_both_workers_and_halves_the_loss_scale_once():
+    """issue 10: every worker takes the same finite/non-finite branch (gf_tf.keras_compat), so none hangs."""
+    results = run_fit("--mixed_precision", "--inf_on_worker", "1", "--inf_step", "1")
+    assert_identical_across_workers(results)
+    for r in results:
+        assert all(np.all(np.isfinite(w)) for w in weights(r.result))
+        assert float(r.result["loss_scale"]) == 2.0 ** 15 / 2   # Keras's initial scale, halved once
+        assert int(r.result["applied_steps"]) == 4 - 1          # the step with the inf was skipped

@@ -7,6 +7,8 @@ strategy (the float32 reference).
 """
 
 import argparse
+import json
+import os
 
 import numpy as np
 import tensorflow as tf
@@ -28,6 +30,9 @@ parser.add_argument("--freeze_first_layer", action="store_true",
                     help="same variables, fewer gradients (a variable-list mismatch)")
 parser.add_argument("--check_steps_per_execution", action="store_true",
                     help="after fit, record the error of a fit with steps_per_execution=2")
+parser.add_argument("--inf_on_worker", type=int, default=-1,
+                    help="this worker alone gets inf inputs in the global batch of --inf_step")
+parser.add_argument("--inf_step", type=int, default=1)
 args = parser.parse_args()
 
 import gf_tf  # pylint: disable=wrong-import-position
@@ -46,6 +51,8 @@ if not args.baseline:
         communication_options=worker_util.communication_options(), gradient_flow=gradient_flow)
 
 x, y = worker_util.regression_data(args.global_batch * args.steps)
+if args.inf_on_worker == json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {}).get("index"):
+    x[args.inf_step * args.global_batch:(args.inf_step + 1) * args.global_batch] = np.inf
 
 
 def build():
@@ -81,6 +88,9 @@ if strategy is not None and strategy.gradient_flow is not None:
     result["dense_bytes_per_step"] = stats["dense_bytes_per_step"]
     result["stat_steps"] = stats["steps"]
 result["optimizer"] = np.array(type(model.optimizer).__name__)
+if hasattr(model.optimizer, "dynamic_scale"):
+    result["loss_scale"] = np.array(float(model.optimizer.dynamic_scale.numpy()))
+    result["applied_steps"] = np.array(int(model.optimizer.iterations.numpy()))
 if args.check_steps_per_execution:
     with strategy.scope():
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=2)
