@@ -46,7 +46,7 @@ import numpy as np
 import keras
 import tensorflow as tf
 
-from gf_tf import keras_compat, tf_internal
+from gf_tf import gradients, keras_compat, tf_internal
 
 FORMAT = 1
 ATTRIBUTE = "_gf_tf_checkpoint"
@@ -306,10 +306,9 @@ class GradientFlowCheckpoint(keras_compat.keras_saveable_class(), tf.Module):
 
 def attach(optimizer, strategy, variables) -> None:
     """Gives `optimizer` its GradientFlowCheckpoint if `strategy` all-reduces through GradientFlow."""
-    gradient_flow = tf_internal.strategy_cross_device_ops(strategy)
-    from gf_tf.cross_device_ops import GradientFlowAllReduce  # pylint: disable=import-outside-toplevel
-    if not isinstance(gradient_flow, GradientFlowAllReduce) or hasattr(optimizer, ATTRIBUTE):
+    if not gradients.uses_gradient_flow(strategy) or hasattr(optimizer, ATTRIBUTE):
         return
+    gradient_flow = tf_internal.strategy_cross_device_ops(strategy)
     with tf.init_scope():
         checkpoint = GradientFlowCheckpoint(gradient_flow, strategy, list(variables))
     checkpoint._self_held.iterations = optimizer.iterations  # pylint: disable=protected-access
