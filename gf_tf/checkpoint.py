@@ -368,11 +368,13 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             checkpoint.restore_side_file(self._side_path())
 
     def _save_model(self):
+        # Every worker may create backup_dir at once: Keras checks, then os.makedirs
+        # (FileExistsError when another worker won the race); gfile's makedirs does not mind.
+        tf.io.gfile.makedirs(self.backup_dir)
         if self._rank() == 0:
             return super()._save_model()
         checkpoint = of(self.model.optimizer)
         if checkpoint is not None:
-            tf.io.gfile.makedirs(self.backup_dir)
             checkpoint.save_side_file(self._side_path())
 
     def on_train_end(self, logs=None):
