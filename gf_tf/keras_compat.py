@@ -1,42 +1,87 @@
-"""Minimal fixes Keras 3 needs for `model.fit` under MultiWorkerMirroredStrategy.
+"""The Keras side of gf_tf: which Keras runs, its version check, and minimal version-guarded patches.
 
-Keras 3.15's TensorFlow trainer fails under `tf.distribute.MultiWorkerMirroredStrategy`
-(public report keras-team/keras#20585):
-1. `TensorFlowTrainer._maybe_symbolic_build` calls
-   `strategy.reduce("MEAN", <tuple of PerReplica>)` on a data batch:
-   "Attempt to convert a value (PerReplica:{...}) to a Tensor". The build only
-   needs the batch's structure and shapes, so we hand it local replica 0's batch.
-2. `trainer.reduce_per_replica` reduces the (scalar) logs with
-   `strategy.reduce("MEAN", v, axis=0)`: "Invalid reduction dimension 0 for input
-   with 0 dimensions". For scalars we reduce with axis=None (the mean over
-   replicas); other values keep Keras's behaviour.
-3. `steps_per_execution > 1` fails deep in TF ("You must feed a value for
-   placeholder tensor ... has_next"); we raise a clear ValueError instead.
+Two Keras flavours are supported (README "Supported versions"):
+- Keras 3 (`keras`, 3.15): its TensorFlow trainer fails under
+  `tf.distribute.MultiWorkerMirroredStrategy` (public report keras-team/keras#20585):
+  1. `TensorFlowTrainer._maybe_symbolic_build` calls
+     `strategy.reduce("MEAN", <tuple of PerReplica>)` on a data batch:
+     "Attempt to convert a value (PerReplica:{...}) to a Tensor". The build only
+     needs the batch's structure and shapes, so we hand it local replica 0's batch.
+  2. `trainer.reduce_per_replica` reduces the (scalar) logs with
+     `strategy.reduce("MEAN", v, axis=0)`: "Invalid reduction dimension 0 for input
+     with 0 dimensions". For scalars we reduce with axis=None (the mean over
+     replicas); other values keep Keras's behaviour.
+  3. `steps_per_execution > 1` fails deep in TF ("You must feed a value for
+     placeholder tensor ... has_next"); we raise a clear ValueError instead.
+  Every patch is active only for a MultiWorkerMirroredStrategy in multi-worker
+  mode and delegates to Keras's own code otherwise (private names:
+  keras.src.backend.tensorflow.trainer: TensorFlowTrainer._maybe_symbolic_build,
+  TensorFlowTrainer._make_function, reduce_per_replica).
+- tf-keras (`tf_keras`, Keras 2, selected by TF_USE_LEGACY_KERAS=1 as TensorFlow
+  selects it for `tf.keras`), of the same minor version as TensorFlow: its multi-worker
+  `fit` needs none of the Keras 3 fixes.
 
-Every patch is active only for a MultiWorkerMirroredStrategy in multi-worker
-mode and delegates to Keras's own code otherwise. These are the only private
-Keras attributes gf_tf touches (keras.src.backend.tensorflow.trainer:
-TensorFlowTrainer._maybe_symbolic_build, TensorFlowTrainer._make_function,
-reduce_per_replica), guarded by `check_keras_version`.
+`install()` applies only what the running flavour needs, after `check_keras_version`.
 """
 
 import functools
+import importlib
+import os
 
-import keras
 import tensorflow as tf
 
-TESTED_KERAS_VERSIONS = ("3.15",)
+TESTED_KERAS_VERSIONS = ("3.15",)                          # Keras 3
+TESTED_TF_KERAS_VERSIONS = ("2.18", "2.19", "2.20", "2.21")  # tf-keras, same minor as TensorFlow
+LEGACY_KERAS_ENV = "TF_USE_LEGACY_KERAS"
 
 
-def check_keras_version(version: str = None) -> None:
-    """Raises RuntimeError unless Keras is a version these patches were written and tested for."""
-    version = version or keras.__version__
-    if ".".join(version.split(".")[:2]) not in TESTED_KERAS_VERSIONS:
+def uses_tf_keras() -> bool:
+    """True if `tf.keras` is tf-keras here: TF_USE_LEGACY_KERAS is 1/true, TensorFlow's own rule."""
+    return os.environ.get(LEGACY_KERAS_ENV, "") in ("1", "true", "True")
+
+
+def keras_module():
+    """The Keras package `tf.keras` stands for: `tf_keras` (tf-keras) or `keras` (Keras 3)."""
+    return importlib.import_module("tf_keras" if uses_tf_keras() else "keras")
+
+
+def flavour() -> str:
+    """"tf-keras" or "keras" (Keras 3): the Keras that models built with `tf.keras` use."""
+    return "tf-keras" if uses_tf_keras() else "keras"
+
+
+def _minor(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+def check_keras_version(version: str = None, tf_keras: bool = None) -> None:
+    """Raises RuntimeError unless the running Keras flavour and version were tested with gf_tf.
+
+    Keras 3: TESTED_KERAS_VERSIONS. tf-keras: TESTED_TF_KERAS_VERSIONS, and the same minor
+    version as TensorFlow (tf-keras X.Y is built for TensorFlow X.Y).
+    """
+    tf_keras = uses_tf_keras() if tf_keras is None else tf_keras
+    if tf_keras:
+        version = version or keras_module().__version__
+        if _minor(version) not in TESTED_TF_KERAS_VERSIONS or _minor(version) != _minor(tf.__version__):
+            raise RuntimeError(
+                f"gf_tf was tested with tf-keras {', '.join(TESTED_TF_KERAS_VERSIONS)} "
+                f"(TF_USE_LEGACY_KERAS=1), each with the TensorFlow of the same minor version; found "
+                f"tf-keras {version} with TensorFlow {tf.__version__}. Install "
+                f"tf-keras=={_minor(tf.__version__)}.* (or unset TF_USE_LEGACY_KERAS for Keras 3).")
+        return
+    version = version or keras_module().__version__
+    if _minor(version) not in TESTED_KERAS_VERSIONS:
         raise RuntimeError(
             f"gf_tf patches Keras's TensorFlow trainer for multi-worker fit "
             f"(keras-team/keras#20585) and was tested with Keras "
             f"{', '.join(TESTED_KERAS_VERSIONS)}.x only; found Keras {version}. "
             f"Install keras=={TESTED_KERAS_VERSIONS[-1]}.* or port gf_tf/keras_compat.py.")
+
+
+def callback_base():
+    """The Callback class of the running Keras flavour (GradientFlowStats derives from it)."""
+    return keras_module().callbacks.Callback
 
 
 def in_multi_worker_mode(strategy) -> bool:
@@ -49,11 +94,32 @@ def in_multi_worker_mode(strategy) -> bool:
 
 
 def install() -> None:
-    """Installs the patches once (idempotent). Called by gf_tf.MultiWorkerMirroredStrategy.
+    """Installs the patches the running Keras needs, once (idempotent).
 
-    Raises RuntimeError on an untested Keras version.
+    Called by gf_tf.MultiWorkerMirroredStrategy. Raises RuntimeError on an untested Keras.
     """
     check_keras_version()
+    if uses_tf_keras():
+        _install_tf_keras_fixes()
+    if not uses_tf_keras() or _tested_keras3_present():
+        # Keras 3 models (`import keras`) may also run in a tf-keras process: fix them too
+        # when that Keras 3 is a tested one.
+        _install_keras3_multi_worker_fixes()
+
+
+def _tested_keras3_present() -> bool:
+    try:
+        check_keras_version(importlib.import_module("keras").__version__, tf_keras=False)
+    except (ImportError, RuntimeError):
+        return False
+    return True
+
+
+def _install_tf_keras_fixes() -> None:
+    """tf-keras's multi-worker fit works as it is: nothing to patch (yet)."""
+
+
+def _install_keras3_multi_worker_fixes() -> None:
     from keras.src.backend.tensorflow import trainer as tf_trainer  # pylint: disable=import-outside-toplevel
     cls = tf_trainer.TensorFlowTrainer
     if getattr(cls, "_gf_tf_patched", False):
@@ -86,7 +152,7 @@ def _patched_make_function(original):
         if self.steps_per_execution > 1 and in_multi_worker_mode(self.distribute_strategy):
             raise ValueError(
                 f"steps_per_execution={self.steps_per_execution} does not work under "
-                f"MultiWorkerMirroredStrategy with Keras {keras.__version__} (its multi-step loop "
+                f"MultiWorkerMirroredStrategy with Keras {keras_module().__version__} (its multi-step loop "
                 f"fails with an unfed 'has_next' placeholder); compile the model with "
                 f"steps_per_execution=1.")
         return original(self, step_function)
