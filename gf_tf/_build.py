@@ -198,3 +198,28 @@ def build_in_cache(tf, src_dir: str, announce: Callable[[str], None]) -> str:
 def announce_to_stderr(line: str) -> None:
     """Prints one line to stderr (what the first-import build says)."""
     print(line, file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str] = None) -> int:
+    """`python -m gf_tf._build [--force]`: builds the cached library for the running TensorFlow.
+
+    Prints the library's path as the last line (--force: rebuild even if it is cached).
+    """
+    import argparse  # pylint: disable=import-outside-toplevel
+    parser = argparse.ArgumentParser(prog="python -m gf_tf._build", description=main.__doc__)
+    parser.add_argument("--force", action="store_true", help="rebuild even if cached")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    src_dir = source_dir(os.path.dirname(os.path.abspath(__file__)))
+    if src_dir is None:
+        print("gf_tf: the op sources (ops/*.cc) are not installed with this gf_tf", file=sys.stderr)
+        return 1
+    if args.force and os.path.exists(os.path.dirname(cached_library(tf, src_dir))):
+        shutil.rmtree(os.path.dirname(cached_library(tf, src_dir)))
+    print(build_in_cache(tf, src_dir, announce_to_stderr))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

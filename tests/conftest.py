@@ -20,3 +20,16 @@ tf.config.set_logical_device_configuration(
 # set_logical_device_configuration (in a test module) raises RuntimeError
 # instead of silently replacing it.
 assert len(tf.config.list_logical_devices("CPU")) == NUM_LOGICAL_CPUS
+
+# Modules whose tests start worker clusters, train reference models, run benchmarks or install
+# the project: the "slow" tests. `-m "not slow"` is the fast set the matrix runs per cell
+# (noxfile.py); tests elsewhere mark themselves with @pytest.mark.slow.
+SLOW_MODULES = frozenset({"test_multiworker", "test_sparsity_multiworker", "test_train", "test_launch",
+                          "test_benchmarks", "test_bazel_library", "test_install", "test_matrix_fit"})
+
+
+def pytest_collection_modifyitems(items):
+    import pytest  # pylint: disable=import-outside-toplevel
+    for item in items:
+        if item.module.__name__.rpartition(".")[2] in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
