@@ -50,7 +50,7 @@ def _cell(session, tf_version: str, flavour: str) -> None:
     env["GF_TF_OPS_LIBRARY"] = output.strip().splitlines()[-1]
     session.log(f"op library: {env['GF_TF_OPS_LIBRARY']}")
     pytest = ("python", "-m", "pytest", "-q", "-p", "no:cacheprovider")
-    session.run(*pytest, *OP_TESTS, env=env)
+    session.run(*pytest, "-m", "not slow", *OP_TESTS, env=env)
     session.run(*pytest, "-m", "not slow", *(f"--ignore={t}" for t in OP_TESTS), env=env)
     session.run(*pytest, "tests/test_matrix_fit.py", env=env)
 
