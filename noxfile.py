@@ -10,8 +10,9 @@ A cell is a TensorFlow minor version and a Keras flavour:
             `tensorflow` distribution, which would put a second TensorFlow beside tensorflow-cpu)
             and TF_USE_LEGACY_KERAS=1
 Per cell: the op build against the cell's TensorFlow (`python -m gf_tf._build --force`, into
-the cell's own cache), the op tests on that library, the fast tests (`-m "not slow"`), and the
-2-worker FP16 + CSC fit (tests/test_matrix_fit.py). gf_tf runs from this checkout (PYTHONPATH),
+the cell's own cache), the op tests on that library, the fast tests (`-m "not slow"`), the
+2-worker FP16 + CSC fit (tests/test_matrix_fit.py) and Keras's multi-step loop under
+MirroredStrategy and 2 workers (tests/test_multistep.py). gf_tf runs from this checkout (PYTHONPATH),
 with GF_TF_OPS_LIBRARY naming the cell's library, so cells never share a build. Wheels come from
 pip's cache after the first run.
 """
@@ -52,7 +53,7 @@ def _cell(session, tf_version: str, flavour: str) -> None:
     pytest = ("python", "-m", "pytest", "-q", "-p", "no:cacheprovider")
     session.run(*pytest, "-m", "not slow", *OP_TESTS, env=env)
     session.run(*pytest, "-m", "not slow", *(f"--ignore={t}" for t in OP_TESTS), env=env)
-    session.run(*pytest, "tests/test_matrix_fit.py", env=env)
+    session.run(*pytest, "tests/test_matrix_fit.py", "tests/test_multistep.py", env=env)
 
 
 def _register(tf_version: str, flavour: str) -> None:

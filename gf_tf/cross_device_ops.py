@@ -12,7 +12,7 @@ from typing import List, Optional
 import numpy as np
 import tensorflow as tf
 
-from gf_tf import packing
+from gf_tf import keras_compat, packing
 from gf_tf import tf_internal
 from gf_tf.compression import PACKABLE_DTYPES, as_compression, dense_all_reduce
 from gf_tf.stats import CommStats
@@ -94,6 +94,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         self._workers = None  # gf_tf.strategy.WorkerInfo, set by gf_tf.MultiWorkerMirroredStrategy
         self._stats = None
         self._strategy = None  # weakref to the strategy whose default ops we took
+        keras_compat.install()  # Keras's multi-step/accumulation fixes for MirroredStrategy users
 
     def __repr__(self):
         return (f"GradientFlowAllReduce(compression={self.compression.name!r}, "

@@ -11,10 +11,16 @@ Two Keras flavours are supported (README "Supported versions"):
      `strategy.reduce("MEAN", v, axis=0)`: "Invalid reduction dimension 0 for input
      with 0 dimensions". For scalars we reduce with axis=None (the mean over
      replicas); other values keep Keras's behaviour.
-  3. `steps_per_execution > 1` fails deep in TF ("You must feed a value for
-     placeholder tensor ... has_next"); we raise a clear ValueError instead.
-  Every patch is active only for a MultiWorkerMirroredStrategy in multi-worker
-  mode and delegates to Keras's own code otherwise (private names:
+  3. `steps_per_execution > 1` fails under MirroredStrategy and MultiWorkerMirroredStrategy
+     ("You must feed a value for placeholder tensor 'while/.../Placeholder_1'"; stock TF
+     too): the multi-step loop calls the one-step tf.function inside a `tf.cond`. We build
+     the loop with that step inlined (`_TensorFlowInliningOneStep`).
+  4. `gradient_accumulation_steps > 1` fails under those strategies ("`merge_call` called
+     while defining a new graph"): the all-reduce sits in a `tf.cond`. We raise a clear
+     ValueError at fit time instead.
+  Patches 1-2 are active only for a MultiWorkerMirroredStrategy in multi-worker
+  mode, 3-4 for MirroredStrategy and MultiWorkerMirroredStrategy; all delegate to Keras's
+  own code otherwise (private names:
   keras.src.backend.tensorflow.trainer: TensorFlowTrainer._maybe_symbolic_build,
   TensorFlowTrainer._make_function, reduce_per_replica).
 - tf-keras (`tf_keras`, Keras 2, selected by TF_USE_LEGACY_KERAS=1 as TensorFlow
@@ -27,12 +33,14 @@ Two Keras flavours are supported (README "Supported versions"):
 import functools
 import importlib
 import os
+import threading
 
 import tensorflow as tf
 
 TESTED_KERAS_VERSIONS = ("3.15",)                          # Keras 3
 TESTED_TF_KERAS_VERSIONS = ("2.18", "2.19", "2.20", "2.21")  # tf-keras, same minor as TensorFlow
 LEGACY_KERAS_ENV = "TF_USE_LEGACY_KERAS"
+_MAKE_FUNCTION_LOCK = threading.Lock()
 
 
 def uses_tf_keras() -> bool:
@@ -146,16 +154,61 @@ def _patched_symbolic_build(original):
     return _maybe_symbolic_build
 
 
+def _replicated(strategy) -> bool:
+    """True for the strategies gf_tf serves: MirroredStrategy and MultiWorkerMirroredStrategy."""
+    return isinstance(strategy, (tf.distribute.MirroredStrategy,
+                                 tf.distribute.MultiWorkerMirroredStrategy))
+
+
+def _refuse_gradient_accumulation(model) -> None:
+    """Keras 3.15 all-reduces accumulated gradients inside a `cond` (merge_call there fails)."""
+    steps = getattr(getattr(model, "optimizer", None), "gradient_accumulation_steps", None)
+    if steps and steps > 1:
+        raise ValueError(
+            f"gradient_accumulation_steps={steps} does not work under "
+            f"{type(model.distribute_strategy).__name__} with Keras {keras_module().__version__}: "
+            f"the optimizer all-reduces the accumulated gradients inside a tf.cond, where "
+            f"tf.distribute cannot merge_call (TensorFlow fails with '`merge_call` called while "
+            f"defining a new graph'). Use gradient_accumulation_steps=None and a global batch "
+            f"{steps}x larger (more replicas or a larger per-replica batch) instead.")
+
+
+class _TensorFlowInliningOneStep:
+    """Stands for the tensorflow module while Keras's `_make_function` runs.
+
+    `tf.function(one_step_on_data)` returns the function itself, so the multi-step loop
+    calls `strategy.run` directly instead of a nested tf.function inside its `tf.cond`,
+    which under MirroredStrategy fails with "You must feed a value for placeholder tensor
+    'while/.../Placeholder_1'". Everything else is the real module.
+    """
+
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+    def function(self, func=None, **kwargs):
+        if getattr(func, "__name__", "") == "one_step_on_data":
+            return func
+        return self._module.function(func, **kwargs)
+
+
 def _patched_make_function(original):
     @functools.wraps(original)
     def _make_function(self, step_function):
-        if self.steps_per_execution > 1 and in_multi_worker_mode(self.distribute_strategy):
-            raise ValueError(
-                f"steps_per_execution={self.steps_per_execution} does not work under "
-                f"MultiWorkerMirroredStrategy with Keras {keras_module().__version__} (its multi-step loop "
-                f"fails with an unfed 'has_next' placeholder); compile the model with "
-                f"steps_per_execution=1.")
-        return original(self, step_function)
+        if not _replicated(self.distribute_strategy):
+            return original(self, step_function)
+        _refuse_gradient_accumulation(self)
+        if self.steps_per_execution <= 1 or self.run_eagerly or self.jit_compile:
+            return original(self, step_function)
+        from keras.src.backend.tensorflow import trainer as tf_trainer  # pylint: disable=import-outside-toplevel
+        with _MAKE_FUNCTION_LOCK:
+            tf_trainer.tf = _TensorFlowInliningOneStep(tf)
+            try:
+                return original(self, step_function)
+            finally:
+                tf_trainer.tf = tf
     return _make_function
 
 

@@ -50,7 +50,8 @@ with strategy.scope():
 dataset = tf.data.Dataset.from_tensor_slices((x_train, y_train)).batch(args.global_batch)
 history = model.fit(dataset, epochs=args.epochs, verbose=0,
                     callbacks=[gf_tf.GradientFlowStats(gradient_flow)])
-accuracy = float(np.mean(np.argmax(model.predict(x_test, verbose=0), axis=1) == y_test))
+# Local evaluation (a direct call, no collectives): every worker scores the whole test set.
+accuracy = float(np.mean(np.argmax(model(x_test, training=False).numpy(), axis=1) == y_test))
 worker_util.write_result(
     accuracy=accuracy, flavour=keras_compat.flavour(), keras_version=keras_compat.keras_module().__version__,
     compression_ratio=np.array(history.history["gf_compression_ratio"], np.float64),
