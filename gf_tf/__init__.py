@@ -5,6 +5,8 @@ Public API:
   MultiWorkerMirroredStrategy  tf.distribute.MultiWorkerMirroredStrategy with GradientFlow
   ChunkSparsity  coarse-grained sparse communication (CSC) for GradientFlowAllReduce(sparsity=...)
   GradientFlowStats  Keras callback: bytes sent, compression ratio, chunks, residual norm
+  all_reduce_gradients  a custom loop's gradient all-reduce, compressed by GradientFlow
+  keras_compat  the Keras fixes for multi-worker fit (install()) and the gradient hook
   ops      pack/unpack and the chunk ops (compiled, with a composite-TF fallback)
   launch   local multi-worker launcher and TF_CONFIG helpers (gf-tf-run)
 
@@ -38,8 +40,9 @@ _EXPORTS = {
     "MultiWorkerMirroredStrategy": "gf_tf.strategy",
     "ChunkSparsity": "gf_tf.sparsity",
     "GradientFlowStats": "gf_tf.stats",
+    "all_reduce_gradients": "gf_tf.gradients",
 }
-_SUBMODULES = ("launch", "ops")
+_SUBMODULES = ("keras_compat", "launch", "ops")
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES)
 

@@ -1,106 +1,117 @@
-"""Wire dtypes of mixed-precision communication, with prescale/postscale.
+"""Wire formats of mixed-precision communication, and how values are scaled into their range.
 
 Source: GradientFlow (arXiv 1902.06855), "mixed-precision communication":
-float32 gradients travel as float16. Each replica's buffer is multiplied by
-1/N before the cast (prescale) and the all-reduced sum by N after it
-(postscale), so the float16 sum stays finite wherever the float32 mean is
-(|mean| <= 65504); a mean beyond that comes back +-inf (never clamped).
+float32 gradients travel as float16 and the arithmetic stays float32.
+
+FP16 covers magnitudes from 6e-8 (subnormal) to 65504, so every value is
+multiplied by a power of two before the cast (prescale) and divided by it
+after the all-reduce (postscale). The scale is chosen from a bound that all
+replicas agree on: the SUM over replicas of each replica's max |x| (per tensor
+for dense packs, the chunk L1 norms for CSC). That bound is at least every
+partial sum a ring all-reduce forms, so with `2**15 / bound` rounded down to
+a power of two no partial sum can reach 65504, while the largest value lands
+within a factor 2 of 2**15: small gradients keep FP16's full precision at any
+replica count. A power of two multiplies exactly (no rounding of its own).
+BF16 has float32's range and float32 needs no scaling: their scale is 1.
 """
 
 import dataclasses
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Optional, Union
 
+import numpy as np
 import tensorflow as tf
 
 from gf_tf import ops
-from gf_tf.packing import PackSpec
 
-# Signature of the collective callable GradientFlowAllReduce provides: one 1-D
-# tensor per local replica in, per local replica the SUM over all replicas of
-# all workers out.
-AllReduceSum = Callable[[List[tf.Tensor]], List[tf.Tensor]]
+# Wire formats by name: the dtype float32 values travel as, and whether the
+# values must be scaled into its range (see module doc). Adding a format is
+# one entry here (plus the dtype in the op library, gf_tf.ops.WIRE_DTYPES).
+WIRE_FORMATS: Dict[Optional[str], Optional[tf.DType]] = {
+    None: None, "fp16": tf.float16, "bf16": tf.bfloat16}
 
-_WIRE_DTYPES = {"fp16": tf.float16, "bf16": tf.bfloat16, None: None}
-PACKABLE_DTYPES = (tf.float16, tf.bfloat16, tf.float32)
+# Scaled values stay below this (a power of two below float16's max, 65504),
+# so a sum that FP16 rounds up by a few ulps is still finite.
+SCALE_TARGET_EXPONENT = 15
+_MIN_EXPONENT, _MAX_EXPONENT = -126, 126   # float32 normal powers of two
+_SMALLEST_NORMAL = 2.0 ** -126
 
 
 @dataclasses.dataclass(frozen=True)
 class Compression:
-    """The wire format of dense packs.
+    """The wire format of packed gradients.
 
-    name: "fp16" (IEEE half, range +-65504), "bf16" (bfloat16, float32 range,
-      8-bit mantissa) or None (each pack travels in its own dtype).
+    name: "fp16" (IEEE half, range 6e-8 .. 65504, 11-bit significand), "bf16"
+      (bfloat16: float32's range, 8-bit significand) or None (each pack travels
+      in its own dtype).
     """
     name: Optional[str] = "fp16"
 
     def __post_init__(self):
-        if self.name not in _WIRE_DTYPES:
-            raise ValueError(f"compression must be 'fp16', 'bf16' or None, got {self.name!r}")
+        if self.name not in WIRE_FORMATS:
+            raise ValueError(f"compression must be one of {list(WIRE_FORMATS)}, got {self.name!r}")
 
     @property
     def code(self) -> int:
-        """Small integer naming the setting (0 None, 1 fp16, 2 bf16), for cross-worker checks."""
-        return list(_WIRE_DTYPES).index(self.name) + 1 if self.name else 0
+        """Small integer naming the setting (its position in WIRE_FORMATS), for cross-worker checks."""
+        return list(WIRE_FORMATS).index(self.name)
 
     def wire_dtype(self, dtype: tf.DType) -> tf.DType:
         """Wire dtype of a pack of `dtype` values: float32 -> the compression
-        dtype; float16/bfloat16 travel as themselves (already 2 bytes)."""
+        dtype; float16/bfloat16 travel as themselves (already 2 bytes).
+
+        Raises ValueError for a dtype that cannot be packed."""
         dtype = tf.as_dtype(dtype)
-        if dtype not in PACKABLE_DTYPES:
+        if dtype not in ops.GRAD_DTYPES or dtype == tf.float64:
             raise ValueError(f"cannot pack {dtype.name}; packable dtypes are "
                              f"{[d.name for d in PACKABLE_DTYPES]}")
         if self.name is None or dtype != tf.float32:
             return dtype
-        return _WIRE_DTYPES[self.name]
+        return WIRE_FORMATS[self.name]
+
+
+PACKABLE_DTYPES = tuple(d for d in ops.GRAD_DTYPES if d != tf.float64)
 
 
 def as_compression(value: Union[None, str, Compression]) -> Compression:
-    """Accepts a Compression, "fp16", "bf16" or None."""
+    """Accepts a Compression, one of the WIRE_FORMATS names, or None."""
     return value if isinstance(value, Compression) else Compression(value)
 
 
-def scales(wire_dtype: tf.DType, num_replicas: int, mean: bool = False) -> Tuple[float, float]:
-    """(prescale, postscale) for an all-reduce of `num_replicas` replicas.
-
-    16-bit wire: 1/N before the cast, N after it for SUM (1 for MEAN).
-    32-bit wire: nothing before (float32 does not overflow), 1/N after for MEAN.
-    """
-    if tf.as_dtype(wire_dtype).size < 4:
-        return 1.0 / num_replicas, (1.0 if mean else float(num_replicas))
-    return 1.0, (1.0 / num_replicas if mean else 1.0)
+def needs_scaling(wire_dtype: tf.DType) -> bool:
+    """True for wire dtypes with a narrower range than float32 (float16)."""
+    return tf.as_dtype(wire_dtype) == tf.float16
 
 
-def dense_all_reduce(pack: PackSpec, per_replica_grads: Sequence[Sequence[tf.Tensor]],
-                     all_reduce_sum: AllReduceSum, num_replicas: int,
-                     wire_dtype: tf.DType, mean: bool = False, stats=None
-                     ) -> List[List[tf.Tensor]]:
-    """Packs, all-reduces and unpacks one pack on every local replica.
+def power_of_two_scale(bound: tf.Tensor) -> tf.Tensor:
+    """Prescale for values whose all-reduced magnitude bound is `bound`.
 
     Args:
-      pack: the PackSpec of these gradients.
-      per_replica_grads: per local replica, the pack's gradient tensors (in
-        `pack.indices` order), each on its replica's device.
-      all_reduce_sum: see AllReduceSum.
-      num_replicas: replicas over all workers (N).
-      wire_dtype: the buffer dtype on the wire.
-      mean: MEAN instead of SUM.
-      stats: optional accumulator with add(dense_bytes=..., sent_bytes=...).
+      bound: float32, any shape: SUM over replicas of max |x| (or of L1 norms).
 
     Returns:
-      Per local replica, the reduced tensors (shapes/dtypes of the pack).
-      A pack of zero elements issues no collective.
+      float32 of the same shape: 2**e with e = floor(log2(2**15 / bound)),
+      clipped to [-126, 126]; 1 where the bound is inf or NaN (so a
+      non-finite gradient stays non-finite and reaches the loss scaler), 0,
+      or below float32's smallest normal number 2**-126 (TensorFlow's CPU
+      kernels flush such subnormals to zero).
+      `bound * scale` < 2**15 wherever the bound is finite.
     """
-    prescale, postscale = scales(wire_dtype, num_replicas, mean)
-    buffers = []
-    for grads in per_replica_grads:
-        with tf.device(grads[0].device):
-            buffers.append(ops.pack(grads, wire_dtype, prescale))
-    if pack.num_elements:
-        buffers = all_reduce_sum(buffers)
-    if stats is not None:
-        stats.add(dense_bytes=4 * pack.num_elements, sent_bytes=pack.num_bytes)
-    outputs = []
-    for grads, buffer in zip(per_replica_grads, buffers):
-        with tf.device(grads[0].device):
-            outputs.append(ops.unpack(buffer, pack.shapes, pack.dtypes, postscale))
-    return outputs
+    bound = tf.convert_to_tensor(bound, tf.float32)
+    usable = tf.math.is_finite(bound) & (bound >= _SMALLEST_NORMAL)
+    safe = tf.where(usable, bound, tf.ones_like(bound))
+    # frexp-style exponent, exact in float32: bound = m * 2**ebound, m in [1, 2).
+    exponent = tf.math.floor(tf.math.log(safe) / np.log(2.0))
+    # log() may be off by one ulp near powers of two: correct against the bound itself.
+    exponent += tf.cast(tf.pow(2.0, exponent + 1.0) <= safe, tf.float32)
+    exponent -= tf.cast(tf.pow(2.0, exponent) > safe, tf.float32)
+    e = tf.clip_by_value(SCALE_TARGET_EXPONENT - 1.0 - exponent, _MIN_EXPONENT, _MAX_EXPONENT)
+    return tf.where(usable, tf.pow(2.0, e), tf.ones_like(bound))
+
+
+def power_of_two_scale_np(bound: np.ndarray) -> np.ndarray:
+    """NumPy twin of `power_of_two_scale` (float64 in, float64 out), for models and tests."""
+    bound = np.asarray(bound, np.float64)
+    usable = np.isfinite(bound) & (bound >= _SMALLEST_NORMAL)
+    _, exponent = np.frexp(np.where(usable, bound, 1.0))    # bound = m * 2**exponent, m in [0.5, 1)
+    e = np.clip(SCALE_TARGET_EXPONENT - exponent, _MIN_EXPONENT, _MAX_EXPONENT)
+    return np.where(usable, np.ldexp(1.0, e), 1.0)

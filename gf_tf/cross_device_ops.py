@@ -1,20 +1,21 @@
 """GradientFlowAllReduce: packed FP16 (and CSC) gradient all-reduce as a tf.distribute.CrossDeviceOps.
 
-Orchestration only: the plan comes from `packing`, the tensor work from
-`gf_tf.ops` (via `compression` and `sparsity`), the collectives from the wrapped
-TensorFlow cross-device ops.
+Orchestration only: which all-reduces are gradients, the pack plan (`packing`),
+the state per variable set (`state`), the reducers (`reducers`, `sparsity`)
+and the collectives of the wrapped TensorFlow cross-device ops.
 """
 
-import weakref
 import zlib
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
 
-from gf_tf import keras_compat, packing
+from gf_tf import packing
 from gf_tf import tf_internal
-from gf_tf.compression import PACKABLE_DTYPES, as_compression, dense_all_reduce
+from gf_tf.compression import PACKABLE_DTYPES, WIRE_FORMATS, as_compression
+from gf_tf.reducers import Communicator, DenseReducer, Sent
+from gf_tf.state import StateRegistry, VariableSetState
 from gf_tf.stats import CommStats
 
 DEFAULT_BYTES_PER_PACK = 4 * 1024 * 1024
@@ -24,7 +25,7 @@ _MEAN = tf.distribute.ReduceOp.MEAN
 
 
 class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
-    """Lazy, mixed-precision (and optionally sparse) gradient all-reduce.
+    """Lazy, mixed-precision (and optionally sparse) all-reduce of gradients.
 
     Source: GradientFlow (arXiv 1902.06855): lazy all-reduce, mixed-precision
     communication, coarse-grained sparse communication. Mirrors the contract
@@ -32,48 +33,48 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
     `tf.distribute.MirroredStrategy(cross_device_ops=...)`, or use
     `gf_tf.MultiWorkerMirroredStrategy`.
 
-    On every batch all-reduce (`strategy.extended.batch_reduce_to`, i.e.
-    `ReplicaContext.all_reduce`, which Keras uses for gradients):
+    Only gradients are compressed: the all-reduce the Keras optimizer issues
+    (`model.fit`, and `optimizer.apply_gradients` in custom loops) and those a
+    custom loop sends through `gf_tf.all_reduce_gradients`. Every other
+    all-reduce (`ReplicaContext.all_reduce`: SyncBatchNorm statistics, metric
+    and loss sums, counts, users' own; `strategy.reduce`, `broadcast`,
+    `gather`) goes to the wrapped TF ops exactly as the stock strategy sends it.
+
+    Gradients:
     - dense float16/bfloat16/float32 tensors with static shapes are packed per
       dtype into 1-D buffers of at most `bytes_per_pack` wire bytes, in backprop
       order (reverse of the caller's order); float32 travels as
-      `compression`'s dtype; each replica's buffer is prescaled by 1/N before
-      the cast and the sum postscaled by N after it (N = replicas over all
-      workers), so the result is the SUM (MEAN: no postscale) and a mean beyond
-      the float16 range comes back +-inf, never clamped;
-    - everything else (IndexedSlices, integers, float64, unknown shapes) goes to
-      the wrapped ops untouched (one batch per dtype, in the caller's order);
-      None stays None.
-    Each pack is one call of the wrapped ops' `batch_reduce`, so collective
-    instance keys, CommunicationOptions (timeout_seconds, implementation) and
-    RING/NCCL stay TensorFlow's. Single-value `reduce` (strategy.reduce:
-    losses, metrics), `broadcast` and `gather` are forwarded exactly.
+      `compression`'s dtype. On a float16 wire each tensor is multiplied by a
+      power of two chosen from the all-reduced SUM of every replica's max |g|
+      (`gf_tf.compression`), so no partial sum overflows and small gradients
+      keep FP16's precision at any replica count; the scale is undone after.
+    - everything else (IndexedSlices, integers, float64, unknown shapes) goes
+      to the strategy's own batch all-reduce untouched; None stays None.
+    Per step: one float32 all-reduce of every pack's control values (FP16
+    scale bounds, CSC chunk norms), then one collective per pack.
 
     Across workers the settings and the gradient list must agree: before the
-    first packed all-reduce of each traced step a fixed-shape float64
-    all-reduce compares them and raises ValueError naming the setting and the
-    workers (merge-call path, which is every CPU run; the replica-context path
-    used for XLA on all-GPU workers has no such check).
+    first step of each trace a fixed-shape float64 all-reduce compares them
+    and raises ValueError naming the setting and the workers.
 
     Args:
       compression: "fp16" (default), "bf16" or None (packing only).
       bytes_per_pack: lazy all-reduce threshold in wire bytes (>= 0); 0 = one
         pack per dtype. A tensor larger than it gets a pack of its own.
-      sparsity: optional `gf_tf.ChunkSparsity` (CSC); applied to every pack of
-        a SUM all-reduce.
+      sparsity: optional `gf_tf.ChunkSparsity` (CSC), applied to every pack.
       cross_device_ops: the TensorFlow cross-device ops that carry the packs;
         None = the one the strategy would use by itself (MirroredStrategy's
         CollectiveAllReduce; set by gf_tf.MultiWorkerMirroredStrategy).
 
     Attributes:
-      stats: `gf_tf.stats.CommStats`, updated once per batch all-reduce. Its
-        variables are created on first use, not in the constructor: creating
-        variables initialises the TF runtime, which must not happen before a
-        MultiWorkerMirroredStrategy configures its collectives.
+      stats: `gf_tf.stats.CommStats`, updated once per gradient all-reduce.
+        Its variables are created on first use, not in the constructor:
+        creating variables initialises the TF runtime, which must not happen
+        before a MultiWorkerMirroredStrategy configures its collectives.
 
     Raises:
       ValueError: bad compression / bytes_per_pack; settings differing across
-        workers; MEAN with sparsity.
+        workers.
     """
 
     def __init__(self, compression: Optional[str] = "fp16",
@@ -90,10 +91,14 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
                              "not another GradientFlowAllReduce")
         self.bytes_per_pack = int(bytes_per_pack)
         self.sparsity = sparsity
+        self.reducer = sparsity.reducer() if sparsity is not None else DenseReducer()
         self._wrapped = cross_device_ops
         self._workers = None  # gf_tf.strategy.WorkerInfo, set by gf_tf.MultiWorkerMirroredStrategy
         self._stats = None
-        self._strategy = None  # weakref to the strategy whose default ops we took
+        self._strategy = None  # the strategy whose default ops we took
+        self._states = StateRegistry()
+        from gf_tf import keras_compat  # pylint: disable=import-outside-toplevel
+        keras_compat.install_gradient_hook()
         keras_compat.install()  # Keras's multi-step/accumulation fixes for MirroredStrategy users
 
     def __repr__(self):
@@ -106,6 +111,14 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
             with tf.init_scope():
                 self._stats = CommStats()
         return self._stats
+
+    def states(self):
+        """{variable-set name: gf_tf.state.VariableSetState}: plan and per-pack state (read-only use)."""
+        return self._states.states()
+
+    def reset_states(self) -> None:
+        """Drops every variable set's state (CSC residuals, velocities, step counters)."""
+        self._states.clear()
 
     # --- wiring -------------------------------------------------------------
 
@@ -122,8 +135,8 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         if self._wrapped is None:
             strategy = tf.distribute.get_strategy()
             self._wrapped = tf_internal.default_cross_device_ops(strategy)
-            self._strategy = weakref.ref(strategy)
-        elif self._strategy is not None and self._strategy() is not tf.distribute.get_strategy():
+            self._strategy = strategy
+        elif self._strategy is not None and self._strategy is not tf.distribute.get_strategy():
             raise ValueError("this GradientFlowAllReduce already carries the collectives of another "
                              "strategy; create one GradientFlowAllReduce per strategy")
         return self._wrapped
@@ -132,58 +145,13 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
     def _num_between_graph_workers(self):
         return tf_internal.num_workers_of(self._wrapped) if self._wrapped is not None else 1
 
-    # --- merge-call path ----------------------------------------------------
-
-    def batch_reduce(self, reduce_op, value_destination_pairs, options=None):
-        """As `tf.distribute.CrossDeviceOps.batch_reduce`; a None value comes back as None."""
-        pairs = list(value_destination_pairs)
-        kept = [i for i, (value, _) in enumerate(pairs) if value is not None]
-        if len(kept) == len(pairs):
-            return super().batch_reduce(reduce_op, pairs, options)
-        results = [None] * len(pairs)
-        if kept:
-            reduced = super().batch_reduce(reduce_op, [pairs[i] for i in kept], options)
-            for i, r in zip(kept, reduced):
-                results[i] = r
-        return results
+    # --- everything that is not a gradient: exactly the wrapped ops -----------
 
     def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
-        wrapped = self._cross_ops()
-        pairs = list(value_destination_pairs)
-        if not tf_internal.destinations_match(pairs):
-            return wrapped.batch_reduce_implementation(reduce_op, pairs, options)
-
-        per_replica = [tf_internal.local_values(value) for value, _ in pairs]
-        num_local = len(per_replica[0])
-        num_replicas = num_local * tf_internal.num_workers_of(wrapped)
-        signature = [_packable_signature(values) for values in per_replica]
-        plan = packing.plan_packs(signature, self.bytes_per_pack, self.compression.wire_dtype)
-        self._check_workers_agree(signature, per_replica[0], options)
-
-        def all_reduce_sum(tensors: List[tf.Tensor]) -> List[tf.Tensor]:
-            pr = tf_internal.per_replica(tensors)
-            return tf_internal.local_values(wrapped.batch_reduce(_SUM, [(pr, pr)], options)[0])
-
-        totals = _StepTotals()
-        results = [None] * len(pairs)
-        for pack in plan:
-            grads = [[per_replica[i][r] for i in pack.indices] for r in range(num_local)]
-            reduced = self._reduce_pack(pack, grads, all_reduce_sum, num_replicas,
-                                        reduce_op, totals)
-            for j, i in enumerate(pack.indices):
-                results[i] = tf_internal.mirrored([reduced[r][j] for r in range(num_local)])
-
-        others = [i for i, entry in enumerate(signature) if entry is None]
-        for group in _groups_by_dtype(others, [per_replica[i][0] for i in others]):
-            reduced = wrapped.batch_reduce(reduce_op, [pairs[i] for i in group], options)
-            for i, r in zip(group, reduced):
-                results[i] = r
-        if plan:
-            self.stats.update(**totals.as_kwargs())
-        return results
+        return self._cross_ops().batch_reduce_implementation(reduce_op, value_destination_pairs,
+                                                             options)
 
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
-        # Single values are losses/metrics (strategy.reduce): kept exact.
         return self._cross_ops().reduce_implementation(reduce_op, per_replica_value,
                                                        destinations, options)
 
@@ -194,83 +162,156 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         return tf_internal.gather(self._cross_ops(), per_replica_value, destinations, axis,
                                   options)
 
-    # --- replica-context path (no merge_call: XLA on all-GPU devices) --------
-
     def _all_reduce(self, reduce_op, value, replica_id, options):
-        """As `CrossDeviceOps._all_reduce`: one replica's nest of values, reduced."""
-        wrapped = self._cross_ops()
-        flat = tf.nest.flatten(value)
-        signature = [None if t is None else _packable_signature([t]) for t in flat]
-        plan = packing.plan_packs(signature, self.bytes_per_pack, self.compression.wire_dtype)
-        if plan and self.sparsity is not None:
-            raise NotImplementedError(
-                "sparsity is not supported on the replica-context all-reduce path (XLA on "
-                "all-GPU devices); run the step without jit_compile")
-        num_replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        return tf_internal.replica_all_reduce(self._cross_ops(), reduce_op, value, replica_id,
+                                              options)
+
+    # --- gradients ------------------------------------------------------------
+
+    def all_reduce_gradients(self, replica_ctx, grads: List[tf.Tensor], variables: Sequence,
+                             reduce_op, options=None) -> List[tf.Tensor]:
+        """The gradient all-reduce of one replica (see `gf_tf.all_reduce_gradients`).
+
+        Both ways TensorFlow runs a replica's all-reduce go through `_reduce`:
+        merge_call (every CPU run) and the replica context (XLA on all-GPU
+        devices), so they cannot drift apart.
+        """
+        strategy = replica_ctx.strategy
+        self._cross_ops()
+        if tf_internal.use_merge_call(strategy):
+            def merge_fn(strategy, *per_replica):
+                return self._reduce_merged(strategy, list(per_replica), variables, reduce_op,
+                                           options)
+            return replica_ctx.merge_call(merge_fn, args=tuple(grads))
+        return self._reduce_in_replica(replica_ctx, grads, variables, reduce_op, options)
+
+    def _reduce_merged(self, strategy, per_replica, variables, reduce_op, options):
+        grads = [tf_internal.local_values(v) for v in per_replica]
+        num_local = len(grads[0])
 
         def all_reduce_sum(tensors):
-            return [tf_internal.replica_all_reduce(wrapped, _SUM, tensors[0], replica_id, options)]
+            pr = tf_internal.per_replica(tensors)
+            reduced = strategy.extended.batch_reduce_to(_SUM, [(pr, pr)], options)[0]
+            return tf_internal.local_values(reduced)
 
-        results = list(flat)
-        for pack in plan:
-            reduced = dense_all_reduce(pack, [[flat[i] for i in pack.indices]], all_reduce_sum,
-                                       num_replicas, pack.wire_dtype, mean=reduce_op == _MEAN)
-            for j, i in enumerate(pack.indices):
-                results[i] = reduced[0][j]
-        others = [i for i, t in enumerate(flat) if t is not None and signature[i] is None]
-        for group in _groups_by_dtype(others, [flat[i] for i in others]):
-            reduced = tf_internal.replica_all_reduce(wrapped, reduce_op, [flat[i] for i in group],
-                                                     replica_id, options)
-            for i, r in zip(group, reduced):
-                results[i] = r
-        return tf.nest.pack_sequence_as(value, results)
+        def others(indices):
+            pairs = [(per_replica[i], per_replica[i]) for i in indices]
+            reduced = strategy.extended.batch_reduce_to(reduce_op, pairs, options)
+            return [tf_internal.local_values(r) for r in reduced]
 
-    # --- helpers --------------------------------------------------------------
+        per_local = [[g[r] for g in grads] for r in range(num_local)]
+        results = self._reduce(strategy, per_local, tuple(range(num_local)), variables,
+                               reduce_op, all_reduce_sum, others, options)
+        return [tf_internal.mirrored([results[r][i] for r in range(num_local)])
+                for i in range(len(per_replica))]
 
-    def _reduce_pack(self, pack, grads, all_reduce_sum, num_replicas, reduce_op, totals):
-        if self.sparsity is None:
-            return dense_all_reduce(pack, grads, all_reduce_sum, num_replicas, pack.wire_dtype,
-                                    mean=reduce_op == _MEAN, stats=totals)
-        if reduce_op != _SUM:
-            raise ValueError(f"sparsity (CSC) supports SUM all-reduces, as Keras issues for "
-                             f"gradients; got {reduce_op}. Use sparsity=None for MEAN.")
-        return self.sparsity.reduce_pack(pack, grads, all_reduce_sum, num_replicas,
-                                         pack.wire_dtype, totals)
+    def _reduce_in_replica(self, replica_ctx, grads, variables, reduce_op, options):
+        num_local = len(replica_ctx.strategy.extended.worker_devices)
+        local = replica_ctx.replica_id_in_sync_group % num_local
 
-    def _settings(self, signature):
+        def all_reduce_sum(tensors):
+            return [replica_ctx.all_reduce(_SUM, tensors[0], options)]
+
+        def others(indices):
+            reduced = replica_ctx.all_reduce(reduce_op, [grads[i] for i in indices], options)
+            return [[r] for r in reduced]
+
+        return self._reduce(replica_ctx.strategy, [list(grads)], (local,), variables,
+                            reduce_op, all_reduce_sum, others, options)[0]
+
+    def _reduce(self, strategy, grads, replicas, variables, reduce_op, all_reduce_sum, others,
+                options):
+        """The one funnel. grads: per served replica, the caller's gradient list.
+
+        Returns per served replica the reduced list (packs through the
+        reducer, the rest through `others`, one batch per dtype).
+        """
+        signature = [_packable_signature([g[i] for g in grads]) for i in range(len(grads[0]))]
+        plan = packing.plan_packs(signature, self.bytes_per_pack, self.compression.wire_dtype)
+        devices = list(strategy.extended.worker_devices)
+        state = self._states.get(list(variables), signature, plan,
+                                 lambda pack: self.reducer.create_state(pack, devices))
+        if replicas[0] == 0:
+            self._check_workers_agree(strategy, state, devices, options)
+        comm = Communicator(all_reduce_sum, strategy.num_replicas_in_sync,
+                            reduce_op == _MEAN, replicas)
+        results = [[None] * len(signature) for _ in grads]
+        sent = self._reduce_packs(state, grads, comm, results)
+        rest = [i for i, entry in enumerate(signature) if entry is None]
+        for group in _groups_by_dtype(rest, [grads[0][i] for i in rest]):
+            for i, reduced in zip(group, others(group)):
+                for r, value in enumerate(reduced):
+                    results[r][i] = value
+        if plan and replicas[0] == 0:
+            self.stats.update(**vars(sent))
+        return results
+
+    def _reduce_packs(self, state: VariableSetState, grads, comm: Communicator, results) -> Sent:
+        """Runs the reducer on every pack: one control all-reduce, then the packs' collectives."""
+        live = [(p, pack) for p, pack in enumerate(state.plan) if pack.num_elements]
+        for pack in state.plan:
+            if not pack.num_elements:
+                for r in range(len(grads)):
+                    for i, shape, dtype in zip(pack.indices, pack.shapes, pack.dtypes):
+                        results[r][i] = tf.zeros(shape, dtype)
+        pack_grads = {p: [[g[i] for i in pack.indices] for g in grads] for p, pack in live}
+        controls, carries, sizes = {}, {}, []
+        for p, pack in live:
+            controls[p], carries[p] = self.reducer.control(pack, pack_grads[p], state.packs[p], comm)
+            sizes.append(self.reducer.control_size(pack))
+        if sum(sizes):
+            summed = comm.all_reduce_sum([tf.concat([controls[p][r] for p, _ in live], 0)
+                                          for r in range(len(grads))])
+            split = [tf.split(s, sizes) for s in summed]
+            controls = {p: [split[r][j] for r in range(len(grads))]
+                        for j, (p, _) in enumerate(live)}
+        sent = Sent()
+        for p, pack in live:
+            outputs, pack_sent = self.reducer.reduce(pack, pack_grads[p], controls[p], carries[p],
+                                                     state.packs[p], comm)
+            sent = sent + pack_sent
+            for r, reduced in enumerate(outputs):
+                for i, value in zip(pack.indices, reduced):
+                    results[r][i] = value
+        return sent
+
+    # --- cross-worker agreement -------------------------------------------------
+
+    def _settings(self, state: VariableSetState):
         """The fields every worker must agree on, as (name, number, how to print it)."""
         shapes = repr([None if s is None else (tuple(s[0].as_list()), s[1].name)
-                       for s in signature]).encode()
+                       for s in state.signature]).encode()
         return [
             ("compression", self.compression.code,
-             lambda c: repr({0: None, 1: "fp16", 2: "bf16"}.get(int(c), c))),
+             lambda c: repr(list(WIRE_FORMATS)[int(c)])),
             ("bytes_per_pack", self.bytes_per_pack, lambda b: str(int(b))),
-            ("number of gradients", len(signature), lambda n: str(int(n))),
+            ("number of gradients", len(state.signature), lambda n: str(int(n))),
             ("gradient shapes/dtypes (CRC32)", zlib.crc32(shapes), lambda c: f"{int(c):08x}"),
             ("sparsity density", getattr(self.sparsity, "density", 0.0), lambda d: f"{d:g}"),
             ("sparsity settings (CRC32)", _sparsity_fingerprint(self.sparsity),
              lambda c: f"{int(c):08x}"),
         ]
 
-    def _check_workers_agree(self, signature, first_values, options):
+    def _check_workers_agree(self, strategy, state: VariableSetState, devices, options):
         """Fixed-shape handshake: a float64 [workers x (1 + fields)] SUM all-reduce.
 
-        Each worker's local replica 0 writes [1, fields...] into its row, everyone
-        else zeros; the sum is the table of all workers' settings. It runs eagerly
-        (tf.init_scope) while the step is traced, so a mismatch raises a Python
-        ValueError before any packed collective exists.
+        Each worker's local replica 0 writes [1, fields...] into its row, every
+        other replica zeros; the sum is the table of all workers' settings. It
+        runs eagerly (tf.init_scope) while the step is traced, once per trace
+        and variable set, so a mismatch raises a Python ValueError before any
+        packed collective exists.
         """
         workers = self._workers
         if workers is None or workers.num_workers == 1:
             return
-        settings = self._settings(signature)
+        settings = self._settings(state)
         width = 1 + len(settings)
         mine = np.zeros([workers.num_workers, width], np.float64)
         mine[workers.rank] = [1.0] + [float(number) for _, number, _ in settings]
         with tf.init_scope():
             rows = []
-            for r, value in enumerate(first_values):
-                with tf.device(value.device):
+            for r, device in enumerate(devices):
+                with tf.device(device):
                     rows.append(tf.constant(mine.ravel() if r == 0 else np.zeros(mine.size)))
             pr = tf_internal.per_replica(rows)
             summed = self._cross_ops().batch_reduce(_SUM, [(pr, pr)], options)[0]
@@ -286,33 +327,6 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
                 "gf_tf.GradientFlowAllReduce settings differ across workers (every worker must "
                 "use the same compression, bytes_per_pack, sparsity and model): "
                 + "; ".join(problems))
-
-
-class _StepTotals:
-    """Per-step sums of the figures that go into CommStats.update (one update per step)."""
-
-    def __init__(self):
-        self.dense_bytes = 0
-        self.sent_bytes = 0
-        self.selected_chunks = 0
-        self.total_chunks = 0
-        self.residual_norm = None
-
-    def add(self, dense_bytes=0, sent_bytes=0, selected_chunks=0, total_chunks=0,
-            residual_norm=None):
-        """Same arguments as CommStats.update; residual norms (L1) of the packs add up."""
-        self.dense_bytes += dense_bytes
-        self.sent_bytes += sent_bytes
-        self.selected_chunks += selected_chunks
-        self.total_chunks += total_chunks
-        if residual_norm is not None:
-            self.residual_norm = residual_norm if self.residual_norm is None \
-                else self.residual_norm + residual_norm
-
-    def as_kwargs(self):
-        return dict(dense_bytes=self.dense_bytes, sent_bytes=self.sent_bytes,
-                    selected_chunks=self.selected_chunks, total_chunks=self.total_chunks,
-                    residual_norm=self.residual_norm)
 
 
 def _groups_by_dtype(indices, samples):

@@ -27,7 +27,18 @@ Two Keras flavours are supported (README "Supported versions"):
   selects it for `tf.keras`), of the same minor version as TensorFlow: its multi-worker
   `fit` needs none of the Keras 3 fixes.
 
-`install()` applies only what the running flavour needs, after `check_keras_version`.
+Gradients reach GradientFlow through one hook per flavour (`install_gradient_hook`,
+installed by GradientFlowAllReduce), each calling `gf_tf.all_reduce_gradients` when the
+strategy's cross-device ops are a GradientFlowAllReduce, and Keras's own code otherwise:
+- Keras 3: `TFOptimizer._all_reduce_sum_gradients` (keras.src.backend.tensorflow.optimizer),
+  the optimizer's one gradient all-reduce;
+- tf-keras: `Optimizer.aggregate_gradients` (tf_keras.src.optimizers.optimizer) and
+  `OptimizerV2._aggregate_gradients` (tf_keras.src.optimizers.legacy.optimizer_v2), which
+  otherwise call `optimizer_utils.all_reduce_sum_gradients` (`all_reduce(SUM)` or
+  `batch_reduce_to(SUM, grads_and_vars)`); its LossScaleOptimizers delegate to them.
+
+`install()` and `install_gradient_hook()` apply only what the running flavour needs, after
+`check_keras_version`. These are the only private Keras attributes gf_tf touches.
 """
 
 import functools
@@ -136,6 +147,76 @@ def _install_keras3_multi_worker_fixes() -> None:
     cls._make_function = _patched_make_function(cls._make_function)
     tf_trainer.reduce_per_replica = _patched_reduce_per_replica(tf_trainer.reduce_per_replica)
     cls._gf_tf_patched = True
+
+
+def install_gradient_hook() -> None:
+    """Routes the Keras optimizer's gradient all-reduce to gf_tf.all_reduce_gradients (idempotent).
+
+    Only where the strategy carries a GradientFlowAllReduce; elsewhere Keras's
+    own code runs unchanged. Hooks the running flavour (and a tested Keras 3 next to
+    tf-keras). Raises RuntimeError on an untested Keras version.
+    """
+    check_keras_version()
+    if uses_tf_keras():
+        _install_tf_keras_gradient_hook()
+    if not uses_tf_keras() or _tested_keras3_present():
+        _install_keras3_gradient_hook()
+
+
+def _install_keras3_gradient_hook() -> None:
+    from keras.src.backend.tensorflow import optimizer as tf_optimizer  # pylint: disable=import-outside-toplevel
+    cls = tf_optimizer.TFOptimizer
+    if getattr(cls, "_gf_tf_gradient_hook", False):
+        return
+    cls._all_reduce_sum_gradients = _patched_all_reduce_sum_gradients(
+        cls._all_reduce_sum_gradients)
+    cls._gf_tf_gradient_hook = True
+
+
+def _install_tf_keras_gradient_hook() -> None:
+    from tf_keras.src.optimizers import optimizer as tfk_optimizer  # pylint: disable=import-outside-toplevel
+    from tf_keras.src.optimizers.legacy import optimizer_v2  # pylint: disable=import-outside-toplevel
+    for cls, name in ((tfk_optimizer.Optimizer, "aggregate_gradients"),
+                      (optimizer_v2.OptimizerV2, "_aggregate_gradients")):
+        if not getattr(cls, "_gf_tf_gradient_hook", False):
+            setattr(cls, name, _patched_tf_keras_aggregate_gradients(getattr(cls, name)))
+            cls._gf_tf_gradient_hook = True
+
+
+def _patched_tf_keras_aggregate_gradients(original):
+    """tf-keras's aggregation, or gf_tf.all_reduce_gradients under a GradientFlowAllReduce.
+
+    A legacy optimizer given its own `gradient_aggregator` keeps it.
+    """
+    @functools.wraps(original)
+    def aggregate_gradients(self, grads_and_vars):
+        from gf_tf import gradients  # pylint: disable=import-outside-toplevel
+        from tf_keras.src.optimizers import utils as optimizer_utils  # pylint: disable=import-outside-toplevel
+        replica_ctx = tf.distribute.get_replica_context()
+        custom = getattr(self, "gradient_aggregator", optimizer_utils.all_reduce_sum_gradients)
+        if (replica_ctx is None or custom is not optimizer_utils.all_reduce_sum_gradients
+                or not gradients.uses_gradient_flow(replica_ctx.strategy)):
+            return original(self, grads_and_vars)
+        pairs = list(grads_and_vars)
+        present = [(g, v) for g, v in pairs if g is not None]
+        reduced = iter(gradients.all_reduce_gradients([g for g, _ in present],
+                                                      [v for _, v in present]))
+        return [(None if g is None else next(reduced), v) for g, v in pairs]
+    return aggregate_gradients
+
+
+def _patched_all_reduce_sum_gradients(original):
+    @functools.wraps(original)
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        from gf_tf import gradients  # pylint: disable=import-outside-toplevel
+        replica_ctx = tf.distribute.get_replica_context()
+        if replica_ctx is None or not gradients.uses_gradient_flow(replica_ctx.strategy):
+            return original(self, grads_and_vars)
+        grads_and_vars = list(grads_and_vars)
+        grads = [g for g, _ in grads_and_vars]
+        reduced = gradients.all_reduce_gradients(grads, [v for _, v in grads_and_vars])
+        return list(zip(reduced, [v for _, v in grads_and_vars]))
+    return _all_reduce_sum_gradients
 
 
 def _patched_symbolic_build(original):

@@ -43,8 +43,10 @@ BUILD_COMMAND = ("a C++ compiler (g++, or $CXX) on PATH: gf_tf then compiles the
                  "import into ~/.cache/gf_tf ($GF_TF_CACHE_DIR); or, in a checkout, "
                  "`pip install --no-build-isolation -e .`")
 
-_FLOATING = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
-_WIRE = (tf.float16, tf.bfloat16, tf.float32)
+# The dtypes the kernels take (gradients) and send (wire); gf_tf.compression builds on these.
+GRAD_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+WIRE_DTYPES = (tf.float16, tf.bfloat16, tf.float32)
+_FLOATING, _WIRE = GRAD_DTYPES, WIRE_DTYPES
 
 
 def num_chunks(num_elements: int, chunk_size: int) -> int:

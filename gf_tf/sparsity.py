@@ -13,27 +13,36 @@ local replica, one step:
                                            float32, so every replica on every
                                            worker sees the same vector
   idx = the k largest norms, ties to the lower chunk index, sorted ascending
-  sel = chunks idx of acc, prescaled (x 1/N on a 16-bit wire) and cast to
-        the wire dtype, zero-padded to k*chunk_size (a static shape)
+  sel = chunks idx of acc, each prescaled on a float16 wire by a power of
+        two chosen from its all-reduced L1 norm (which bounds every partial
+        sum of the ring; see gf_tf.compression), cast to the wire dtype,
+        zero-padded to k*chunk_size (a static shape)
   sel = all-reduce(sel)                    SUM over all N replicas
-  out = sel postscaled (x N) and scattered back into the pack's tensors,
-        0 elsewhere
+  out = sel postscaled (the inverse power of two) and scattered back into
+        the pack's tensors, 0 elsewhere
   residual = acc with chunks idx set to 0  (assignment: error feedback)
   u   = u with chunks idx set to 0         (momentum factor masking)
 
 A step whose all-reduced norms are not finite leaves residual and u as they
 were (its output carries the inf/NaN so a loss-scale optimizer skips it).
+Dense (warm-up) steps send every chunk the same way, without masking u.
+
+The norms of all packs travel in the step's one control all-reduce
+(`gf_tf.reducers`); each pack then issues one collective of its chunks.
+State (`CSCState`) is per pack of one variable set, owned by
+GradientFlowAllReduce's state for that variable set, never by this object.
 """
 
 import dataclasses
 import logging
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
 from gf_tf import compression as compression_lib
 from gf_tf import ops, tf_internal
+from gf_tf.reducers import Reducer, Sent
 
 # Chosen with benchmarks/csc_defaults.py and benchmarks/convergence.py: at
 # 1024 elements the norms cost 0.1% of the float32 bytes (15% of what a 1%
@@ -79,15 +88,6 @@ def select_chunks(norms: tf.Tensor, k: int) -> tf.Tensor:
     return tf.sort(indices)
 
 
-@dataclasses.dataclass
-class _PackState:
-    """CSC state of one pack: plain (not mirrored) local variables."""
-    step: tf.Variable                      # int64 scalar, host CPU
-    residuals: List[tf.Variable]           # float32 [n] per local replica
-    velocities: Optional[List[tf.Variable]]  # float32 [n] per local replica, or None
-    residual_l1: tf.Variable               # float32 scalar: L1 of replica 0's residual
-
-
 class ChunkSparsity:
     """CSC configuration and state, for `GradientFlowAllReduce(sparsity=...)`.
 
@@ -121,16 +121,12 @@ class ChunkSparsity:
     Raises:
       ValueError naming the argument when one is out of range.
 
-    State: per pack (keyed by `PackSpec.key`) and local replica, a residual
-    (and with momentum a velocity) float32 tf.Variable of the pack's size on
-    the replica's device, plus a step counter on the host; created at the
-    first trace, outside any strategy scope (plain local variables). A new
-    pack plan (e.g. a layer frozen between `fit` calls) after steps have run
-    drops all state with a warning; the new packs start from zero residuals
-    and a fresh warm-up. State is NOT saved in checkpoints: after a restart
-    (e.g. `keras.callbacks.BackupAndRestore`) residuals start from zero and
-    the warm-up runs again; within one process `reset()` does the same.
-    One ChunkSparsity belongs to one GradientFlowAllReduce.
+    This object holds settings only. The state (`CSCState`: residuals,
+    velocities, step counters) belongs to the variables whose gradients it
+    holds: GradientFlowAllReduce keeps one per variable set (see
+    `GradientFlowAllReduce.states()`), so two models or two optimizers under
+    one strategy never share it. State is NOT saved in checkpoints: after a
+    restart residuals start from zero and the warm-up runs again.
     """
 
     def __init__(self, density: float = DEFAULT_DENSITY,
@@ -151,7 +147,6 @@ class ChunkSparsity:
         self.warmup_steps = warmup_steps
         self.momentum = float(momentum)
         self.warmup = warmup
-        self._state: Dict[str, _PackState] = {}
 
     def __repr__(self):
         return (f"ChunkSparsity(density={self.density}, chunk_size={self.chunk_size}, "
@@ -208,15 +203,9 @@ class ChunkSparsity:
                 stages.append((first_step, k))
         return tuple(stages)
 
-    # -- state -------------------------------------------------------------
-
-    def reset(self):
-        """Drops all residuals, velocities and step counters (eagerly)."""
-        self._state = {}
-
-    def states(self) -> Dict[str, _PackState]:
-        """The state per pack key (step, residuals, velocities, residual_l1); read-only use."""
-        return dict(self._state)
+    def reducer(self) -> "CSCReducer":
+        """The reducer GradientFlowAllReduce runs each pack through."""
+        return CSCReducer(self)
 
     def get_config(self) -> dict:
         """The constructor arguments (also compared across workers by GradientFlowAllReduce)."""
@@ -224,172 +213,153 @@ class ChunkSparsity:
                 "warmup_steps": self.warmup_steps, "momentum": self.momentum,
                 "warmup": self.warmup}
 
-    def _get_state(self, pack, devices: Sequence[str]) -> _PackState:
-        state = self._state.get(pack.key)
-        if state is not None:
-            return state
+
+class CSCState(tf.Module):
+    """CSC state of one pack on this worker: plain (not mirrored) local variables.
+
+    steps: per local replica, int64 scalar on the host: all-reduce steps run.
+    residuals: per local replica, float32 [n] on the replica's device.
+    velocities: per local replica, float32 [n] (momentum > 0), else None.
+    residual_l1: float32 scalar: L1 norm of local replica 0's residual.
+    """
+
+    def __init__(self, name: str, num_elements: int, devices: Sequence[str], momentum: bool):
+        super().__init__(name=None)
+        n = num_elements
         with tf.init_scope():
-            if any(int(s.step.numpy()) > 0 for s in self._state.values()):
-                _log.warning(
-                    "gf_tf CSC: the pack plan changed (new pack %s; the variable list "
-                    "differs from the one trained so far); residuals and momentum are "
-                    "reset to zero and the warm-up starts again.", pack.key)
-                self._state = {}
-            n = pack.num_elements
-            name = pack.key.replace("/", "_")
-            residuals = [tf_internal.local_variable(tf.zeros([n], tf.float32), d, f"gf_residual_{name}_r{r}")
-                         for r, d in enumerate(devices)]
-            velocities = None
-            if self.momentum > 0.0:
-                velocities = [tf_internal.local_variable(tf.zeros([n], tf.float32), d,
-                                              f"gf_velocity_{name}_r{r}")
+            self.steps = [tf_internal.local_variable(tf.constant(0, tf.int64), "/cpu:0",
+                                                     f"gf_step_{name}_r{r}")
+                          for r in range(len(devices))]
+            self.residuals = [tf_internal.local_variable(tf.zeros([n], tf.float32), d,
+                                                         f"gf_residual_{name}_r{r}")
                               for r, d in enumerate(devices)]
-            state = _PackState(
-                step=tf_internal.local_variable(tf.constant(0, tf.int64), "/cpu:0", f"gf_step_{name}"),
-                residuals=residuals, velocities=velocities,
-                residual_l1=tf_internal.local_variable(tf.constant(0.0), "/cpu:0", f"gf_residual_l1_{name}"))
-        self._state[pack.key] = state
-        return state
+            self.velocities = None
+            if momentum:
+                self.velocities = [tf_internal.local_variable(tf.zeros([n], tf.float32), d,
+                                                              f"gf_velocity_{name}_r{r}")
+                                   for r, d in enumerate(devices)]
+            self.residual_l1 = tf_internal.local_variable(tf.constant(0.0), "/cpu:0",
+                                                          f"gf_residual_l1_{name}")
 
-    # -- the all-reduce ----------------------------------------------------
+    @property
+    def step(self) -> tf.Variable:
+        """Local replica 0's step counter."""
+        return self.steps[0]
 
-    def reduce_pack(self, pack, per_replica_grads: Sequence[Sequence[tf.Tensor]],
-                    all_reduce_sum, num_replicas: int, wire_dtype: tf.DType,
-                    stats=None) -> List[List[tf.Tensor]]:
-        """CSC all-reduce (SUM) of one pack on every local replica.
 
-        Args:
-          pack: a `gf_tf.packing.PackSpec` (key, shapes, dtypes, num_elements).
-          per_replica_grads: per local replica, the pack's gradient tensors in
-            pack order, each on its replica's device (floating dtypes).
-          all_reduce_sum: one 1-D tensor per local replica -> per local
-            replica the SUM over all replicas of all workers (float16,
-            bfloat16 or float32).
-          num_replicas: N, replicas over all workers.
-          wire_dtype: dtype of the selected values on the wire.
-          stats: optional per-step accumulator with the arguments of
-            `CommStats.update` as `add(...)`; receives this pack's
-            dense-equivalent bytes (4 x n), sent bytes (norms 4 x C plus
-            wire bytes of k x chunk_size elements, or the dense wire bytes),
-            selected and total chunks, and the L1 norm of replica 0's
-            residual (L1 norms of several packs add up).
+class CSCReducer(Reducer):
+    """The CSC reducer of `gf_tf.reducers`: top-k chunks of residual + gradient (module doc)."""
 
-        Returns:
-          Per local replica, tensors of the pack's shapes and dtypes: the SUM
-          over replicas of the selected chunks, 0 outside them (dense steps:
-          the SUM of everything). Must be called on every worker with the
-          same pack plan: the collectives depend only on the step counter.
-        """
-        if pack.num_elements == 0:
-            return compression_lib.dense_all_reduce(pack, per_replica_grads, all_reduce_sum,
-                                                    num_replicas, wire_dtype, stats=stats)
-        devices = [grads[0].device for grads in per_replica_grads]
-        state = self._get_state(pack, devices)
-        c = ops.num_chunks(pack.num_elements, self.chunk_size)
-        stages = self._pack_stages(c)
+    def __init__(self, sparsity: ChunkSparsity):
+        self.sparsity = sparsity
+
+    def create_state(self, pack, devices):
+        name = pack.key.replace("/", "_")
+        return CSCState(name, pack.num_elements, devices, self.sparsity.momentum > 0.0)
+
+    def control_size(self, pack):
+        return ops.num_chunks(pack.num_elements, self.sparsity.chunk_size)
+
+    def control(self, pack, grads, state, comm):
+        accs, norms, new_us = [], [], []
+        for g, r in zip(grads, comm.replicas):
+            residual = state.residuals[r]
+            u = state.velocities[r] if state.velocities else None
+            with tf.device(residual.device):
+                acc, norm, new_u = ops.accumulate(residual, g, self.sparsity.chunk_size, u,
+                                                  self.sparsity.momentum)
+            accs.append(acc)
+            norms.append(norm)
+            new_us.append(new_u)
+        return norms, (accs, norms, new_us)
+
+    def reduce(self, pack, grads, control, carry, state, comm):
+        c = self.control_size(pack)
+        stages = self.sparsity._pack_stages(c)  # pylint: disable=protected-access
 
         def branch(k):
-            if k is None:
-                return lambda: self._dense_step(pack, state, per_replica_grads, all_reduce_sum,
-                                                num_replicas, wire_dtype)
-            return lambda: self._sparse_step(pack, state, per_replica_grads, all_reduce_sum,
-                                             num_replicas, wire_dtype, k)
+            return lambda: self._step(pack, control, carry, state, comm, k)
 
-        with tf.device("/cpu:0"):
-            step = state.step.read_value()
         if len(stages) == 1:
             result = branch(stages[0][1])()
         else:
             with tf.device("/cpu:0"):
+                step = state.steps[comm.replicas[0]].read_value()
                 first_steps = tf.constant([s for s, _ in stages], tf.int64)
                 stage = tf.reduce_sum(tf.cast(step >= first_steps, tf.int32)) - 1
             result = tf.switch_case(stage, [branch(k) for _, k in stages])
         outputs, sent_bytes, selected, residual_l1 = result
         with tf.device("/cpu:0"):
-            state.step.assign_add(1)
-        if stats is not None:
-            stats.add(dense_bytes=4 * pack.num_elements, sent_bytes=sent_bytes,
-                      selected_chunks=selected, total_chunks=c, residual_norm=residual_l1)
-        sizes = [len(pack.shapes)] * len(per_replica_grads)
-        return _split(outputs, sizes)
+            for r in comm.replicas:
+                state.steps[r].assign_add(1)
+        sent = Sent(dense_bytes=4 * pack.num_elements, sent_bytes=sent_bytes,
+                    selected_chunks=selected, total_chunks=c, residual_norm=residual_l1)
+        return _split(outputs, [len(pack.shapes)] * len(grads)), sent
 
-    def _dense_step(self, pack, state, per_replica_grads, all_reduce_sum, num_replicas,
-                    wire_dtype):
-        """Dense all-reduce of g (or of u = m*u + g). The residual is zero here:
-        dense stages only precede sparse ones (k is non-increasing in step)."""
-        c = ops.num_chunks(pack.num_elements, self.chunk_size)
-        if state.velocities is None:
-            outputs = compression_lib.dense_all_reduce(pack, per_replica_grads, all_reduce_sum,
-                                                       num_replicas, wire_dtype)
-        else:
-            new_velocities = []
-            for grads, u in zip(per_replica_grads, state.velocities):
-                with tf.device(u.device):
-                    new_velocities.append(self.momentum * u + ops.pack(grads, tf.float32))
-            outputs = compression_lib.dense_all_reduce(
-                pack, [[v] for v in new_velocities], all_reduce_sum, num_replicas, wire_dtype)
-            for out, u, new_u in zip(outputs, state.velocities, new_velocities):
-                with tf.device(u.device):
-                    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in out])
-                    _assign_if(finite, [(u, new_u)])
-        sent = tf.constant(pack.num_elements * wire_dtype.size, tf.int64)
-        return (_flatten(outputs), sent, tf.constant(c, tf.int64),
-                tf.constant(0.0, tf.float32))
-
-    def _sparse_step(self, pack, state, per_replica_grads, all_reduce_sum, num_replicas,
-                     wire_dtype, k):
-        n, cs = pack.num_elements, self.chunk_size
-        c = ops.num_chunks(n, cs)
-        tail = n - (c - 1) * cs            # elements of the last (maybe partial) chunk
-        prescale, postscale = compression_lib.scales(wire_dtype, num_replicas)
-        velocities = state.velocities or [None] * len(per_replica_grads)
-
-        accs, local_norms, new_us = [], [], []
-        for grads, residual, u in zip(per_replica_grads, state.residuals, velocities):
-            with tf.device(residual.device):
-                acc, norms, new_u = ops.accumulate(residual, grads, cs, u, self.momentum)
-            accs.append(acc)
-            local_norms.append(norms)
-            new_us.append(new_u)
-        global_norms = all_reduce_sum(local_norms)
-
-        wire, picks, finites, updates = [], [], [], []
-        for acc, norms, new_u, residual, u in zip(accs, global_norms, new_us,
-                                                  state.residuals, velocities):
+    def _step(self, pack, control, carry, state, comm, k):
+        """One step sending k chunks (k None: all of them, a dense warm-up step)."""
+        n, cs, wire = pack.num_elements, self.sparsity.chunk_size, pack.wire_dtype
+        c = self.control_size(pack)
+        length = n if k is None else k * cs
+        accs, local_norms, new_us = carry
+        buffers, picks, finites, updates, postscales = [], [], [], [], []
+        for acc, norms, new_u, r in zip(accs, control, new_us, comm.replicas):
+            residual = state.residuals[r]
+            u = state.velocities[r] if state.velocities else None
             with tf.device(residual.device):
                 finite = tf.reduce_all(tf.math.is_finite(norms))
-                idx = select_chunks(norms, k)
+                idx = tf.range(c, dtype=tf.int32) if k is None else select_chunks(norms, k)
+                prescale, postscale = _chunk_scales(norms, idx, wire, comm)
                 selected, new_residual, masked_u = ops.gather_chunks(
-                    acc, idx, cs, wire_dtype, prescale, new_u)
-                # Static wire shape [k * cs] on every step: pad a selected partial last chunk.
+                    acc, idx, cs, wire, prescale, new_u if k is not None else None)
+                # Static wire shape on every step: pad a selected partial last chunk.
                 selected = tf.ensure_shape(
-                    tf.pad(selected, [[0, k * cs - tf.shape(selected)[0]]]), [k * cs])
-                wire.append(selected)
+                    tf.pad(selected, [[0, length - tf.shape(selected)[0]]]), [length])
+                buffers.append(selected)
                 picks.append(idx)
                 finites.append(finite)
+                postscales.append(postscale)
                 pairs = [(residual, new_residual)]
                 if u is not None:
-                    pairs.append((u, masked_u))
+                    pairs.append((u, new_u if k is None else masked_u))
                 updates.append(pairs)
-        summed = all_reduce_sum(wire)
+        summed = comm.all_reduce_sum(buffers)
 
         outputs = []
-        for buf, idx, finite, pairs in zip(summed, picks, finites, updates):
+        for buf, idx, finite, postscale, pairs in zip(summed, picks, finites, postscales,
+                                                       updates):
             with tf.device(pairs[0][0].device):
-                m = k * cs
-                if tail < cs:
-                    m -= (cs - tail) * tf.cast(tf.equal(idx[-1], c - 1), tf.int32)
+                m = n if k is None else _selected_length(n, cs, idx)
                 outputs.append(ops.scatter_chunks(buf[:m], idx, cs, pack.shapes, pack.dtypes,
                                                   postscale))
                 _assign_if(finite, pairs)
 
         with tf.device("/cpu:0"):
             local0 = local_norms[0]
-            new_l1 = tf.reduce_sum(local0) - tf.reduce_sum(tf.gather(local0, picks[0]))
+            sent_chunks = tf.reshape(picks[0], [-1, 1])
+            new_l1 = tf.reduce_sum(tf.tensor_scatter_nd_update(
+                local0, sent_chunks, tf.zeros(tf.shape(picks[0]), tf.float32)))
             residual_l1 = tf.where(finites[0], new_l1, state.residual_l1.read_value())
             state.residual_l1.assign(residual_l1)
-        sent = tf.constant(4 * c + k * cs * wire_dtype.size, tf.int64)
-        return _flatten(outputs), sent, tf.constant(k, tf.int64), residual_l1
+        sent = tf.constant(4 * c + length * wire.size, tf.int64)
+        selected_count = tf.constant(c if k is None else k, tf.int64)
+        return _flatten(outputs), sent, selected_count, residual_l1
+
+
+def _selected_length(n, chunk_size, idx):
+    """Elements in the (sorted) chunks idx of a pack of n elements: the last chunk may be partial."""
+    c = ops.num_chunks(n, chunk_size)
+    short = c * chunk_size - n
+    return idx.shape[0] * chunk_size - short * tf.cast(tf.equal(idx[-1], c - 1), tf.int32)
+
+
+def _chunk_scales(norms, idx, wire_dtype, comm):
+    """(prescale, postscale) per selected chunk: powers of two from the all-reduced L1 norms."""
+    mean = 1.0 / comm.num_replicas if comm.mean else 1.0
+    if not compression_lib.needs_scaling(wire_dtype):
+        return 1.0, mean
+    prescale = compression_lib.power_of_two_scale(tf.gather(norms, idx))
+    return prescale, mean / prescale
 
 
 def _assign_if(condition, pairs):

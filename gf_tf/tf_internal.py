@@ -8,7 +8,8 @@ pieces used for that:
 
 - `tensorflow.python.distribute.values.PerReplica`, `distribute_utils.regroup`
   (to build and return distributed values),
-- `tensorflow.python.distribute.cross_device_ops._all_devices_match`,
+- `extended._use_merge_call()` (False: replica-context all-reduce, XLA on all GPUs),
+- `MirroredStrategy.extended._cross_device_ops` (the GradientFlowAllReduce a user gave),
 - `CrossDeviceOps._num_between_graph_workers` (workers in the collective group),
   `CrossDeviceOps._all_reduce` and `._gather_implementation` of the wrapped ops
   (GradientFlowAllReduce overrides the same methods, as TF's contract asks),
@@ -25,7 +26,6 @@ This module imports nothing of gf_tf.
 from typing import List, Sequence
 
 import tensorflow as tf
-from tensorflow.python.distribute import cross_device_ops as _tf_cross_device_ops
 from tensorflow.python.distribute import distribute_utils as _tf_distribute_utils
 from tensorflow.python.distribute import values as _tf_values
 from tensorflow.python.ops import control_flow_util as _tf_control_flow_util
@@ -63,11 +63,6 @@ def local_values(value) -> List:
     if isinstance(value, tf.distribute.DistributedValues):
         return list(value.values)
     return [value]
-
-
-def destinations_match(value_destination_pairs) -> bool:
-    """True if every value is all-reduced in place (destinations = the value's devices)."""
-    return _tf_cross_device_ops._all_devices_match(value_destination_pairs)  # pylint: disable=protected-access
 
 
 def num_workers_of(ops: tf.distribute.CrossDeviceOps) -> int:
@@ -117,6 +112,19 @@ def set_cross_device_ops(strategy: tf.distribute.MultiWorkerMirroredStrategy,
     """Makes `strategy` all-reduce with `ops`; call before anything is traced under it."""
     check_tf_version()
     strategy.extended._cross_device_ops = ops  # pylint: disable=protected-access
+
+
+def use_merge_call(strategy: tf.distribute.Strategy) -> bool:
+    """`strategy.extended._use_merge_call()`: False only for XLA on all-GPU devices, where
+    replica-context all-reduces run without merge_call (True for strategies without it)."""
+    check_tf_version()
+    use = getattr(strategy.extended, "_use_merge_call", None)
+    return True if use is None else bool(use())
+
+
+def strategy_cross_device_ops(strategy: tf.distribute.Strategy):
+    """The cross-device ops object `strategy` was given or installed (None for others)."""
+    return getattr(strategy.extended, "_cross_device_ops", None)
 
 
 def local_variable(initial_value, device: str, name: str) -> tf.Variable:

@@ -35,8 +35,10 @@ def make(num_replicas, **kwargs):
 
 
 def batch_reduce(gfar, strategy, per_replica, reduce_op=SUM):
-    """per_replica[r] = list of values of replica r -> per value, list of per-replica results."""
+    """per_replica[r] = list of gradients of replica r, all-reduced as gradients
+    (gf_tf.all_reduce_gradients in strategy.run) -> per value, list of per-replica results."""
     num_values = len(per_replica[0])
+    variables = [tf.Variable(0.0, name=f"v{k}") for k in range(num_values)]
 
     def value(k):
         def fn(ctx):
@@ -48,8 +50,12 @@ def batch_reduce(gfar, strategy, per_replica, reduce_op=SUM):
             strategy.experimental_distribute_values_from_function(fn)
 
     values = [value(k) for k in range(num_values)]
-    with strategy.scope():
-        out = gfar.batch_reduce(reduce_op, [(v, v) for v in values])
+
+    def step(*args):
+        args = [a if a is None or isinstance(a, tf.IndexedSlices) else tf.identity(a) for a in args]
+        return gf_tf.all_reduce_gradients(list(args), variables, reduce_op)
+
+    out = strategy.run(step, args=tuple(values))
     return [None if o is None else list(strategy.experimental_local_results(o)) for o in out]
 
 
@@ -65,15 +71,23 @@ def test_fp16_sum_of_four_replicas_of_2e4_is_finite():
         np.testing.assert_array_equal(v.numpy(), np.full([3], 8e4, np.float32))
 
 
-def test_genuine_mean_beyond_fp16_range_comes_back_inf_not_clamped_or_nan():
+def test_fp16_sums_beyond_65504_stay_finite_and_exact_when_float32_is():
+    """The power-of-two scale comes from the all-reduced bound, not from 1/N: a SUM of
+    4 x 7e4 (beyond FP16's 65504 even as a mean) travels scaled and comes back finite."""
     gfar, strategy = make(4)
     values = np.array([7e4, -7e4, 65504.0, 1.0], np.float32)
     out = batch_reduce(gfar, strategy, [[values]] * 4)
     got = out[0][0].numpy()
-    assert got[0] == np.inf and got[1] == -np.inf
-    assert got[2] == 4 * 65504.0          # mean exactly at the FP16 maximum stays finite
-    assert got[3] == 4.0
-    assert not np.any(np.isnan(got))
+    np.testing.assert_allclose(got, 4.0 * values, rtol=2 ** -11)
+    assert np.all(np.isfinite(got))
+
+
+def test_inf_and_nan_gradients_stay_non_finite():
+    gfar, strategy = make(2)
+    a = np.array([np.inf, 1.0, 2.0], np.float32)
+    b = np.array([1.0, np.nan, 2.0], np.float32)
+    got = batch_reduce(gfar, strategy, [[a, b], [a, b]])
+    assert got[0][0].numpy()[0] == np.inf and np.isnan(got[1][0].numpy()[1])
 
 
 def test_bf16_keeps_the_float32_range():
@@ -107,10 +121,11 @@ def test_mixed_dtype_list_matches_numpy_in_callers_order():
                 np.testing.assert_allclose(got, want, rtol=1e-12)
             else:                          # FP16 wire: ~2^-11 relative per term and in the sum
                 np.testing.assert_allclose(got, want, rtol=0, atol=3 * 2 ** -10 * np.max(np.abs(want)) + 1e-3)
-    # Only float32 and float16 values were packed: float32 elements 1009 + 1 + 12.
+    # Only float32 and float16 values were packed: 1009 + 7 + 1 + 12 elements, in FP16 on the
+    # wire, plus one float32 scale bound per packed tensor (4 tensors) in the control all-reduce.
     stats = gfar.stats.result()
     assert stats["dense_bytes_per_step"] == 4 * (1009 + 7 + 1 + 12)
-    assert stats["sent_bytes_per_step"] == 2 * (1009 + 7 + 1 + 12)
+    assert stats["sent_bytes_per_step"] == 2 * (1009 + 7 + 1 + 12) + 4 * 4
 
 
 def test_indexed_slices_pass_through_untouched():
@@ -156,8 +171,12 @@ def test_mean_and_nan():
     b = np.array([3.0, 1.0, np.inf, 1e-6], np.float32)
     got = batch_reduce(gfar, strategy, [[a], [b]], reduce_op=MEAN)[0][0].numpy()
     assert got[0] == 2.0 and np.isnan(got[1]) and got[2] == np.inf
-    # 1e-6 / 2 lies in FP16's subnormal range: it rounds to a multiple of 2^-24, as NumPy's half does.
-    assert got[3] == np.float32(np.float16(a[3] / 2) + np.float16(b[3] / 2))
+    # A tensor holding inf or NaN travels unscaled; 1e-6 sits in FP16's subnormal range there
+    # (a multiple of 2^-24 after rounding) ...
+    assert got[3] == np.float32(np.float16(a[3]) + np.float16(b[3])) / 2
+    # ... while in a finite tensor it is scaled into FP16's normal range and keeps 11 bits.
+    got = batch_reduce(gfar, strategy, [[a[3:]], [b[3:]]], reduce_op=MEAN)[0][0].numpy()
+    np.testing.assert_allclose(got, [1e-6], rtol=2 ** -11)
 
 
 def test_many_tiny_tensors_travel_in_the_planned_packs():
@@ -165,6 +184,7 @@ def test_many_tiny_tensors_travel_in_the_planned_packs():
     elements, 1020 and 980 bytes), seen as float16 reductions in the traced graph."""
     gfar, strategy = make(2, bytes_per_pack=1024)
     grads = [[RNG.normal(size=[10]).astype(np.float32) for _ in range(100)] for _ in range(2)]
+    variables = [tf.Variable(0.0) for _ in range(100)]
 
     @tf.function
     def step():
@@ -172,7 +192,7 @@ def test_many_tiny_tensors_travel_in_the_planned_packs():
             r = tf.distribute.get_replica_context().replica_id_in_sync_group
             values = [tf.identity(tf.gather(tf.constant(np.stack([g[k] for g in grads])), r))
                       for k in range(100)]
-            return tf.distribute.get_replica_context().all_reduce(SUM, values)
+            return gf_tf.all_reduce_gradients(values, variables)
         return strategy.run(replica_fn)
 
     out = step()
@@ -180,8 +200,8 @@ def test_many_tiny_tensors_travel_in_the_planned_packs():
                        for op in step.get_concrete_function().graph.get_operations()
                        if op.type == "AddN" and op.get_attr("T") == tf.float16)
     assert half_sums == [490, 510]
-    stats = gfar.stats.result()
-    assert stats["sent_bytes_per_step"] == 2000 and stats["dense_bytes_per_step"] == 4000
+    stats = gfar.stats.result()    # + one float32 scale bound per tensor
+    assert stats["sent_bytes_per_step"] == 2000 + 400 and stats["dense_bytes_per_step"] == 4000
     for k in range(100):
         want = grads[0][k].astype(np.float64) + grads[1][k]
         for v in strategy.experimental_local_results(out[k]):
@@ -215,12 +235,12 @@ def run_mirrored(*args):
 @pytest.mark.parametrize("devices", [2, 3])
 def test_mirrored_strategy_fit_runs_the_fp16_path(devices):
     gf = run_mirrored("--devices", str(devices))
-    # Our path ran: every gradient collective of the traced step is float16 and carries all
-    # 387 gradient elements in one pack, once per replica.
-    pairs = list(zip(gf["reduce_dtypes"], gf["reduce_elements"]))
-    assert pairs and all(p == ("float16", MODEL_ELEMENTS) for p in pairs), pairs
-    assert len(pairs) % devices == 0
-    assert float(gf["sent_bytes_per_step"]) * 2 == float(gf["dense_bytes_per_step"])
+    # Our path ran: the traced step's collectives are, once per replica, one float16 pack of all
+    # 387 gradient elements and one float32 vector of the 4 tensors' scale bounds.
+    pairs = sorted(zip(gf["reduce_dtypes"].tolist(), gf["reduce_elements"].tolist()))
+    assert pairs == [("float16", MODEL_ELEMENTS)] * devices + [("float32", 4)] * devices, pairs
+    assert float(gf["sent_bytes_per_step"]) == 2 * MODEL_ELEMENTS + 4 * 4
+    assert float(gf["dense_bytes_per_step"]) == 4 * MODEL_ELEMENTS
     # ... and the weights match TF's float32 all-reduce within FP16 tolerance.
     for k in range(4):
         np.testing.assert_allclose(gf[f"w{k}"], gf[f"plain_w{k}"], atol=2e-3, rtol=0)
@@ -233,6 +253,7 @@ def test_mirrored_strategy_fit_runs_the_fp16_path(devices):
     np.testing.assert_allclose(gf["replica_c"], np.broadcast_to(gf["replica_c_ref"], gf["replica_c"].shape),
                                rtol=1e-12)
     assert bool(gf["replica_none_is_none"])
+    assert int(gf["replica_stat_steps"]) == 1     # the replica path counts its step once, too
 
 
 def test_mirrored_strategy_mixed_float16_with_loss_scale_optimizer():

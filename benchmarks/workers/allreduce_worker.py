@@ -5,7 +5,8 @@
 
 For each gradient set: variables of those shapes (identical values on every
 worker, so the exact sum is known), a tf.function that all-reduces them with
-`ReplicaContext.all_reduce(SUM, ...)` exactly as Keras does for gradients,
+`gf_tf.all_reduce_gradients` (the Keras optimizer's gradient all-reduce; stock
+`ReplicaContext.all_reduce(SUM, ...)` without GradientFlow),
 `warmup` untimed calls, then `iters` timed calls. Bytes on the wire are the
 delta of this namespace's eth0 counters over the timed calls. Prints one line
 `RESULT <json>` at the end.
@@ -20,6 +21,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
+import gf_tf
 from benchmarks.workers import gradients, methods
 
 
@@ -46,7 +48,7 @@ def build_step(strategy, values, method):
             grads = [tf.identity(v) for v in values]
             if by_hand_fp16:
                 grads = [tf.cast(g, tf.float16) for g in grads]
-            reduced = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, grads)
+            reduced = gf_tf.all_reduce_gradients(grads, values)
             if by_hand_fp16:
                 reduced = [tf.cast(r, tf.float32) for r in reduced]
             return reduced

@@ -65,7 +65,8 @@ dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.global_batch)
 history = model.fit(dataset, epochs=1, verbose=0,
                     callbacks=[gf_tf.GradientFlowStats(gradient_flow), per_step])
 
-(state,) = sparsity.states().values()
+(variable_set,) = gradient_flow.states().values()
+(state,) = variable_set.packs
 result = {f"w{i}": w for i, w in enumerate(model.get_weights())}
 result["residual"] = state.residuals[0].numpy()
 result["csc_steps"] = int(state.step.numpy())

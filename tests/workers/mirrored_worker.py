@@ -10,7 +10,7 @@ float32 reference therefore uses ReductionToOneDevice (no collectives).
 Writes: w* (weights after fit), loss, the CollectiveReduceV2 ops of the traced
 step, the optimizer class, GradientFlow's byte statistics, plain_w*/plain_loss
 (the same fit with TF's float32 ReductionToOneDevice) and the replica-context
-(_all_reduce) results with their NumPy float64 reference.
+gradient all-reduce (no merge_call) results with their NumPy float64 reference.
 """
 
 import argparse
@@ -73,11 +73,15 @@ plain_model, plain_loss = fit(tf.distribute.MirroredStrategy(
 result.update({f"plain_w{i}": w for i, w in enumerate(plain_model.get_weights())})
 result["plain_loss"] = np.array(plain_loss)
 
-# The replica-context path (no merge_call), called the way MirroredStrategy
-# calls it under XLA: once per replica, inside one traced function.
+# The replica-context path (no merge_call), run the way MirroredStrategy runs it under
+# XLA on all-GPU devices: _use_merge_call() is False, so every replica all-reduces its own
+# gradients through the strategy's CollectiveAllReduce, inside one traced function.
 a = rng.normal(size=(args.devices, 7)).astype(np.float32) * 100
 b = rng.integers(-5, 5, size=(args.devices, 2)).astype(np.int32)
 c = rng.normal(size=(args.devices, 3)).astype(np.float64)
+replica_variables = [tf.Variable(0.0, name=name) for name in ("a", "b", "c", "none")]
+strategy.extended._use_merge_call = lambda: False  # pylint: disable=protected-access
+stats_before = gfar.stats.totals()
 
 
 @tf.function
@@ -85,16 +89,18 @@ def replica_path():
     def fn():
         ctx = tf.distribute.get_replica_context()
         r = tf.get_static_value(ctx.replica_id_in_sync_group)
-        values = {"a": tf.identity(a[r]), "b": tf.identity(b[r]), "c": tf.identity(c[r]), "none": None}
-        return gfar._all_reduce(tf.distribute.ReduceOp.SUM, values, int(r),  # pylint: disable=protected-access
-                                tf.distribute.experimental.CommunicationOptions(timeout_seconds=30))
+        values = [tf.identity(a[r]), tf.identity(b[r]), tf.identity(c[r]), None]
+        return gf_tf.all_reduce_gradients(
+            values, replica_variables,
+            options=tf.distribute.experimental.CommunicationOptions(timeout_seconds=30))
     return strategy.run(fn)
 
 
 out = replica_path()
-for key in ("a", "b", "c"):
-    result[f"replica_{key}"] = np.stack([v.numpy() for v in strategy.experimental_local_results(out[key])])
+for i, key in enumerate(("a", "b", "c")):
+    result[f"replica_{key}"] = np.stack([v.numpy() for v in strategy.experimental_local_results(out[i])])
     result[f"replica_{key}_ref"] = np.sum({"a": a, "b": b, "c": c}[key].astype(np.float64), axis=0)
-result["replica_none_is_none"] = np.array(out["none"] is None)
+result["replica_none_is_none"] = np.array(out[3] is None)
+result["replica_stat_steps"] = gfar.stats.totals()["steps"] - stats_before["steps"]
 worker_util.write_result(**result)
 print("done", loss, reduces)

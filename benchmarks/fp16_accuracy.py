@@ -1,0 +1,162 @@
+"""Accuracy of GradientFlow's 16-bit wire: relative L2 error of a gradient SUM against float64.
+
+N replicas (logical CPUs of one process, `tf.distribute.MirroredStrategy` with its
+own CollectiveAllReduce) each hold a float32 gradient of 4096 elements drawn at
+scale s (normal, times s); `gf_tf.all_reduce_gradients` sums them through a
+`GradientFlowAllReduce` with FP16 and with BF16 on the wire. Columns:
+
+  fp16, bf16      measured error of the SUM
+  fp16 exact      FP16 rounding of the exact sum alone (same power-of-two scale):
+                  the floor any 16-bit wire pays
+  1/N model       NumPy model of the former fixed 1/N prescale (a float16 ring in
+                  which every hop rounds its partial sum)
+  pow2 model      the same model with the power-of-two scale GradientFlow uses
+
+    python -m benchmarks.fp16_accuracy                       # N = 2, 8, 32, 64
+    python -m benchmarks.fp16_accuracy --replicas 2,8 --model_replicas 512
+
+Each N runs in a fresh process (the logical device count is fixed at start-up).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+ELEMENTS = 4096
+DEFAULT_SCALES = (1e-8, 1e-6, 1e-5, 1e-4, 1e-2, 1.0, 1e2)
+
+
+def gradients(num_replicas: int, scale: float, seed: int = 0) -> np.ndarray:
+    """float32 [N, 4096]: replica r's gradient, normal times `scale`."""
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(num_replicas, ELEMENTS)) * scale).astype(np.float32)
+
+
+def relative_error(got, want) -> float:
+    """||got - want||_2 / ||want||_2 in float64."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def ring_model(grads: np.ndarray, scheme: str) -> np.ndarray:
+    """The SUM over replicas as a float16 ring computes it: each hop rounds its partial sum.
+
+    scheme "pow2": every value times gf_tf's power-of-two scale from sum_r max|g_r|;
+    "1/N": every value times 1/N, the sum times N (the former design).
+    """
+    from gf_tf.compression import power_of_two_scale_np  # pylint: disable=import-outside-toplevel
+    g = np.asarray(grads, np.float64)
+    if scheme == "pow2":
+        pre = power_of_two_scale_np(np.abs(g).max(axis=1).sum())
+        post = 1.0 / pre
+    else:
+        pre, post = 1.0 / len(g), float(len(g))
+    partial = np.float16(g[0] * pre)
+    for row in g[1:]:
+        partial = np.float16(partial.astype(np.float64) + np.float16(row * pre))
+    return partial.astype(np.float64) * post
+
+
+def exact_rounding_error(grads: np.ndarray) -> float:
+    """Error of rounding the exact sum to FP16 once, with the power-of-two scale."""
+    from gf_tf.compression import power_of_two_scale_np  # pylint: disable=import-outside-toplevel
+    g = np.asarray(grads, np.float64)
+    scale = power_of_two_scale_np(np.abs(g).max(axis=1).sum())
+    exact = g.sum(axis=0)
+    return relative_error(np.float16(exact * scale).astype(np.float64) / scale, exact)
+
+
+def measure(num_replicas: int, scales, compressions=("fp16", "bf16")) -> dict:
+    """In this process (which must have num_replicas logical CPUs): {compression: [error per scale]}."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    import gf_tf  # pylint: disable=import-outside-toplevel
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")][:num_replicas]
+    errors = {}
+    for compression in compressions:
+        gfar = gf_tf.GradientFlowAllReduce(compression=compression)
+        strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=gfar)
+        variable = tf.Variable(tf.zeros([ELEMENTS]))
+
+        @tf.function
+        def step(per_replica):
+            def fn(g):
+                return gf_tf.all_reduce_gradients([tf.identity(g)], [variable])[0]
+            return strategy.run(fn, args=(per_replica,))
+
+        errors[compression] = []
+        for s in scales:
+            g = gradients(num_replicas, s)
+            values = strategy.experimental_distribute_values_from_function(
+                lambda ctx, g=g: tf.constant(g[ctx.replica_id_in_sync_group]))
+            got = strategy.experimental_local_results(step(values))[0].numpy()
+            errors[compression].append(relative_error(got, g.astype(np.float64).sum(axis=0)))
+    return errors
+
+
+def _worker(num_replicas: int, scales) -> None:
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(num_replicas)])
+    print("RESULT " + json.dumps(measure(num_replicas, scales)), flush=True)
+
+
+def run_worker(num_replicas: int, scales, timeout: float = 600) -> dict:
+    """Runs `measure` for N replicas in a fresh process; raises RuntimeError with its output on failure."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.fp16_accuracy", "--worker", str(num_replicas),
+         "--scales", ",".join(map(repr, scales))],
+        cwd=root, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"fp16_accuracy worker for N={num_replicas} failed "
+                           f"(exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def table(replicas, scales, model_replicas=()) -> str:
+    rows = ["| N | s | fp16 | bf16 | fp16 exact | 1/N model | pow2 model |",
+            "|---|---|---|---|---|---|---|"]
+    for n in replicas:
+        measured = run_worker(n, scales)
+        for j, s in enumerate(scales):
+            g = gradients(n, s)
+            exact = g.astype(np.float64).sum(axis=0)
+            rows.append(f"| {n} | {s:g} | {measured['fp16'][j]:.4%} | {measured['bf16'][j]:.3%} | "
+                        f"{exact_rounding_error(g):.4%} | "
+                        f"{relative_error(ring_model(g, '1/N'), exact):.3%} | "
+                        f"{relative_error(ring_model(g, 'pow2'), exact):.4%} |")
+    for n in model_replicas:
+        for s in scales:
+            g = gradients(n, s)
+            exact = g.astype(np.float64).sum(axis=0)
+            rows.append(f"| {n} | {s:g} | - | - | {exact_rounding_error(g):.4%} | "
+                        f"{relative_error(ring_model(g, '1/N'), exact):.3%} | "
+                        f"{relative_error(ring_model(g, 'pow2'), exact):.4%} |")
+    return "\n".join(rows)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--replicas", default="2,8,32,64", help="N to measure, comma-separated")
+    parser.add_argument("--model_replicas", default="512", help="N for the NumPy model only")
+    parser.add_argument("--scales", default=",".join(map(repr, DEFAULT_SCALES)))
+    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    scales = [float(s) for s in args.scales.split(",")]
+    if args.worker:
+        _worker(args.worker, scales)
+        return
+    replicas = [int(n) for n in args.replicas.split(",") if n]
+    model_replicas = [int(n) for n in args.model_replicas.split(",") if n]
+    print(table(replicas, scales, model_replicas))
+
+
+if __name__ == "__main__":
+    main()
