@@ -28,8 +28,10 @@ rounds), so background load slows all rows alike. Columns:
 Rows: "ours" = the compiled kernels (gf_tf.ops.compiled), "composite" = gf_tf's
 stock-TF implementation (gf_tf.ops.composite), "TF" = plain TensorFlow
 orderings. Our pack and the composite scale by 1/N (N = 2) before the FP16
-cast, our unpack by N after it, as the all-reduce does; the TF baselines skip
-that multiply (it would only slow them down). The chunk rows use
+cast (one row with a vector of per-tensor scales), our unpack by N after it,
+as the all-reduce does; the TF baselines skip that multiply (it would only
+slow them down). abs_max: the per-tensor max |x| the wire scales are chosen
+from (the TF row ignores NaN semantics). The chunk rows use
 --chunk-size and the top --density of chunks by L1 norm; the composite chunk
 path is timed over at most 3 rounds (it takes seconds on the large list).
 """
@@ -134,6 +136,7 @@ def make_variants(shapes, chunk_size, density):
     selected, _, _ = ops.composite.gather_chunks(acc, indices, chunk_size, tf.float16, 0.5, None)
     m = int(selected.shape[0])
     scale = 1.0 / NUM_REPLICAS
+    per_tensor_scales = tf.constant(np.full(len(shapes), scale, np.float32))
 
     def fn(f):
         return tf.function(f)
@@ -158,6 +161,9 @@ def make_variants(shapes, chunk_size, density):
     return [
         ("pack", "ours: pack",
          fn(lambda g: ops.compiled.pack(g, tf.float16, scale)), (grads,), pack_bytes, null_grads),
+        ("pack", "ours: pack, one scale per tensor",
+         fn(lambda g: ops.compiled.pack(g, tf.float16, per_tensor_scales)), (grads,), pack_bytes,
+         null_grads),
         ("pack", "composite: per-tensor cast(x1/N) -> concat",
          fn(lambda g: ops.composite.pack(g, tf.float16, scale)), (grads,), pack_bytes, null_grads),
         ("pack", "TF concat -> cast",
@@ -179,6 +185,12 @@ def make_variants(shapes, chunk_size, density):
         ("unpack", "TF cast -> split",
          fn(lambda b: [tf.reshape(p, s) for p, s in zip(tf.split(tf.cast(b, tf.float32), sizes), shapes)]),
          (packed16,), pack_bytes, null_unpack),
+        ("abs_max", "ours: abs_max",
+         fn(ops.compiled.abs_max), (grads,), 4 * n, null_grads),
+        ("abs_max", "composite: abs_max (sign-cleared bits, max)",
+         fn(ops.composite.abs_max), (grads,), 4 * n, null_grads),
+        ("abs_max", "TF per-tensor reduce_max(abs) -> stack",
+         fn(lambda g: tf.stack([tf.reduce_max(tf.abs(t)) for t in g])), (grads,), 4 * n, null_grads),
         ("chunk", "ours: accumulate (+ L1 norms)",
          fn(lambda r, g: ops.compiled.accumulate(r, g, chunk_size, None, 0.0)[:2]),
          (residual, grads), 12 * n, null_two),

@@ -7,7 +7,7 @@ Public API:
   GradientFlowStats  Keras callback: bytes sent, compression ratio, chunks, residual norm
   all_reduce_gradients  a custom loop's gradient all-reduce, compressed by GradientFlow
   keras_compat  the Keras fixes for multi-worker fit (install()) and the gradient hook
-  ops      pack/unpack and the chunk ops (compiled, with a composite-TF fallback)
+  ops      pack/unpack, abs_max and the chunk ops (compiled, with a composite-TF fallback)
   launch   local multi-worker launcher and TF_CONFIG helpers (gf-tf-run)
 
 Names are imported on first use, so `gf-tf-run` (gf_tf.launch) starts without

@@ -29,6 +29,8 @@ from gf_tf import ops
 WIRE_FORMATS: Dict[Optional[str], Optional[tf.DType]] = {
     None: None, "fp16": tf.float16, "bf16": tf.bfloat16}
 
+PACKABLE_DTYPES = ops.WIRE_DTYPES   # gradients that can travel packed: the wire dtypes themselves
+
 # Scaled values stay below this (a power of two below float16's max, 65504),
 # so a sum that FP16 rounds up by a few ulps is still finite.
 SCALE_TARGET_EXPONENT = 15
@@ -61,15 +63,12 @@ class Compression:
 
         Raises ValueError for a dtype that cannot be packed."""
         dtype = tf.as_dtype(dtype)
-        if dtype not in ops.GRAD_DTYPES or dtype == tf.float64:
+        if dtype not in PACKABLE_DTYPES:
             raise ValueError(f"cannot pack {dtype.name}; packable dtypes are "
                              f"{[d.name for d in PACKABLE_DTYPES]}")
         if self.name is None or dtype != tf.float32:
             return dtype
         return WIRE_FORMATS[self.name]
-
-
-PACKABLE_DTYPES = tuple(d for d in ops.GRAD_DTYPES if d != tf.float64)
 
 
 def as_compression(value: Union[None, str, Compression]) -> Compression:

@@ -247,7 +247,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         return results
 
     def _reduce_packs(self, state: VariableSetState, grads, comm: Communicator, results) -> Sent:
-        """Runs the reducer on every pack: one control all-reduce, then the packs' collectives."""
+        """Runs the reducer on every pack: one control all-reduce, then the packs' collective(s)."""
         live = [(p, pack) for p, pack in enumerate(state.plan) if pack.num_elements]
         for pack in state.plan:
             if not pack.num_elements:
@@ -265,12 +265,14 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
             split = [tf.split(s, sizes) for s in summed]
             controls = {p: [split[r][j] for r in range(len(grads))]
                         for j, (p, _) in enumerate(live)}
-        sent = Sent()
-        for p, pack in live:
-            outputs, pack_sent = self.reducer.reduce(pack, pack_grads[p], controls[p], carries[p],
-                                                     state.packs[p], comm)
-            sent = sent + pack_sent
-            for r, reduced in enumerate(outputs):
+        if not live:
+            return Sent()
+        outputs, sent = self.reducer.reduce_packs(
+            [pack for _, pack in live], [pack_grads[p] for p, _ in live],
+            [controls[p] for p, _ in live], [carries[p] for p, _ in live],
+            [state.packs[p] for p, _ in live], comm)
+        for (_, pack), per_replica in zip(live, outputs):
+            for r, reduced in enumerate(per_replica):
                 for i, value in zip(pack.indices, reduced):
                     results[r][i] = value
         return sent

@@ -14,6 +14,12 @@ composite otherwise (no library and no compiler, GPU/TPU tensors,
 ``GF_TF_OPS_LIBRARY=<path>`` loads another build of the library (e.g. the
 Bazel one) and nothing else.
 
+The scaling ops (pack, unpack, gather_chunks, scatter_chunks) take ``scale``
+as a run-time value: a Python float, a float32 scalar tensor (one scale for
+everything) or a float32 vector with one scale per tensor (pack, unpack) or
+per selected chunk (gather_chunks, scatter_chunks), e.g. power-of-two scales
+chosen from the all-reduced ``abs_max`` of each tensor.
+
 Terms: a *pack* (bucket) is the 1-D concatenation of several flattened
 tensors; a *chunk* is a run of ``chunk_size`` consecutive pack elements
 (the last chunk may be partial), so a pack of ``n`` elements has
@@ -23,14 +29,15 @@ mixed-precision communication and coarse-grained sparse communication.
 """
 
 import ctypes
+import numbers
 import os
-import struct
 import sys
 import threading
 import types
 import warnings
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import tensorflow as tf
 
 from gf_tf import _build, tf_internal
@@ -43,10 +50,15 @@ BUILD_COMMAND = ("a C++ compiler (g++, or $CXX) on PATH: gf_tf then compiles the
                  "import into ~/.cache/gf_tf ($GF_TF_CACHE_DIR); or, in a checkout, "
                  "`pip install --no-build-isolation -e .`")
 
-# The dtypes the kernels take (gradients) and send (wire); gf_tf.compression builds on these.
-GRAD_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
-WIRE_DTYPES = (tf.float16, tf.bfloat16, tf.float32)
-_FLOATING, _WIRE = GRAD_DTYPES, WIRE_DTYPES
+# The dtype sets of the ops (the one place on the Python side; ops/gf_kernels.h
+# has the same sets for the op registrations).
+GRAD_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)  # tensors packed and unpacked
+WIRE_DTYPES = (tf.float16, tf.bfloat16, tf.float32)              # buffers on the wire
+
+
+def _dtype_names(dtypes) -> str:
+    names = [d.name for d in dtypes]
+    return ", ".join(names[:-1]) + " or " + names[-1]
 
 
 def num_chunks(num_elements: int, chunk_size: int) -> int:
@@ -193,17 +205,17 @@ def _floating_tensors(tensors, what: str) -> List[tf.Tensor]:
     out = []
     for i, t in enumerate(tensors):
         t = tf.convert_to_tensor(t)
-        if t.dtype not in _FLOATING:
-            raise TypeError(f"{what}: tensors[{i}] has dtype {t.dtype.name}; only float16, "
-                            "bfloat16, float32 and float64 tensors can be packed")
+        if t.dtype not in GRAD_DTYPES:
+            raise TypeError(f"{what}: tensors[{i}] has dtype {t.dtype.name}; only "
+                            f"{_dtype_names(GRAD_DTYPES)} tensors are accepted")
         out.append(t)
     return out
 
 
 def _wire(wire_dtype) -> tf.DType:
     wire_dtype = tf.as_dtype(wire_dtype)
-    if wire_dtype not in _WIRE:
-        raise ValueError(f"wire_dtype must be float16, bfloat16 or float32, got {wire_dtype.name}")
+    if wire_dtype not in WIRE_DTYPES:
+        raise ValueError(f"wire_dtype must be {_dtype_names(WIRE_DTYPES)}, got {wire_dtype.name}")
     return wire_dtype
 
 
@@ -215,7 +227,7 @@ def _shapes_and_sizes(shapes, dtypes, what: str):
     for i, (s, d) in enumerate(zip(shapes, dtypes)):
         if not s.is_fully_defined():
             raise ValueError(f"{what}: shapes[{i}] = {s} is not fully defined")
-        if d not in _FLOATING:
+        if d not in GRAD_DTYPES:
             raise TypeError(f"{what}: dtypes[{i}] = {d.name} is not a floating dtype")
     return shapes, dtypes, [s.num_elements() for s in shapes]
 
@@ -244,13 +256,50 @@ def _indices(indices) -> tf.Tensor:
     return indices
 
 
+# What a vector `scale` holds, per op (the kernels' messages say the same).
+PER_TENSOR = "one scale per input tensor"
+PER_OUTPUT = "one scale per output tensor"
+PER_CHUNK = "one scale per selected chunk, k = len(indices)"
+
+
+def _scale(scale, count: Optional[int], what: str, items: str):
+    """Checks `scale`; returns it as a float (Python number) or a float32 tensor.
+
+    Python numbers are rounded to float32 (the kernels' arithmetic) and stay
+    Python floats; anything else becomes a float32 tensor of shape [] or
+    [count] (checked here where static, in the kernels / the composite's
+    run-time check otherwise). `count` None: not known statically.
+    """
+    if tf.is_tensor(scale):
+        if scale.dtype != tf.float32:
+            raise TypeError(f"{what}: scale must be float32, got {scale.dtype.name}; "
+                            "cast it with tf.cast(scale, tf.float32)")
+    else:
+        with np.errstate(over="ignore"):  # beyond float32's range: +-inf, as in the kernels
+            if isinstance(scale, numbers.Real):
+                return float(np.float32(scale))
+            scale = tf.constant(np.asarray(scale, np.float32))
+    shape = scale.shape
+    if shape.rank in (None, 0) or (shape.rank == 1 and None in (shape[0], count)) or \
+            (shape.rank == 1 and shape[0] == count):
+        return scale
+    got = ",".join("?" if d is None else str(d) for d in shape.as_list())
+    expected = "?" if count is None else count
+    raise ValueError(f"{what}: scale must have shape [] or [{expected}] ({items}), got [{got}]")
+
+
+def _scale_tensor(scale) -> tf.Tensor:
+    """The `scale` input of a compiled op (see _scale)."""
+    return tf.constant(scale, tf.float32) if isinstance(scale, float) else scale
+
+
+def _static_count(indices) -> Optional[int]:
+    return indices.shape[0] if indices.shape.rank == 1 else None
+
+
 # ---------------------------------------------------------------------------
 # Composite reference implementations (stock TF ops only).
 # ---------------------------------------------------------------------------
-
-def _as_float32(value: float) -> float:
-    return struct.unpack("f", struct.pack("f", float(value)))[0]
-
 
 def _round_to_odd_float32(x64):
     """float64 -> float32 rounded toward zero, last bit set if inexact.
@@ -267,47 +316,97 @@ def _round_to_odd_float32(x64):
     return tf.bitcast(bits, tf.float32)
 
 
+def _times(x, scale):
+    """x * scale in x's dtype; scale: a float (1.0: nothing to do) or a float32 tensor."""
+    if isinstance(scale, float):
+        return x if scale == 1.0 else x * scale
+    return x * tf.cast(scale, x.dtype)
+
+
+def _composite_scale_vector(scale, count, what: str, items: str) -> tf.Tensor:
+    """A tensor `scale` (shape [] or [count]) as float32 [count], checked at run time."""
+    rank_ok = tf.equal(tf.rank(scale), 0)
+    length_ok = tf.logical_and(tf.equal(tf.rank(scale), 1),
+                               tf.equal(tf.size(scale, out_type=tf.int64), tf.cast(count, tf.int64)))
+    expected = count if isinstance(count, int) else "k"
+    check = tf.debugging.Assert(tf.logical_or(rank_ok, length_ok), [
+        f"{what}: scale must have shape [] or [{expected}] ({items}); the count and the shape "
+        "of scale:", count, tf.shape(scale)])
+    with tf.control_dependencies([check]):
+        return tf.broadcast_to(tf.reshape(scale, [-1]), tf.reshape(count, [1]))
+
+
+def _composite_item_scales(scale, count: int, what: str, items: str) -> list:
+    """Checks `scale` (see _scale); per item (tensor) i < count, its scale: a float or a
+    float32 scalar tensor."""
+    scale = _scale(scale, count, what, items)
+    if isinstance(scale, float) or scale.shape.rank == 0:
+        return [scale] * count
+    if scale.shape.rank != 1 or scale.shape[0] is None:
+        scale = _composite_scale_vector(scale, count, what, items)
+    return tf.unstack(scale, num=count) if count else []
+
+
 def _composite_to_wire(flat, wire_dtype, scale):
-    scale = _as_float32(scale)  # the compiled ops take it as a float32 attribute
+    """wire(flat * scale); scale: float, float32 scalar, or float32 per element."""
     if flat.dtype == tf.float64:
-        x = flat * scale if scale != 1.0 else flat
+        x = _times(flat, scale)
         return tf.cast(x, tf.float32) if wire_dtype == tf.float32 else \
             tf.cast(_round_to_odd_float32(x), wire_dtype)
-    x = tf.cast(flat, tf.float32)
-    if scale != 1.0:
-        x = x * scale
-    return tf.cast(x, wire_dtype)
+    return tf.cast(_times(tf.cast(flat, tf.float32), scale), wire_dtype)
 
 
-def _composite_pack(tensors, wire_dtype, scale):
+def _composite_pack(tensors, wire_dtype, scale=1.0):
     tensors = _floating_tensors(tensors, "pack")
     wire_dtype = _wire(wire_dtype)
+    scales = _composite_item_scales(scale, len(tensors), "pack", PER_TENSOR)
     if not tensors:
         return tf.zeros([0], wire_dtype)
     # Cast each tensor, then concatenate: the cheaper order (the casts read
     # the inputs once; one concat writes the small wire buffer).
-    parts = [_composite_to_wire(tf.reshape(t, [-1]), wire_dtype, float(scale)) for t in tensors]
+    parts = [_composite_to_wire(tf.reshape(t, [-1]), wire_dtype, s)
+             for t, s in zip(tensors, scales)]
     return tf.concat(parts, axis=0) if len(parts) > 1 else parts[0]
 
 
 def _composite_from_wire(part, dtype, scale):
-    scale = _as_float32(scale)
-    x = tf.cast(part, tf.float32)
-    if scale != 1.0:
-        x = x * scale
-    return tf.cast(x, dtype)
+    return tf.cast(_times(tf.cast(part, tf.float32), scale), dtype)
 
 
-def _composite_unpack(buffer, shapes, dtypes, scale):
+def _composite_unpack(buffer, shapes, dtypes, scale=1.0):
     shapes, dtypes, sizes = _shapes_and_sizes(shapes, dtypes, "unpack")
     buffer = tf.convert_to_tensor(buffer)
     _check_static_length(buffer, sum(sizes), "unpack", "the packed buffer")
+    scales = _composite_item_scales(scale, len(sizes), "unpack", PER_OUTPUT)
     if not sizes:
         return []
     # Split first (it returns views), then cast each part.
     parts = tf.split(buffer, sizes) if len(sizes) > 1 else [buffer]
-    return [tf.reshape(_composite_from_wire(p, d, float(scale)), s)
-            for p, s, d in zip(parts, shapes, dtypes)]
+    return [tf.reshape(_composite_from_wire(p, d, k), s)
+            for p, s, d, k in zip(parts, shapes, dtypes, scales)]
+
+
+_SIGN_CLEARED = {  # dtype -> (integer dtype of its bits, mask clearing the sign bit)
+    tf.float16: (tf.int16, 0x7fff), tf.bfloat16: (tf.int16, 0x7fff),
+    tf.float32: (tf.int32, 0x7fffffff), tf.float64: (tf.int64, 0x7fffffffffffffff)}
+
+
+def _composite_abs_max_one(t) -> tf.Tensor:
+    """max |t| as in the kernel: on the bits with the sign cleared, whose integer
+    order is the order of magnitudes with NaN above inf. Exact for subnormals,
+    which TensorFlow's float max reads as 0 (its kernels run denormals-are-zero)."""
+    int_dtype, mask = _SIGN_CLEARED[t.dtype]
+    bits = tf.bitwise.bitwise_and(tf.bitcast(tf.reshape(t, [-1]), int_dtype),
+                                  tf.constant(mask, int_dtype))
+    largest = tf.maximum(tf.reduce_max(bits), tf.zeros([], int_dtype))  # 0 (+0.0) if empty
+    return tf.cast(tf.bitcast(largest, t.dtype), tf.float32)
+
+
+def _composite_abs_max(tensors):
+    tensors = _floating_tensors(tensors, "abs_max")
+    if not tensors:
+        return tf.zeros([0], tf.float32)
+    return tf.stack([_composite_abs_max_one(t) for t in tensors])
 
 
 def _chunk_ids(n, chunk_size):
@@ -356,14 +455,33 @@ def _element_mask(n, chunk_size, indices):
     return tf.gather(chunk_selected, _chunk_ids(n, chunk_size))
 
 
-def _composite_gather_chunks(acc, indices, chunk_size, wire_dtype, scale, velocity):
+def _composite_chunk_scales(scale, indices, num_selected, chunk_size, what):
+    """The scale of each selected element: a float or float32 scalar, else float32 [m].
+
+    Selected chunk j holds elements [j * chunk_size, (j + 1) * chunk_size) of
+    the selected buffer (only the last chunk of a pack can be partial).
+    """
+    if isinstance(scale, float) or scale.shape.rank == 0:
+        return scale
+    if scale.shape.rank != 1 or scale.shape[0] is None or indices.shape[0] is None:
+        scale = _composite_scale_vector(scale, tf.size(indices), what, PER_CHUNK)
+    chunk_of_element = tf.range(num_selected, dtype=tf.int64) // chunk_size
+    return tf.gather(scale, chunk_of_element)
+
+
+def _composite_gather_chunks(acc, indices, chunk_size, wire_dtype, scale=1.0, velocity=None):
     num_chunks(0, chunk_size)
     acc = _flat_float32(acc, "gather_chunks", "acc")
     wire_dtype = _wire(wire_dtype)
+    indices = _indices(indices)
+    scale = _scale(scale, _static_count(indices), "gather_chunks", PER_CHUNK)
     n = tf.shape(acc, out_type=tf.int64)[0]
-    indices = _composite_check_indices(_indices(indices), n, chunk_size, "gather_chunks")
-    mask = _element_mask(n, chunk_size, indices)
-    selected = _composite_to_wire(tf.boolean_mask(acc, mask), wire_dtype, float(scale))
+    checked = _composite_check_indices(indices, n, chunk_size, "gather_chunks")
+    mask = _element_mask(n, chunk_size, checked)
+    values = tf.boolean_mask(acc, mask)
+    scales = _composite_chunk_scales(scale, indices, tf.size(values, out_type=tf.int64),
+                                     chunk_size, "gather_chunks")
+    selected = _composite_to_wire(values, wire_dtype, scales)
     zeros = tf.zeros_like(acc)
     residual = tf.where(mask, zeros, acc)
     new_velocity = None
@@ -373,26 +491,33 @@ def _composite_gather_chunks(acc, indices, chunk_size, wire_dtype, scale, veloci
     return selected, residual, new_velocity
 
 
-def _composite_scatter_chunks(selected, indices, chunk_size, shapes, dtypes, scale):
+def _composite_scatter_chunks(selected, indices, chunk_size, shapes, dtypes, scale=1.0):
     num_chunks(0, chunk_size)
     shapes, dtypes, sizes = _shapes_and_sizes(shapes, dtypes, "scatter_chunks")
     n = sum(sizes)
     selected = tf.convert_to_tensor(selected)
-    indices = _composite_check_indices(_indices(indices), tf.constant(n, tf.int64),
+    indices = _indices(indices)
+    scale = _scale(scale, _static_count(indices), "scatter_chunks", PER_CHUNK)
+    checked = _composite_check_indices(indices, tf.constant(n, tf.int64),
                                        chunk_size, "scatter_chunks")
-    mask = _element_mask(n, chunk_size, indices)
+    mask = _element_mask(n, chunk_size, checked)
     positions = tf.where(mask)
     check = tf.debugging.assert_equal(
         tf.shape(selected, out_type=tf.int64)[0], tf.shape(positions, out_type=tf.int64)[0],
         message="scatter_chunks: selected must have as many elements as the chunks in indices cover")
     with tf.control_dependencies([check]):
-        full = tf.scatter_nd(positions, tf.cast(selected, tf.float32), [n])
-    return _composite_unpack(full, shapes, dtypes, scale)
+        scales = _composite_chunk_scales(scale, indices, tf.shape(positions, out_type=tf.int64)[0],
+                                         chunk_size, "scatter_chunks")
+        values = _times(tf.cast(selected, tf.float32), scales)
+        # An update, not scatter_nd's sum into zeros, which would turn -0.0 into +0.0.
+        full = tf.tensor_scatter_nd_update(tf.zeros([n], tf.float32), positions, values)
+    return _composite_unpack(full, shapes, dtypes, 1.0)
 
 
 composite = types.SimpleNamespace(
     pack=_composite_pack, unpack=_composite_unpack, accumulate=_composite_accumulate,
-    gather_chunks=_composite_gather_chunks, scatter_chunks=_composite_scatter_chunks)
+    gather_chunks=_composite_gather_chunks, scatter_chunks=_composite_scatter_chunks,
+    abs_max=_composite_abs_max)
 composite.__doc__ = "The composite-TF implementation, called explicitly (same arguments as the public functions)."
 
 
@@ -409,23 +534,33 @@ def _require_lib():
     return lib
 
 
-def _compiled_pack(tensors, wire_dtype, scale, simd=True):
+def _compiled_pack(tensors, wire_dtype, scale=1.0, simd=True):
     lib = _require_lib()
     tensors = _floating_tensors(tensors, "pack")
     wire_dtype = _wire(wire_dtype)
+    scale = _scale_tensor(_scale(scale, len(tensors), "pack", PER_TENSOR))
     if not tensors:
         return tf.zeros([0], wire_dtype)
-    return lib.gf_pack(tensors, wire_dtype=wire_dtype, scale=float(scale), simd=simd)
+    return lib.gf_pack(tensors, scale, wire_dtype=wire_dtype, simd=simd)
 
 
-def _compiled_unpack(buffer, shapes, dtypes, scale, simd=True):
+def _compiled_unpack(buffer, shapes, dtypes, scale=1.0, simd=True):
     lib = _require_lib()
     shapes, dtypes, sizes = _shapes_and_sizes(shapes, dtypes, "unpack")
     buffer = tf.convert_to_tensor(buffer)
     _check_static_length(buffer, sum(sizes), "unpack", "the packed buffer")
+    scale = _scale_tensor(_scale(scale, len(sizes), "unpack", PER_OUTPUT))
     if not sizes:
         return []
-    return lib.gf_unpack(buffer, Tout=dtypes, shapes=shapes, scale=float(scale), simd=simd)
+    return lib.gf_unpack(buffer, scale, Tout=dtypes, shapes=shapes, simd=simd)
+
+
+def _compiled_abs_max(tensors, simd=True):
+    lib = _require_lib()
+    tensors = _floating_tensors(tensors, "abs_max")
+    if not tensors:
+        return tf.zeros([0], tf.float32)
+    return lib.gf_abs_max(tensors, simd=simd)
 
 
 def _compiled_accumulate(residual, tensors, chunk_size, velocity, momentum, simd=True):
@@ -439,29 +574,35 @@ def _compiled_accumulate(residual, tensors, chunk_size, velocity, momentum, simd
     return acc, norms, (new_velocity[0] if new_velocity else None)
 
 
-def _compiled_gather_chunks(acc, indices, chunk_size, wire_dtype, scale, velocity, simd=True):
+def _compiled_gather_chunks(acc, indices, chunk_size, wire_dtype, scale=1.0, velocity=None,
+                            simd=True):
     lib = _require_lib()
     acc = _flat_float32(acc, "gather_chunks", "acc")
+    indices = _indices(indices)
+    scale = _scale_tensor(_scale(scale, _static_count(indices), "gather_chunks", PER_CHUNK))
     velocities = [] if velocity is None else [_flat_float32(velocity, "gather_chunks", "velocity")]
     selected, residual, new_velocity = lib.gf_gather_chunks(
-        acc, _indices(indices), velocities, chunk_size=int(chunk_size),
-        wire_dtype=_wire(wire_dtype), scale=float(scale), simd=simd)
+        acc, indices, scale, velocities, chunk_size=int(chunk_size),
+        wire_dtype=_wire(wire_dtype), simd=simd)
     return selected, residual, (new_velocity[0] if new_velocity else None)
 
 
-def _compiled_scatter_chunks(selected, indices, chunk_size, shapes, dtypes, scale, simd=True):
+def _compiled_scatter_chunks(selected, indices, chunk_size, shapes, dtypes, scale=1.0, simd=True):
     lib = _require_lib()
     shapes, dtypes, _ = _shapes_and_sizes(shapes, dtypes, "scatter_chunks")
+    indices = _indices(indices)
+    scale = _scale_tensor(_scale(scale, _static_count(indices), "scatter_chunks", PER_CHUNK))
     if not shapes:
         return []
     return lib.gf_scatter_chunks(
-        tf.convert_to_tensor(selected), _indices(indices), chunk_size=int(chunk_size),
-        Tout=dtypes, shapes=shapes, scale=float(scale), simd=simd)
+        tf.convert_to_tensor(selected), indices, scale, chunk_size=int(chunk_size),
+        Tout=dtypes, shapes=shapes, simd=simd)
 
 
 compiled = types.SimpleNamespace(
     pack=_compiled_pack, unpack=_compiled_unpack, accumulate=_compiled_accumulate,
-    gather_chunks=_compiled_gather_chunks, scatter_chunks=_compiled_scatter_chunks)
+    gather_chunks=_compiled_gather_chunks, scatter_chunks=_compiled_scatter_chunks,
+    abs_max=_compiled_abs_max)
 compiled.__doc__ = ("The compiled kernels, called explicitly (same arguments as the public "
                     "functions plus simd=True; RuntimeError if the library is unavailable).")
 
@@ -470,42 +611,69 @@ compiled.__doc__ = ("The compiled kernels, called explicitly (same arguments as 
 # Public API.
 # ---------------------------------------------------------------------------
 
+Scale = Union[float, tf.Tensor, Sequence[float]]
+
+
 def pack(tensors: Sequence[tf.Tensor], wire_dtype: tf.DType = tf.float16,
-         scale: float = 1.0) -> tf.Tensor:
+         scale: Scale = 1.0) -> tf.Tensor:
     """Flattens, scales and casts `tensors` into one contiguous buffer.
 
     Args:
       tensors: N floating tensors (float16, bfloat16, float32, float64), any
         shapes, possibly empty.
       wire_dtype: dtype of the buffer: tf.float16, tf.bfloat16 or tf.float32.
-      scale: every element is multiplied by `scale` before the cast (prescale,
-        e.g. 1/num_replicas), in float32 (in float64 for float64 inputs, which
-        are then rounded once, to the wire dtype). Round to nearest even;
-        values beyond the wire range become +-inf; NaN stays NaN.
+      scale: prescale, a float or float32 tensor of shape [] (every element)
+        or [N] (tensor i times scale[i]), e.g. 1/num_replicas or a power of two
+        per tensor. The product is formed in float32 (in float64 for float64
+        inputs, which are then rounded once, to the wire dtype). Round to
+        nearest even; values beyond the wire range become +-inf; NaN stays NaN.
 
     Returns:
       1-D `wire_dtype` tensor of sum(size(t)) elements, in list order.
 
     Raises:
-      TypeError: a tensor is not floating. ValueError: bad wire_dtype.
+      TypeError: a tensor is not floating, a scale tensor is not float32.
+      ValueError: bad wire_dtype; scale not of shape [] or [N]
+        (tf.errors.InvalidArgumentError when only known at run time).
     """
     tensors = list(tensors)
     return _implementation(tensors).pack(tensors, wire_dtype, scale)
 
 
 def unpack(buffer: tf.Tensor, shapes: Sequence[tf.TensorShape],
-           dtypes: Sequence[tf.DType], scale: float = 1.0) -> List[tf.Tensor]:
+           dtypes: Sequence[tf.DType], scale: Scale = 1.0) -> List[tf.Tensor]:
     """Inverse of `pack`: splits `buffer` into tensors of `shapes`/`dtypes`.
 
-    Each element is cast to float32, multiplied by `scale` (postscale) and
-    cast to its output dtype. Shapes must be fully defined.
+    Output i is cast(float32(segment i) * scale[i]) to dtypes[i] (the
+    product in float32); `scale` (postscale) is a float or float32 tensor of
+    shape [] (one for all) or [len(shapes)]. Shapes must be fully defined.
 
     Raises:
       ValueError: the buffer's static length is not the sum of the shapes'
-        sizes (tf.errors.InvalidArgumentError when only known at run time),
-        or a shape is not fully defined.
+        sizes, a shape is not fully defined, or scale is not of shape [] or
+        [len(shapes)] (tf.errors.InvalidArgumentError when only known at run
+        time). TypeError: a scale tensor is not float32.
     """
     return _implementation([buffer]).unpack(buffer, list(shapes), list(dtypes), scale)
+
+
+def abs_max(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
+    """Largest magnitude of each tensor: the bound a wire scale is chosen from.
+
+    Args:
+      tensors: N floating tensors (float16, bfloat16, float32, float64), any shapes.
+
+    Returns:
+      float32 [N]: max |tensors[i]|; 0 for an empty tensor, NaN if the tensor
+      holds a NaN, else inf if it holds +-inf. Exact for 16- and 32-bit
+      inputs; a float64 maximum is rounded to the nearest float32 (values
+      beyond float32's range give inf).
+
+    Raises:
+      TypeError: a tensor is not floating.
+    """
+    tensors = list(tensors)
+    return _implementation(tensors).abs_max(tensors)
 
 
 def accumulate(residual: tf.Tensor, tensors: Sequence[tf.Tensor], chunk_size: int,
@@ -536,7 +704,7 @@ def accumulate(residual: tf.Tensor, tensors: Sequence[tf.Tensor], chunk_size: in
 
 
 def gather_chunks(acc: tf.Tensor, indices: tf.Tensor, chunk_size: int,
-                  wire_dtype: tf.DType = tf.float16, scale: float = 1.0,
+                  wire_dtype: tf.DType = tf.float16, scale: Scale = 1.0,
                   velocity: Optional[tf.Tensor] = None
                   ) -> Tuple[tf.Tensor, tf.Tensor, Optional[tf.Tensor]]:
     """Gathers the chunks `indices` of `acc` into a dense wire buffer.
@@ -545,7 +713,10 @@ def gather_chunks(acc: tf.Tensor, indices: tf.Tensor, chunk_size: int,
       acc: float32 [n].
       indices: int32 (or int64) [k], sorted ascending, unique, in [0, num_chunks).
       chunk_size: elements per chunk (>= 1).
-      wire_dtype, scale: as in `pack`.
+      wire_dtype: as in `pack`.
+      scale: a float or float32 tensor of shape [] (every chunk) or [k]
+        (chunk indices[j] times scale[j]), in float32 before the cast, with
+        the rounding of `pack`.
       velocity: optional float32 [n], masked like the residual.
 
     Returns:
@@ -555,7 +726,8 @@ def gather_chunks(acc: tf.Tensor, indices: tf.Tensor, chunk_size: int,
 
     Raises:
       ValueError or tf.errors.InvalidArgumentError naming the problem:
-      chunk_size < 1, out-of-range, unsorted or duplicate indices.
+      chunk_size < 1, out-of-range, unsorted or duplicate indices, scale not
+      of shape [] or [k]. TypeError: a scale tensor is not float32.
     """
     return _implementation([acc]).gather_chunks(acc, indices, chunk_size, wire_dtype,
                                                 scale, velocity)
@@ -563,15 +735,17 @@ def gather_chunks(acc: tf.Tensor, indices: tf.Tensor, chunk_size: int,
 
 def scatter_chunks(selected: tf.Tensor, indices: tf.Tensor, chunk_size: int,
                    shapes: Sequence[tf.TensorShape], dtypes: Sequence[tf.DType],
-                   scale: float = 1.0) -> List[tf.Tensor]:
+                   scale: Scale = 1.0) -> List[tf.Tensor]:
     """Inverse of `gather_chunks` straight into unpacked tensors.
 
-    Positions outside the chunks `indices` are 0; inside, the `selected`
-    values times `scale` (in float32), cast to each output dtype.
+    Positions outside the chunks `indices` are 0; inside chunk indices[j],
+    float32(selected values) * scale[j] (or * scale, for shape []), cast to
+    each output dtype. scale: a float or float32 tensor of shape [] or [k].
 
     Raises:
       ValueError or tf.errors.InvalidArgumentError naming the problem: bad
-      indices (as in `gather_chunks`), `selected` not as long as the chunks.
+      indices (as in `gather_chunks`), `selected` not as long as the chunks,
+      scale not of shape [] or [k]. TypeError: a scale tensor is not float32.
     """
     return _implementation([selected]).scatter_chunks(
         selected, indices, chunk_size, list(shapes), list(dtypes), scale)

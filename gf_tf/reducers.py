@@ -11,7 +11,8 @@ float32 all-reduce per step:
      later (`carry`). GradientFlowAllReduce concatenates every pack's vectors
      and all-reduces them (SUM) in one collective.
   2. `reduce`: per pack, with its all-reduced control vector: the pack's
-     collective(s) and the reduced tensors.
+     collective and the reduced tensors (`reduce_packs` may fuse the packs'
+     collectives: CSC sends all its chunks in one).
 
 Source: GradientFlow (arXiv 1902.06855), lazy all-reduce and mixed-precision
 communication; PyTorch DDP communication hooks for the interface.
@@ -91,6 +92,18 @@ class Reducer:
                state, comm: Communicator) -> Tuple[List[List[tf.Tensor]], Sent]:
         """(per served replica the reduced tensors of the pack, what was sent)."""
         raise NotImplementedError
+
+    def reduce_packs(self, packs: Sequence[PackSpec], grads: Sequence[PackGrads], controls,
+                     carries, states, comm: Communicator) -> Tuple[List, Sent]:
+        """All packs of a step (lists, one entry per pack): per pack what `reduce` returns,
+        and the total sent. The default reduces pack by pack; a reducer that fuses the
+        packs' collectives (CSC) overrides it."""
+        outputs, sent = [], Sent()
+        for args in zip(packs, grads, controls, carries, states):
+            reduced, pack_sent = self.reduce(*args, comm)
+            outputs.append(reduced)
+            sent = sent + pack_sent
+        return outputs, sent
 
 
 class DenseReducer(Reducer):

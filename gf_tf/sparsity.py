@@ -273,36 +273,86 @@ class CSCReducer(Reducer):
             new_us.append(new_u)
         return norms, (accs, norms, new_us)
 
-    def reduce(self, pack, grads, control, carry, state, comm):
-        c = self.control_size(pack)
-        stages = self.sparsity._pack_stages(c)  # pylint: disable=protected-access
+    def reduce_packs(self, packs, grads, controls, carries, states, comm):
+        """All packs of one variable set in one collective per wire dtype (one in practice).
 
-        def branch(k):
-            return lambda: self._step(pack, control, carry, state, comm, k)
+        The packs share the schedule and step counter, so one `tf.switch_case`
+        over the schedule's stages picks every pack's k at once.
+        """
+        stages = self._stages(packs)
+
+        def branch(ks):
+            return lambda: self._step(packs, controls, carries, states, comm, ks)
 
         if len(stages) == 1:
             result = branch(stages[0][1])()
         else:
             with tf.device("/cpu:0"):
-                step = state.steps[comm.replicas[0]].read_value()
+                step = states[0].steps[comm.replicas[0]].read_value()
                 first_steps = tf.constant([s for s, _ in stages], tf.int64)
                 stage = tf.reduce_sum(tf.cast(step >= first_steps, tf.int32)) - 1
-            result = tf.switch_case(stage, [branch(k) for _, k in stages])
+            result = tf.switch_case(stage, [branch(ks) for _, ks in stages])
         outputs, sent_bytes, selected, residual_l1 = result
         with tf.device("/cpu:0"):
-            for r in comm.replicas:
-                state.steps[r].assign_add(1)
-        sent = Sent(dense_bytes=4 * pack.num_elements, sent_bytes=sent_bytes,
-                    selected_chunks=selected, total_chunks=c, residual_norm=residual_l1)
-        return _split(outputs, [len(pack.shapes)] * len(grads)), sent
+            for state in states:
+                for r in comm.replicas:
+                    state.steps[r].assign_add(1)
+        sent = Sent(dense_bytes=4 * sum(p.num_elements for p in packs), sent_bytes=sent_bytes,
+                    selected_chunks=selected,
+                    total_chunks=sum(self.control_size(p) for p in packs),
+                    residual_norm=residual_l1)
+        per_pack, i, num_replicas = [], 0, len(comm.replicas)
+        for pack in packs:
+            size = len(pack.shapes) * num_replicas
+            per_pack.append(_split(outputs[i:i + size], [len(pack.shapes)] * num_replicas))
+            i += size
+        return per_pack, sent
 
-    def _step(self, pack, control, carry, state, comm, k):
-        """One step sending k chunks (k None: all of them, a dense warm-up step)."""
+    def _stages(self, packs):
+        """((first_step, (k or None per pack)), ...): the schedule's stages, equal neighbours merged."""
+        stages = []
+        for first_step, density in self.sparsity.schedule():
+            ks = []
+            for pack in packs:
+                c = self.control_size(pack)
+                k = selected_chunk_count(c, density)
+                ks.append(None if k >= c else k)
+            if not stages or stages[-1][1] != tuple(ks):
+                stages.append((first_step, tuple(ks)))
+        return tuple(stages)
+
+    def _step(self, packs, controls, carries, states, comm, ks):
+        """One step: every pack sends its k chunks (None: all, a dense warm-up step)."""
+        sends = [self._gather(p, c, a, s, comm, k)
+                 for p, c, a, s, k in zip(packs, controls, carries, states, ks)]
+        received = [[None] * len(comm.replicas) for _ in packs]
+        by_wire = {}
+        for j, pack in enumerate(packs):
+            by_wire.setdefault(pack.wire_dtype, []).append(j)
+        for members in by_wire.values():
+            lengths = [sends[j]["length"] for j in members]
+            fused = comm.all_reduce_sum([tf.concat([sends[j]["buffers"][r] for j in members], 0)
+                                         for r in range(len(comm.replicas))])
+            for r, buffer in enumerate(fused):
+                with tf.device(buffer.device):
+                    for j, part in zip(members, tf.split(buffer, lengths)):
+                        received[j][r] = part
+        outputs, residual_l1, sent, selected = [], 0.0, 0, 0
+        for pack, send, parts, k in zip(packs, sends, received, ks):
+            outputs.extend(self._scatter(pack, send, parts, k))
+            residual_l1 += send["residual_l1"]
+            sent += 4 * self.control_size(pack) + send["length"] * pack.wire_dtype.size
+            selected += self.control_size(pack) if k is None else k
+        return (_flatten_replicas(outputs, len(comm.replicas)), tf.constant(sent, tf.int64),
+                tf.constant(selected, tf.int64), residual_l1)
+
+    def _gather(self, pack, control, carry, state, comm, k):
         n, cs, wire = pack.num_elements, self.sparsity.chunk_size, pack.wire_dtype
         c = self.control_size(pack)
         length = n if k is None else k * cs
         accs, local_norms, new_us = carry
-        buffers, picks, finites, updates, postscales = [], [], [], [], []
+        send = {"length": length, "buffers": [], "picks": [], "finites": [], "postscales": [],
+                "updates": []}
         for acc, norms, new_u, r in zip(accs, control, new_us, comm.replicas):
             residual = state.residuals[r]
             u = state.velocities[r] if state.velocities else None
@@ -315,35 +365,36 @@ class CSCReducer(Reducer):
                 # Static wire shape on every step: pad a selected partial last chunk.
                 selected = tf.ensure_shape(
                     tf.pad(selected, [[0, length - tf.shape(selected)[0]]]), [length])
-                buffers.append(selected)
-                picks.append(idx)
-                finites.append(finite)
-                postscales.append(postscale)
-                pairs = [(residual, new_residual)]
-                if u is not None:
-                    pairs.append((u, new_u if k is None else masked_u))
-                updates.append(pairs)
-        summed = comm.all_reduce_sum(buffers)
+            send["buffers"].append(selected)
+            send["picks"].append(idx)
+            send["finites"].append(finite)
+            send["postscales"].append(postscale)
+            pairs = [(residual, new_residual)]
+            if u is not None:
+                pairs.append((u, new_u if k is None else masked_u))
+            send["updates"].append(pairs)
+        with tf.device("/cpu:0"):
+            sent_chunks = tf.reshape(send["picks"][0], [-1, 1])
+            new_l1 = tf.reduce_sum(tf.tensor_scatter_nd_update(
+                local_norms[0], sent_chunks, tf.zeros(tf.shape(send["picks"][0]), tf.float32)))
+            send["residual_l1"] = tf.where(send["finites"][0], new_l1,
+                                           state.residual_l1.read_value())
+            if comm.replicas[0] == 0:
+                state.residual_l1.assign(send["residual_l1"])
+        return send
 
+    def _scatter(self, pack, send, parts, k):
+        """Per served replica, the pack's tensors from its received chunks; commits the state."""
+        n, cs = pack.num_elements, self.sparsity.chunk_size
         outputs = []
-        for buf, idx, finite, postscale, pairs in zip(summed, picks, finites, postscales,
-                                                       updates):
+        for buf, idx, finite, postscale, pairs in zip(parts, send["picks"], send["finites"],
+                                                       send["postscales"], send["updates"]):
             with tf.device(pairs[0][0].device):
                 m = n if k is None else _selected_length(n, cs, idx)
                 outputs.append(ops.scatter_chunks(buf[:m], idx, cs, pack.shapes, pack.dtypes,
                                                   postscale))
                 _assign_if(finite, pairs)
-
-        with tf.device("/cpu:0"):
-            local0 = local_norms[0]
-            sent_chunks = tf.reshape(picks[0], [-1, 1])
-            new_l1 = tf.reduce_sum(tf.tensor_scatter_nd_update(
-                local0, sent_chunks, tf.zeros(tf.shape(picks[0]), tf.float32)))
-            residual_l1 = tf.where(finites[0], new_l1, state.residual_l1.read_value())
-            state.residual_l1.assign(residual_l1)
-        sent = tf.constant(4 * c + length * wire.size, tf.int64)
-        selected_count = tf.constant(c if k is None else k, tf.int64)
-        return _flatten(outputs), sent, selected_count, residual_l1
+        return [outputs]
 
 
 def _selected_length(n, chunk_size, idx):
@@ -371,8 +422,9 @@ def _assign_if(condition, pairs):
     tf.cond(condition, assign, lambda: tf.constant(False))
 
 
-def _flatten(nested):
-    return [t for inner in nested for t in inner]
+def _flatten_replicas(per_pack, num_replicas):
+    """[[replica 0 tensors, replica 1 tensors, ...] per pack] -> one flat list, pack by pack."""
+    return [t for outputs in per_pack for r in range(num_replicas) for t in outputs[r]]
 
 
 def _split(flat, sizes):

@@ -97,6 +97,17 @@ Status ChunkRanks(const char* op, const Tensor& indices, int64_t n,
   return ChunkRanks<int32_t>(op, indices, n, chunk_size, rank, covered);
 }
 
+// What a vector `scale` of the chunk ops holds, for error messages.
+constexpr char kPerSelectedChunk[] = "one scale per selected chunk, k = len(indices)";
+
+// The k of a `scale` input: the length of `indices` (input `indices_input`),
+// unknown if its shape is.
+shape_inference::DimensionHandle NumIndices(shape_inference::InferenceContext* c,
+                                            int indices_input) {
+  const shape_inference::ShapeHandle s = c->input(indices_input);
+  return c->RankKnown(s) && c->Rank(s) == 1 ? c->Dim(s, 0) : c->UnknownDim();
+}
+
 Status SameShapeAsInput0(shape_inference::InferenceContext* c, int output) {
   shape_inference::ShapeHandle vec;
   TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &vec));
@@ -230,6 +241,7 @@ REGISTER_KERNEL_BUILDER(Name("GfAccumulate").Device(tensorflow::DEVICE_CPU), GfA
 REGISTER_OP("GfGatherChunks")
     .Input("acc: float")
     .Input("indices: Tindices")
+    .Input("scale: float")
     .Input("velocity: num_velocity * float")
     .Output("selected: wire_dtype")
     .Output("residual: float")
@@ -238,17 +250,20 @@ REGISTER_OP("GfGatherChunks")
     .Attr("num_velocity: int >= 0")
     .Attr("chunk_size: int")
     .Attr("wire_dtype: " GF_TF_WIRE_TYPES)
-    .Attr("scale: float = 1.0")
     .Attr("simd: bool = true")
     .SetShapeFn([](shape_inference::InferenceContext* c) {
+      TF_RETURN_IF_ERROR(CheckScaleShape(c, "GfGatherChunks", 2, NumIndices(c, 1),
+                                         kPerSelectedChunk));
       c->set_output(0, c->Vector(c->UnknownDim()));
       TF_RETURN_IF_ERROR(SameShapeAsInput0(c, 1));
       for (int i = 2; i < c->num_outputs(); ++i) TF_RETURN_IF_ERROR(SameShapeAsInput0(c, i));
       return Status();
     })
     .Doc(R"doc(
-selected = wire(acc[chunks in indices] * scale), chunks in index order;
-residual = acc with those chunks zeroed; new_velocity = velocity likewise.
+selected = wire(acc[chunks in indices] * scale), chunks in index order, the
+chunk indices[j] multiplied by scale[j] (or by `scale` when it is a scalar)
+in float32 before the cast; residual = acc with those chunks zeroed;
+new_velocity = velocity likewise. scale: float32, shape [] or [len(indices)].
 )doc");
 
 class GfGatherChunksOp : public OpKernel {
@@ -257,7 +272,6 @@ class GfGatherChunksOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("chunk_size", &chunk_size_));
     OP_REQUIRES_OK(ctx, CheckChunkSize("gather_chunks", chunk_size_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("wire_dtype", &wire_dtype_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("scale", &scale_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("simd", &simd_));
     int num_velocity;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_velocity", &num_velocity));
@@ -275,8 +289,11 @@ class GfGatherChunksOp : public OpKernel {
     int64_t covered;
     OP_REQUIRES_OK(ctx, ChunkRanks("gather_chunks", ctx->input(1), n, chunk_size_,
                                    &rank, &covered));
+    Scales scale;
+    OP_REQUIRES_OK(ctx, scale.Init("GfGatherChunks", ctx->input(2), ctx->input(1).NumElements(),
+                                   kPerSelectedChunk));
     if (has_velocity_) {
-      const Tensor& v = ctx->input(2);
+      const Tensor& v = ctx->input(kVelocity);
       OP_REQUIRES(ctx, v.shape() == acc.shape(),
                   InvalidArgument("gather_chunks: velocity has shape ", v.shape().DebugString(),
                                   " but acc has ", acc.shape().DebugString()));
@@ -292,8 +309,8 @@ class GfGatherChunksOp : public OpKernel {
     float* v_out = nullptr;
     if (has_velocity_) {
       Tensor* t = nullptr;
-      OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({2}, 2, acc.shape(), &t));
-      v = ctx->input(2).flat<float>().data();
+      OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({kVelocity}, 2, acc.shape(), &t));
+      v = ctx->input(kVelocity).flat<float>().data();
       v_out = t->flat<float>().data();
     }
     char* sel = static_cast<char*>(selected->data());
@@ -308,7 +325,8 @@ class GfGatherChunksOp : public OpKernel {
           // The selected offset: all chunks before this one in `indices` are
           // full (only the last chunk of the buffer can be partial).
           ToWire(tensorflow::DT_FLOAT, a + begin, wire_dtype_,
-                 sel + rank[c] * chunk_size_ * wire_bytes, bytes / sizeof(float), scale_, simd_);
+                 sel + rank[c] * chunk_size_ * wire_bytes, bytes / sizeof(float),
+                 scale[rank[c]], simd_);
           ZeroBytes(res + begin, bytes, stream && res != a);
           if (v_out) ZeroBytes(v_out + begin, bytes, stream && v_out != v);
         } else {
@@ -321,9 +339,9 @@ class GfGatherChunksOp : public OpKernel {
   }
 
  private:
+  static constexpr int kVelocity = 3;  // input index of the optional velocity
   int64_t chunk_size_;
   tensorflow::DataType wire_dtype_;
-  float scale_;
   bool simd_;
   bool has_velocity_;
 };
@@ -336,15 +354,17 @@ REGISTER_KERNEL_BUILDER(Name("GfGatherChunks").Device(tensorflow::DEVICE_CPU),
 REGISTER_OP("GfScatterChunks")
     .Input("selected: wire_dtype")
     .Input("indices: Tindices")
+    .Input("scale: float")
     .Output("tensors: Tout")
     .Attr("Tindices: {int32, int64}")
     .Attr("chunk_size: int")
     .Attr("wire_dtype: " GF_TF_WIRE_TYPES)
     .Attr("Tout: list(" GF_TF_GRAD_TYPES ") >= 0")
     .Attr("shapes: list(shape) >= 0")
-    .Attr("scale: float = 1.0")
     .Attr("simd: bool = true")
     .SetShapeFn([](shape_inference::InferenceContext* c) {
+      TF_RETURN_IF_ERROR(CheckScaleShape(c, "GfScatterChunks", 2, NumIndices(c, 1),
+                                         kPerSelectedChunk));
       std::vector<PartialTensorShape> shapes;
       TF_RETURN_IF_ERROR(c->GetAttr("shapes", &shapes));
       if (static_cast<int>(shapes.size()) != c->num_outputs()) {
@@ -360,7 +380,9 @@ REGISTER_OP("GfScatterChunks")
     })
     .Doc(R"doc(
 Inverse of GfGatherChunks into unpacked tensors of `shapes`/`Tout`: inside the
-chunks `indices`, selected values times `scale`; elsewhere 0.
+chunk indices[j], float32(selected values) * scale[j] (or * `scale` when it is
+a scalar), cast to the output dtype; elsewhere 0. scale: float32, shape [] or
+[len(indices)].
 )doc");
 
 class GfScatterChunksOp : public OpKernel {
@@ -370,7 +392,6 @@ class GfScatterChunksOp : public OpKernel {
     OP_REQUIRES_OK(ctx, CheckChunkSize("scatter_chunks", chunk_size_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("wire_dtype", &wire_dtype_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("Tout", &out_dtypes_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("scale", &scale_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("simd", &simd_));
     OP_REQUIRES_OK(ctx, ReadOutputShapes(ctx, "scatter_chunks", out_dtypes_.size(), &shapes_,
                                          &offsets_));
@@ -391,6 +412,9 @@ class GfScatterChunksOp : public OpKernel {
                 InvalidArgument("scatter_chunks: selected has ", selected.NumElements(),
                                 " elements but the chunks in indices cover ", covered,
                                 "; they must match"));
+    Scales scale;
+    OP_REQUIRES_OK(ctx, scale.Init("GfScatterChunks", ctx->input(2), ctx->input(1).NumElements(),
+                                   kPerSelectedChunk));
     std::vector<char*> out_data;
     OP_REQUIRES_OK(ctx, AllocateTensorsOutput(ctx, shapes_, &out_data));
     const char* sel = static_cast<const char*>(selected.data());
@@ -408,7 +432,7 @@ class GfScatterChunksOp : public OpKernel {
           char* dst = out_data[i] + in_tensor * out_bytes;
           if (r >= 0) {
             FromWire(wire_dtype_, sel + (r * chunk_size_ + in_chunk) * wire_bytes,
-                     out_dtypes_[i], dst, len, scale_, simd_, stream);
+                     out_dtypes_[i], dst, len, scale[r], simd_, stream);
           } else {
             ZeroBytes(dst, len * out_bytes, stream);  // +0.0 in every float dtype
           }
@@ -423,7 +447,6 @@ class GfScatterChunksOp : public OpKernel {
   DataTypeVector out_dtypes_;
   std::vector<TensorShape> shapes_;
   std::vector<int64_t> offsets_;
-  float scale_;
   bool simd_;
 };
 

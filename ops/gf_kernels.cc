@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -90,6 +91,14 @@ void HalfToF32Scalar(const uint16_t* src, float* dst, int64_t n, float scale) {
 }
 void Bf16ToF32Scalar(const uint16_t* src, float* dst, int64_t n, float scale) {
   for (int64_t i = 0; i < n; ++i) dst[i] = Bf16BitsToFloat(src[i]) * scale;
+}
+
+// Largest value of bits & mask: the largest |x| by bit pattern (see AbsMax).
+template <typename Bits>
+Bits MaxMaskedScalar(const Bits* src, int64_t n, Bits mask) {
+  Bits m = 0;
+  for (int64_t i = 0; i < n; ++i) m = std::max<Bits>(m, src[i] & mask);
+  return m;
 }
 
 double AccumulateF32Scalar(const float* r, const float* g, const float* v,
@@ -203,6 +212,40 @@ GF_TF_SIMD void Bf16ToF32Simd(const uint16_t* src, float* dst, int64_t n, float 
     StoreF32<kStream>(dst + i, _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(w, 16)), s));
   }
   Bf16ToF32Scalar(src + i, dst + i, n - i, scale);
+}
+
+// MaxMaskedScalar for 32-bit and 16-bit lanes: two accumulators of 8 x 32
+// or 16 x 16 bits, then the lanes and the scalar tail.
+GF_TF_SIMD uint32_t MaxMasked32Simd(const uint32_t* src, int64_t n, uint32_t mask) {
+  const __m256i k = _mm256_set1_epi32(static_cast<int>(mask));
+  __m256i m0 = _mm256_setzero_si256(), m1 = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const auto* p = reinterpret_cast<const __m256i*>(src + i);
+    m0 = _mm256_max_epu32(m0, _mm256_and_si256(_mm256_loadu_si256(p), k));
+    m1 = _mm256_max_epu32(m1, _mm256_and_si256(_mm256_loadu_si256(p + 1), k));
+  }
+  alignas(32) uint32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_max_epu32(m0, m1));
+  uint32_t m = MaxMaskedScalar(src + i, n - i, mask);
+  for (uint32_t lane : lanes) m = std::max(m, lane);
+  return m;
+}
+
+GF_TF_SIMD uint16_t MaxMasked16Simd(const uint16_t* src, int64_t n, uint16_t mask) {
+  const __m256i k = _mm256_set1_epi16(static_cast<int16_t>(mask));
+  __m256i m0 = _mm256_setzero_si256(), m1 = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const auto* p = reinterpret_cast<const __m256i*>(src + i);
+    m0 = _mm256_max_epu16(m0, _mm256_and_si256(_mm256_loadu_si256(p), k));
+    m1 = _mm256_max_epu16(m1, _mm256_and_si256(_mm256_loadu_si256(p + 1), k));
+  }
+  alignas(32) uint16_t lanes[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_max_epu16(m0, m1));
+  uint16_t m = MaxMaskedScalar<uint16_t>(src + i, n - i, mask);
+  for (uint16_t lane : lanes) m = std::max(m, lane);
+  return m;
 }
 
 GF_TF_SIMD void ZeroStreamSimd(char* dst, int64_t bytes) {
@@ -339,7 +382,68 @@ void WireToF32(DataType wire, const void* src, float* dst, int64_t n,
   }
 }
 
+uint16_t MaxMasked16(const void* src, int64_t n, uint16_t mask, bool simd) {
+  const auto* p = static_cast<const uint16_t*>(src);
+#ifdef GF_TF_X86
+  if (UseSimd(simd)) return MaxMasked16Simd(p, n, mask);
+#endif
+  return MaxMaskedScalar<uint16_t>(p, n, mask);
+}
+
 }  // namespace
+
+float AbsMax(DataType src_dtype, const void* src, int64_t n, bool simd) {
+  switch (src_dtype) {
+    case DT_HALF:
+      return HalfBitsToFloat(MaxMasked16(src, n, 0x7fffu, simd));
+    case DT_BFLOAT16:
+      return Bf16BitsToFloat(MaxMasked16(src, n, 0x7fffu, simd));
+    case DT_DOUBLE: {  // no unsigned 64-bit max in AVX2: scalar
+      const uint64_t bits = MaxMaskedScalar<uint64_t>(static_cast<const uint64_t*>(src), n,
+                                                      0x7fffffffffffffffull);
+      double d;
+      std::memcpy(&d, &bits, 8);
+      return static_cast<float>(d);
+    }
+    default: {
+      const auto* p = static_cast<const uint32_t*>(src);
+#ifdef GF_TF_X86
+      if (UseSimd(simd)) return BitsFloat(MaxMasked32Simd(p, n, 0x7fffffffu));
+#endif
+      return BitsFloat(MaxMaskedScalar<uint32_t>(p, n, 0x7fffffffu));
+    }
+  }
+}
+
+tensorflow::Status Scales::Init(const char* op, const tensorflow::Tensor& t,
+                                int64_t count, const char* items) {
+  const bool scalar = t.dims() == 0;
+  if (!scalar && !(t.dims() == 1 && t.dim_size(0) == count)) {
+    return tensorflow::errors::InvalidArgument(
+        op, ": scale must have shape [] or [", count, "] (", items, "), got ",
+        t.shape().DebugString());
+  }
+  data_ = t.flat<float>().data();
+  per_item_ = !scalar;
+  return tensorflow::Status();
+}
+
+tensorflow::Status CheckScaleShape(tensorflow::shape_inference::InferenceContext* c,
+                                   const char* op, int input,
+                                   tensorflow::shape_inference::DimensionHandle count,
+                                   const char* items) {
+  const tensorflow::shape_inference::ShapeHandle s = c->input(input);
+  if (!c->RankKnown(s) || c->Rank(s) == 0) return tensorflow::Status();
+  if (c->Rank(s) == 1) {
+    const auto d = c->Dim(s, 0);
+    if (!c->ValueKnown(d) || !c->ValueKnown(count) || c->Value(d) == c->Value(count)) {
+      return tensorflow::Status();
+    }
+  }
+  const std::string expected = c->ValueKnown(count) ? std::to_string(c->Value(count)) : "?";
+  return tensorflow::errors::InvalidArgument(op, ": scale must have shape [] or [", expected,
+                                             "] (", items, "), got ", c->DebugString(s));
+}
 
 bool StreamOutput(int64_t output_bytes) {
   constexpr int64_t kStreamBytes = 16 << 20;  // well beyond L2, a good part of L3

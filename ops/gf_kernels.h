@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/framework/types.h"
 
 namespace gf_tf {
@@ -82,6 +83,36 @@ tensorflow::Status ReadOutputShapes(tensorflow::OpKernelConstruction* ctx,
 tensorflow::Status AllocateTensorsOutput(
     tensorflow::OpKernelContext* ctx,
     const std::vector<tensorflow::TensorShape>& shapes, std::vector<char*>* data);
+
+// max |src[i]| over i < n as float32 (0 for n == 0); NaN if any src[i] is
+// NaN, else inf if any is +-inf. src dtype: half, bfloat16, float or double
+// (a double maximum is rounded to the nearest float). Computed on the bits
+// with the sign cleared (exact, NaN above inf above every finite value); the
+// result is never negative and a NaN result has its sign bit clear, so the
+// bits of two results, as unsigned integers, order like their values.
+float AbsMax(DataType src_dtype, const void* src, int64_t n, bool simd);
+
+// The `scale` input of the scaling ops: one float32 for every item (shape [])
+// or one per item (shape [count]); scale[i] is item i's.
+class Scales {
+ public:
+  // Checks the shape of `t`; on error names `op`, the expected shapes and
+  // `items` (what the count counts, e.g. "one per input tensor").
+  tensorflow::Status Init(const char* op, const tensorflow::Tensor& t,
+                          int64_t count, const char* items);
+  float operator[](int64_t i) const { return per_item_ ? data_[i] : data_[0]; }
+
+ private:
+  const float* data_ = nullptr;
+  bool per_item_ = false;
+};
+
+// Shape-function check of a `scale` input (input index `input`): rank 0, or
+// rank 1 with `count` elements when both are known.
+tensorflow::Status CheckScaleShape(tensorflow::shape_inference::InferenceContext* c,
+                                   const char* op, int input,
+                                   tensorflow::shape_inference::DimensionHandle count,
+                                   const char* items);
 
 inline int64_t NumChunks(int64_t n, int64_t chunk_size) {
   return (n + chunk_size - 1) / chunk_size;

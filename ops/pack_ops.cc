@@ -1,7 +1,12 @@
 // GfPack / GfUnpack: many gradients <-> one wire buffer (FP16, BF16 or FP32),
-// scaled and cast in the same single pass over the bytes.
+// scaled (one scale per tensor, or one for all) and cast in the same single
+// pass over the bytes; GfAbsMax: the per-tensor magnitude bound the scales
+// are chosen from.
 // Source: GradientFlow (arXiv 1902.06855), lazy all-reduce and
 // mixed-precision communication.
+#include <atomic>
+#include <cstring>
+#include <memory>
 #include <vector>
 
 #include "gf_kernels.h"
@@ -29,38 +34,51 @@ namespace shape_inference = tensorflow::shape_inference;
 // Packed elements per unit of parallel work.
 constexpr int64_t kPackBlock = 32 * 1024;
 
+// What a vector `scale` holds, for error messages.
+constexpr char kPerInputTensor[] = "one scale per input tensor";
+constexpr char kPerOutputTensor[] = "one scale per output tensor";
+
 REGISTER_OP("GfPack")
     .Input("tensors: Tin")
+    .Input("scale: float")
     .Output("packed: wire_dtype")
     .Attr("Tin: list(" GF_TF_GRAD_TYPES ") >= 0")
     .Attr("wire_dtype: " GF_TF_WIRE_TYPES)
-    .Attr("scale: float = 1.0")
     .Attr("simd: bool = true")
     .SetShapeFn([](shape_inference::InferenceContext* c) {
+      const int num_tensors = c->num_inputs() - 1;
+      TF_RETURN_IF_ERROR(CheckScaleShape(c, "GfPack", num_tensors, c->MakeDim(num_tensors),
+                                         kPerInputTensor));
       shape_inference::DimensionHandle total = c->MakeDim(0);
-      for (int i = 0; i < c->num_inputs(); ++i) {
+      for (int i = 0; i < num_tensors; ++i) {
         TF_RETURN_IF_ERROR(c->Add(total, c->NumElements(c->input(i)), &total));
       }
       c->set_output(0, c->Vector(total));
       return Status();
     })
     .Doc(R"doc(
-Flattens the tensors, multiplies each element by `scale` and casts it to
-`wire_dtype` (round to nearest even, overflow to +-inf, NaN stays NaN), all
-into one 1-D buffer in list order. `simd=false` forces the scalar code.
+Flattens the tensors, multiplies each element of tensors[i] by scale[i] (or
+by `scale` when it is a scalar) and casts it to `wire_dtype` (round to nearest
+even, overflow to +-inf, NaN stays NaN), all into one 1-D buffer in list
+order. The product is formed in float32 (in float64 for float64 inputs, which
+are then rounded once). scale: float32, shape [] or [len(tensors)].
+`simd=false` forces the scalar code.
 )doc");
 
 class GfPackOp : public OpKernel {
  public:
   explicit GfPackOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("wire_dtype", &wire_dtype_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("scale", &scale_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("simd", &simd_));
   }
 
   void Compute(OpKernelContext* ctx) override {
     OpInputList tensors;
     OP_REQUIRES_OK(ctx, ctx->input_list("tensors", &tensors));
+    const Tensor* scale_input = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->input("scale", &scale_input));
+    Scales scale;
+    OP_REQUIRES_OK(ctx, scale.Init("GfPack", *scale_input, tensors.size(), kPerInputTensor));
     std::vector<int64_t> sizes;
     for (const Tensor& t : tensors) sizes.push_back(t.NumElements());
     const std::vector<int64_t> offsets = PrefixOffsets(sizes);
@@ -81,14 +99,13 @@ class GfPackOp : public OpKernel {
         const char* src = static_cast<const char*>(t.data()) +
                           in_tensor * tensorflow::DataTypeSize(t.dtype());
         ToWire(t.dtype(), src, wire_dtype_,
-               out + (offsets[i] + in_tensor) * wire_bytes, len, scale_, simd_);
+               out + (offsets[i] + in_tensor) * wire_bytes, len, scale[i], simd_);
       });
     });
   }
 
  private:
   tensorflow::DataType wire_dtype_;
-  float scale_;
   bool simd_;
 };
 
@@ -96,11 +113,11 @@ REGISTER_KERNEL_BUILDER(Name("GfPack").Device(tensorflow::DEVICE_CPU), GfPackOp)
 
 REGISTER_OP("GfUnpack")
     .Input("packed: wire_dtype")
+    .Input("scale: float")
     .Output("tensors: Tout")
     .Attr("wire_dtype: " GF_TF_WIRE_TYPES)
     .Attr("Tout: list(" GF_TF_GRAD_TYPES ") >= 0")
     .Attr("shapes: list(shape) >= 0")
-    .Attr("scale: float = 1.0")
     .Attr("simd: bool = true")
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       std::vector<PartialTensorShape> shapes;
@@ -111,6 +128,8 @@ REGISTER_OP("GfUnpack")
       }
       shape_inference::ShapeHandle vec;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &vec));
+      TF_RETURN_IF_ERROR(CheckScaleShape(c, "GfUnpack", 1, c->MakeDim(c->num_outputs()),
+                                         kPerOutputTensor));
       for (int i = 0; i < c->num_outputs(); ++i) {
         shape_inference::ShapeHandle s;
         TF_RETURN_IF_ERROR(c->MakeShapeFromPartialTensorShape(shapes[i], &s));
@@ -119,8 +138,9 @@ REGISTER_OP("GfUnpack")
       return Status();
     })
     .Doc(R"doc(
-Inverse of GfPack: splits `packed` into tensors of `shapes`, each element
-multiplied by `scale` in float and cast to its dtype in `Tout`.
+Inverse of GfPack: splits `packed` into tensors of `shapes`; output i is
+cast(float32(segment i) * scale[i]) to its dtype in `Tout` (the product in
+float32). scale: float32, shape [] (one for all) or [len(shapes)].
 )doc");
 
 class GfUnpackOp : public OpKernel {
@@ -128,7 +148,6 @@ class GfUnpackOp : public OpKernel {
   explicit GfUnpackOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("wire_dtype", &wire_dtype_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("Tout", &out_dtypes_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("scale", &scale_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("simd", &simd_));
     OP_REQUIRES_OK(ctx, ReadOutputShapes(ctx, "GfUnpack", out_dtypes_.size(), &shapes_,
                                          &offsets_));
@@ -144,6 +163,8 @@ class GfUnpackOp : public OpKernel {
                 InvalidArgument("GfUnpack: the packed buffer has ", packed.NumElements(),
                                 " elements but the shapes hold ", total,
                                 "; they must match"));
+    Scales scale;
+    OP_REQUIRES_OK(ctx, scale.Init("GfUnpack", ctx->input(1), shapes_.size(), kPerOutputTensor));
     std::vector<char*> out_data;
     OP_REQUIRES_OK(ctx, AllocateTensorsOutput(ctx, shapes_, &out_data));
     const char* src = static_cast<const char*>(packed.data());
@@ -158,7 +179,7 @@ class GfUnpackOp : public OpKernel {
         const int out_bytes = tensorflow::DataTypeSize(out_dtypes_[i]);
         FromWire(wire_dtype_, src + (offsets_[i] + in_tensor) * wire_bytes,
                  out_dtypes_[i], out_data[i] + in_tensor * out_bytes, len,
-                 scale_, simd_, stream);
+                 scale[i], simd_, stream);
       });
     });
   }
@@ -168,11 +189,78 @@ class GfUnpackOp : public OpKernel {
   DataTypeVector out_dtypes_;
   std::vector<TensorShape> shapes_;
   std::vector<int64_t> offsets_;
-  float scale_;
   bool simd_;
 };
 
 REGISTER_KERNEL_BUILDER(Name("GfUnpack").Device(tensorflow::DEVICE_CPU), GfUnpackOp);
+
+// ---------------------------------------------------------------------------
+
+REGISTER_OP("GfAbsMax")
+    .Input("tensors: Tin")
+    .Output("abs_max: float")
+    .Attr("Tin: list(" GF_TF_GRAD_TYPES ") >= 0")
+    .Attr("simd: bool = true")
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      c->set_output(0, c->Vector(c->num_inputs()));
+      return Status();
+    })
+    .Doc(R"doc(
+abs_max[i] = max |tensors[i]| as float32: 0 for an empty tensor, NaN if it
+holds a NaN, else inf if it holds +-inf. Exact for half, bfloat16 and float
+inputs; a float64 maximum is rounded to the nearest float32. The magnitude
+bound from which a power-of-two wire scale is chosen.
+)doc");
+
+class GfAbsMaxOp : public OpKernel {
+ public:
+  explicit GfAbsMaxOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("simd", &simd_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    OpInputList tensors;
+    OP_REQUIRES_OK(ctx, ctx->input_list("tensors", &tensors));
+    std::vector<int64_t> sizes;
+    for (const Tensor& t : tensors) sizes.push_back(t.NumElements());
+    const std::vector<int64_t> offsets = PrefixOffsets(sizes);
+    const int64_t total = offsets.back();
+    const int num_tensors = tensors.size();
+    Tensor* abs_max = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({num_tensors}), &abs_max));
+
+    // Shards combine their maxima per tensor through the bits of non-negative
+    // floats (AbsMax's results), whose unsigned order is the order of values.
+    std::unique_ptr<std::atomic<uint32_t>[]> bits(new std::atomic<uint32_t>[num_tensors]);
+    for (int i = 0; i < num_tensors; ++i) bits[i].store(0);
+    ParallelFor(ctx, (total + kPackBlock - 1) / kPackBlock, kPackBlock,
+                [&](int64_t first, int64_t last) {
+      const int64_t begin = first * kPackBlock;
+      const int64_t end = std::min(total, last * kPackBlock);
+      ForEachSegment(offsets, begin, end, [&](int i, int64_t in_tensor, int64_t, int64_t len) {
+        const Tensor& t = tensors[i];
+        const char* src = static_cast<const char*>(t.data()) +
+                          in_tensor * tensorflow::DataTypeSize(t.dtype());
+        const float m = AbsMax(t.dtype(), src, len, simd_);
+        uint32_t m_bits;
+        std::memcpy(&m_bits, &m, 4);
+        uint32_t seen = bits[i].load();
+        while (m_bits > seen && !bits[i].compare_exchange_weak(seen, m_bits)) {
+        }
+      });
+    });
+    float* out = abs_max->flat<float>().data();
+    for (int i = 0; i < num_tensors; ++i) {
+      const uint32_t b = bits[i].load();
+      std::memcpy(out + i, &b, 4);
+    }
+  }
+
+ private:
+  bool simd_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("GfAbsMax").Device(tensorflow::DEVICE_CPU), GfAbsMaxOp);
 
 }  // namespace gf_tf
 

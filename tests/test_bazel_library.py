@@ -26,7 +26,7 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CHILD_TIMEOUT_SECONDS = 300
-PUBLIC_OPS = ["pack", "unpack", "accumulate", "gather_chunks", "scatter_chunks"]
+PUBLIC_OPS = ["pack", "unpack", "accumulate", "gather_chunks", "scatter_chunks", "abs_max"]
 REQUIRE_BAZEL = os.environ.get("GF_TF_REQUIRE_BAZEL") == "1"
 BUILD_HINT = ("build it with `.ci/bazel_build.sh $(which python)` (prints its path for "
               "GF_TF_BAZEL_LIBRARY) or `bazel build --repo_env=TF_PYTHON=$(which python) //:_gf_tf_ops.so`")
@@ -71,11 +71,15 @@ def _run_all_ops(np, tf, ops, wrap):
     for label, tensors in [("f32", float32_tensors), ("mixed", mixed_tensors)]:
         shapes = [t.shape for t in tensors]
         dtypes = [t.dtype for t in tensors]
-        for wire, scale in [(tf.float16, 0.5), (tf.bfloat16, 1.0), (tf.float32, 0.25)]:
-            key = f"{label}_{wire.name}"
+        results[f"abs_max_{label}"] = wrap("abs_max", _bind(ops.abs_max))(tensors)
+        per_tensor = tf.constant(2.0 ** np.arange(-12, -12 + 5 * len(tensors), 5), tf.float32)
+        for wire, scale in [(tf.float16, 0.5), (tf.bfloat16, 1.0), (tf.float32, 0.25),
+                            (tf.float16, per_tensor)]:
+            key = f"{label}_{wire.name}" + ("_per_tensor" if scale is per_tensor else "")
             packed = wrap("pack", _bind(ops.pack, wire, scale))(tensors)
             results[f"pack_{key}"] = packed
-            unpacked = wrap("unpack", _bind(ops.unpack, shapes, dtypes, 2.0))(packed)
+            unpacked = wrap("unpack", _bind(ops.unpack, shapes, dtypes,
+                                            1.0 / per_tensor if scale is per_tensor else 2.0))(packed)
             for i, part in enumerate(unpacked):
                 results[f"unpack_{key}_{i}"] = part
 
@@ -98,8 +102,9 @@ def _run_all_ops(np, tf, ops, wrap):
                 results[f"accumulate_{key}_velocity"] = new_velocity
             results[f"accumulate_{key}_acc"] = acc
             results[f"accumulate_{key}_norms"] = norms
-            for wire, scale in [(tf.float16, 0.5), (tf.bfloat16, 1.0)]:
-                wkey = f"{key}_{wire.name}"
+            per_chunk = tf.constant([2.0 ** -10, 3.0, 2.0 ** 20][:int(indices.shape[0])], tf.float32)
+            for wire, scale in [(tf.float16, 0.5), (tf.bfloat16, 1.0), (tf.float16, per_chunk)]:
+                wkey = f"{key}_{wire.name}" + ("_per_chunk" if scale is per_chunk else "")
                 selected, left, left_velocity = wrap(
                     "gather_chunks",
                     _bind(ops.gather_chunks, chunk_size, wire, scale, velocity=new_velocity),
@@ -109,7 +114,8 @@ def _run_all_ops(np, tf, ops, wrap):
                 if left_velocity is not None:
                     results[f"gather_{wkey}_velocity"] = left_velocity
                 parts = wrap(
-                    "scatter_chunks", _bind(ops.scatter_chunks, chunk_size, shapes, dtypes, 2.0)
+                    "scatter_chunks", _bind(ops.scatter_chunks, chunk_size, shapes, dtypes,
+                                            1.0 / per_chunk if scale is per_chunk else 2.0)
                 )(selected, indices)
                 for i, part in enumerate(parts):
                     results[f"scatter_{wkey}_{i}"] = part

@@ -65,10 +65,11 @@ def round_to(y, dtype):
     y = np.asarray(y, np.float64)
     if dtype == F64:
         return y.copy()
-    if dtype == F32:
-        return y.astype(np.float32).astype(np.float64)
-    if dtype == F16:
-        return y.astype(np.float16).astype(np.float64)
+    with np.errstate(over="ignore"):  # beyond the range: +-inf, as the contract says
+        if dtype == F32:
+            return y.astype(np.float32).astype(np.float64)
+        if dtype == F16:
+            return y.astype(np.float16).astype(np.float64)
     return bf16_round(y)
 
 
@@ -358,6 +359,348 @@ def test_outputs_larger_than_the_caches_match_reference():
 
 
 # ---------------------------------------------------------------------------
+# Run-time scales: a Python float, a float32 scalar tensor, or one float32
+# scale per tensor (pack, unpack) / per selected chunk (gather, scatter).
+# ---------------------------------------------------------------------------
+
+@pytest.fixture(params=["eager", "tf_function"])
+def run(request):
+    """run(fn, *args): fn(*args) eagerly, or through a fresh tf.function (tensor args are graph inputs)."""
+    if request.param == "eager":
+        return lambda fn, *args: fn(*args)
+    return lambda fn, *args: tf.function(fn)(*args)
+
+
+SCALE_KINDS = ["python_float", "scalar_tensor", "vector_tensor"]
+
+
+def random_scales(count):
+    """float32 [count]: mostly powers of two in [2^-24, 2^40], some arbitrary values of either sign."""
+    powers = 2.0 ** RNG.integers(-24, 41, count)
+    return np.where(RNG.random(count) < 0.7, powers, RNG.uniform(-3.0, 3.0, count)).astype(np.float32)
+
+
+def scale_argument(kind, count):
+    """(the `scale` to pass, float64 [count]: the scale of each item)."""
+    values = random_scales(count if kind == "vector_tensor" else 1)
+    per_item = np.resize(values, count).astype(np.float64)
+    if kind == "python_float":
+        return float(values[0]), per_item
+    if kind == "scalar_tensor":
+        return tf.constant(values[0]), per_item
+    return tf.constant(values), per_item
+
+
+def segments(flat, sizes):
+    offsets = np.cumsum([0] + list(sizes))
+    return [flat[b:e] for b, e in zip(offsets[:-1], offsets[1:])]
+
+
+@pytest.mark.parametrize("sizes", list(SIZE_CASES.values()), ids=list(SIZE_CASES))
+@pytest.mark.parametrize("wire", [F16, BF16, F32], ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("kind", SCALE_KINDS)
+def test_pack_with_runtime_scales_matches_reference(impl, run, sizes, wire, kind):
+    tensors, flat = random_tensors(sizes, GRAD_DTYPES, spread=2.0)
+    scale, per_tensor = scale_argument(kind, len(tensors))
+    packed = run(lambda ts, s: impl.pack(ts, wire, s), tensors, scale)
+    assert packed.dtype == wire and packed.shape == (len(flat),)
+    expected = [ref_to_wire(part, t.dtype, wire, k)
+                for part, t, k in zip(segments(flat, sizes), tensors, per_tensor)]
+    assert_same(packed, np.concatenate(expected) if expected else [])
+
+
+@pytest.mark.parametrize("sizes", list(SIZE_CASES.values()), ids=list(SIZE_CASES))
+@pytest.mark.parametrize("wire", [F16, BF16, F32], ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("kind", SCALE_KINDS)
+def test_unpack_with_runtime_scales_matches_reference(impl, run, sizes, wire, kind):
+    wire_values = round_to(RNG.normal(size=sum(sizes)) * 100.0, wire)
+    wire_values = np.where(np.abs(wire_values) < 1e-30, 1.0, wire_values)  # no bf16 subnormals
+    wire_tensor = make_tensor(wire_values, wire)[0]
+    shapes = [[n] if n % 2 or n == 0 else [2, n // 2] for n in sizes]
+    dtypes = [GRAD_DTYPES[i % 4] for i in range(len(sizes))]
+    scale, per_output = scale_argument(kind, len(sizes))
+    outputs = run(lambda b, s: impl.unpack(b, shapes, dtypes, s), wire_tensor, scale)
+    assert len(outputs) == len(sizes)
+    for out, shape, dtype, part, k in zip(outputs, shapes, dtypes, segments(wire_values, sizes),
+                                          per_output):
+        assert out.dtype == dtype and out.shape.as_list() == shape
+        assert_same(tf.reshape(out, [-1]), ref_from_wire(part, dtype, k))
+
+
+def chunk_element_scales(n, chunk_size, indices, per_chunk):
+    """float64 [elements in the chunks `indices`]: each element's scale, in selected order."""
+    lengths = [min(chunk_size, n - c * chunk_size) for c in indices]
+    return np.repeat(np.asarray(per_chunk, np.float64), lengths)
+
+
+@pytest.mark.parametrize("case", list(CHUNK_CASES.values()), ids=list(CHUNK_CASES))
+@pytest.mark.parametrize("wire", [F16, BF16, F32], ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("kind", SCALE_KINDS)
+def test_gather_chunks_with_runtime_scales_matches_reference(impl, run, case, wire, kind):
+    sizes, chunk_size = case
+    n = sum(sizes)
+    acc = round_to(RNG.normal(size=n) * 10.0, F32)
+    velocity = round_to(RNG.normal(size=n), F32)
+    indices = random_indices(n, chunk_size, include_last=bool(RNG.integers(2)))
+    mask = chunk_mask(n, chunk_size, indices)
+    scale, per_chunk = scale_argument(kind, len(indices))
+    selected, residual, new_velocity = run(
+        lambda a, i, s, v: impl.gather_chunks(a, i, chunk_size, wire, s, v),
+        tf.constant(acc, F32), tf.constant(indices), scale, tf.constant(velocity, F32))
+    element_scales = chunk_element_scales(n, chunk_size, indices, per_chunk)
+    assert_same(selected, ref_to_wire(acc[mask], F32, wire, element_scales))
+    assert_same(residual, np.where(mask, 0.0, acc))
+    assert_same(new_velocity, np.where(mask, 0.0, velocity))
+
+
+@pytest.mark.parametrize("case", list(CHUNK_CASES.values()), ids=list(CHUNK_CASES))
+@pytest.mark.parametrize("wire", [F16, BF16, F32], ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("kind", SCALE_KINDS)
+def test_scatter_chunks_with_runtime_scales_matches_reference(impl, run, case, wire, kind):
+    sizes, chunk_size = case
+    n = sum(sizes)
+    indices = random_indices(n, chunk_size, include_last=bool(RNG.integers(2)))
+    mask = chunk_mask(n, chunk_size, indices)
+    wire_values = round_to(RNG.normal(size=int(mask.sum())) * 100.0, wire)
+    wire_values = np.where(np.abs(wire_values) < 1e-30, 1.0, wire_values)  # no bf16 subnormals
+    scale, per_chunk = scale_argument(kind, len(indices))
+    shapes = [[s] for s in sizes]
+    dtypes = [(F32, F16, F64, BF16)[i % 4] for i in range(len(sizes))]
+    outputs = run(lambda sel, i, s: impl.scatter_chunks(sel, i, chunk_size, shapes, dtypes, s),
+                  make_tensor(wire_values, wire)[0], tf.constant(indices), scale)
+    full = np.zeros(n)
+    full[mask] = ref_from_wire(wire_values, F32, chunk_element_scales(n, chunk_size, indices, per_chunk))
+    for out, part, dtype in zip(outputs, segments(full, sizes), dtypes):
+        assert out.dtype == dtype
+        assert_same(out, round_to(part, dtype))
+
+
+# Values v and power-of-two scales 2^k with v * 2^k at the edges of FP16's range.
+FP16_EDGES = [  # (value, k, v * 2^k in FP16)
+    (65504.0 * 2.0 ** -40, 40, 65504.0),               # the largest finite value, exactly
+    (65519.0 * 2.0 ** -30, 30, 65504.0),               # rounds down to it
+    (65520.0 * 2.0 ** -20, 20, np.inf),                # the halfway point rounds to inf
+    (-1e6 * 2.0 ** 10, -10, -np.inf),                  # beyond the range
+    (2.0 ** -24 * 2.0 ** 24, -24, 2.0 ** -24),         # the smallest subnormal
+    (3.0 * 2.0 ** -26 * 2.0 ** 24, -24, 2.0 ** -24),   # rounds up to it
+    (2.0 ** -25 * 2.0 ** 24, -24, 0.0),                # half of it: tie to even, 0
+    (-1000.5 * 2.0 ** -10, 10, -1000.5),               # an ordinary value, exactly
+    (np.nan, -24, np.nan),
+    (np.inf, 40, np.inf),
+]
+
+
+def fp16_edge_expectation():
+    values = np.array([v for v, _, _ in FP16_EDGES])
+    scales = np.array([2.0 ** k for _, k, _ in FP16_EDGES], np.float32)
+    expected = round_to(values * scales.astype(np.float64), F16)  # exact products, one rounding
+    np.testing.assert_array_equal(expected, [e for _, _, e in FP16_EDGES])
+    return values, scales, expected
+
+
+def test_pack_power_of_two_scales_at_fp16_limits(impl):
+    values, scales, expected = fp16_edge_expectation()
+    for dtype in (F32, F64):
+        tensors = [tf.constant([v], dtype) for v in values]
+        assert_same(impl.pack(tensors, F16, tf.constant(scales)), expected)
+    # The same values in one tensor of 37 (vector body and tail) with one scale each.
+    for v, k, e in zip(values, scales, expected):
+        assert_same(impl.pack([tf.constant(np.full(37, v), F32)], F16, float(k)), np.full(37, e))
+
+
+def test_gather_chunks_power_of_two_scales_at_fp16_limits(impl):
+    values, scales, expected = fp16_edge_expectation()
+    chunk_size = 7  # one value per chunk, repeated; the last chunk partial
+    n = chunk_size * len(values) - 3
+    acc = np.repeat(values, chunk_size)[:n]
+    indices = np.arange(len(values), dtype=np.int32)
+    selected, _, _ = impl.gather_chunks(tf.constant(acc, F32), tf.constant(indices), chunk_size,
+                                        F16, tf.constant(scales), None)
+    assert_same(selected, np.repeat(expected, chunk_size)[:n])
+
+
+def bits(t):
+    array = t.numpy()
+    return array.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[array.dtype.itemsize])
+
+
+@pytest.mark.parametrize("k", [-24, 40, None], ids=["2^-24", "2^40", "random_powers"])
+def test_power_of_two_scales_round_trip_bitwise_on_a_float32_wire(impl, k):
+    """x * 2^k on the wire, then * 2^-k, gives x back bit for bit: the scales are exact."""
+    sizes = [1009, 7, 1, 0, 40]
+    tensors, flat = random_tensors(sizes, (F32,), spread=3.0)
+    flat[:6] = [-0.0, np.nan, np.inf, -np.inf, 1e-3, -1e3]
+    tensors[0] = tf.constant(flat[:1009].astype(np.float32))
+    exponents = RNG.integers(-24, 41, len(sizes)) if k is None else np.full(len(sizes), k)
+    up = tf.constant(2.0 ** exponents, F32)
+    down = tf.constant(2.0 ** -exponents, F32)
+    packed = impl.pack(tensors, F32, up)
+    restored = impl.unpack(packed, [t.shape for t in tensors], [F32] * len(sizes), down)
+    for t, r in zip(tensors, restored):
+        np.testing.assert_array_equal(bits(r), bits(t))
+
+    n, chunk_size = len(flat), 100
+    acc = tf.constant(flat.astype(np.float32))
+    indices = random_indices(n, chunk_size, include_last=True)
+    exponents = RNG.integers(-24, 41, len(indices)) if k is None else np.full(len(indices), k)
+    selected, _, _ = impl.gather_chunks(acc, tf.constant(indices), chunk_size, F32,
+                                        tf.constant(2.0 ** exponents, F32), None)
+    (scattered,) = impl.scatter_chunks(selected, tf.constant(indices), chunk_size, [[n]], [F32],
+                                       tf.constant(2.0 ** -exponents, F32))
+    mask = chunk_mask(n, chunk_size, indices)
+    np.testing.assert_array_equal(bits(scattered)[mask], bits(acc)[mask])
+    np.testing.assert_array_equal(bits(scattered)[~mask], 0)  # +0.0
+
+
+def test_scales_accept_lists_and_numpy_arrays(impl):
+    tensors = [tf.constant([1.0, 3.0]), tf.constant([5.0], F64)]
+    for scale in ([0.5, 4.0], np.array([0.5, 4.0]), (0.5, 4.0), np.float32(0.5)):
+        expected = [0.5, 1.5, 20.0 if np.ndim(scale) else 2.5]
+        assert_same(impl.pack(tensors, F16, scale), expected)
+        assert_same(tf.concat([tf.cast(o, F64) for o in impl.unpack(
+            tf.constant([1.0, 3.0, 5.0], F16), [[2], [1]], [F32, F64], scale)], 0), expected)
+
+
+def test_runtime_scales_of_unknown_shape_match_known(impl):
+    """Scale tensors whose shape is known only at run time (input_signature) give the same results."""
+    tensors, _ = random_tensors([1009, 7, 1], (F32, F64))
+    shapes, dtypes = [t.shape for t in tensors], [t.dtype for t in tensors]
+    acc = tf.constant(RNG.normal(size=1017) * 10.0, F32)
+    indices = tf.constant([0, 3, 10], tf.int32)
+    any_scale = tf.TensorSpec(None, F32)
+
+    def step(pack_scale, chunk_scale, indices):
+        packed = impl.pack(tensors, F16, pack_scale)
+        unpacked = impl.unpack(packed, shapes, dtypes, pack_scale)
+        selected, _, _ = impl.gather_chunks(acc, indices, 100, BF16, chunk_scale, None)
+        scattered = impl.scatter_chunks(selected, indices, 100, shapes, dtypes, chunk_scale)
+        return [packed, selected] + unpacked + scattered
+
+    dynamic = tf.function(step, input_signature=[any_scale, any_scale, tf.TensorSpec([None], tf.int32)])
+    for pack_scale, chunk_scale in [(random_scales(3), random_scales(3)),
+                                    (random_scales(1)[0], random_scales(1)[0])]:
+        pack_scale, chunk_scale = tf.constant(pack_scale), tf.constant(chunk_scale)
+        for got, want in zip(dynamic(pack_scale, chunk_scale, indices),
+                             step(pack_scale, chunk_scale, indices)):
+            assert_same(got, as_f64(want))
+
+
+# ---------------------------------------------------------------------------
+# abs_max
+# ---------------------------------------------------------------------------
+
+def tensor_from_bits(raw, dtype):
+    """(tensor of `dtype` with exactly these bit patterns, their float64 values)."""
+    int_dtype = {F16: np.uint16, BF16: np.uint16, F32: np.uint32, F64: np.uint64}[dtype]
+    raw = np.asarray(raw, int_dtype)
+    signed = {2: tf.int16, 4: tf.int32, 8: tf.int64}[raw.dtype.itemsize]
+    tensor = tf.bitcast(tf.constant(raw.view(signed.as_numpy_dtype)), dtype)
+    if dtype == BF16:
+        values = (raw.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    else:
+        values = raw.view({F16: np.float16, F32: np.float32, F64: np.float64}[dtype]).astype(np.float64)
+    return tensor, values
+
+
+def random_bits(n, dtype):
+    """Random bit patterns of `dtype` as uint64: every exponent equally likely (subnormals,
+    inf and NaN included)."""
+    width = {F16: 16, BF16: 16, F32: 32, F64: 64}[dtype]
+    return RNG.integers(0, 2 ** width - 1, n, dtype=np.uint64, endpoint=True)
+
+
+def ref_abs_max(values):
+    """float64 reference: max |v| (0 if empty; NaN if any NaN), rounded to float32."""
+    if values.size == 0:
+        return 0.0
+    if np.isnan(values).any():
+        return np.nan
+    with np.errstate(over="ignore"):
+        return float(np.float32(np.max(np.abs(values))))
+
+
+def finite_bits(n, dtype, exponent_bits):
+    """Random finite, non-NaN bit patterns (random sign, exponent below all ones)."""
+    raw = random_bits(n, dtype)
+    width = {F16: 16, BF16: 16, F32: 32, F64: 64}[dtype]
+    all_ones = ((1 << exponent_bits) - 1) << (width - 1 - exponent_bits)
+    raw = raw.astype(np.uint64)
+    is_special = (raw & np.uint64(all_ones)) == np.uint64(all_ones)
+    return np.where(is_special, raw & ~np.uint64(1 << (width - 2)), raw)
+
+
+EXPONENT_BITS = {F16: 5, BF16: 8, F32: 8, F64: 11}
+
+
+@pytest.mark.parametrize("sizes", [[], [0], [1, 7, 1009, 0, 40000, 100003, 70001, 33000], [3] * 40],
+                         ids=["no_tensors", "empty", "mixed_sizes", "many_tensors"])
+def test_abs_max_matches_reference(impl, run, sizes):
+    """Random bit patterns of every finite magnitude (subnormals included) in tensors of every
+    dtype, large ones spanning several parallel shards."""
+    tensors, expected = [], []
+    for i, n in enumerate(sizes):
+        dtype = GRAD_DTYPES[(i + 1) % 4]
+        if dtype == F64:  # maxima that float32 represents as normal numbers or inf (see abs_max)
+            values = RNG.normal(size=n) * 10.0 ** RNG.uniform(-30, 60, n)
+            t, exact = tf.constant(values, F64), values
+        else:
+            t, exact = tensor_from_bits(finite_bits(n, dtype, EXPONENT_BITS[dtype]), dtype)
+        tensors.append(tf.reshape(t, [n] if n % 2 else [n // 2, 2] if n else [0, 3]))
+        expected.append(ref_abs_max(exact))
+    got = run(impl.abs_max, tensors)
+    assert got.dtype == F32 and got.shape == (len(sizes),)
+    assert_same(got, expected)
+
+
+@pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("length", [1, 7, 37, 1009], ids=lambda n: f"n{n}")
+def test_abs_max_special_values(impl, dtype, length):
+    def case(values):
+        values = np.asarray(values, np.float64)
+        if dtype == BF16:
+            t = tf.cast(tf.constant(values.astype(np.float32)), BF16)  # normal values: exact
+        else:
+            t = tf.constant(values, dtype)
+        return t
+
+    position = int(RNG.integers(length))  # vector body or tail
+    base = np.where(np.arange(length) % 2, -1.0, 0.5) * 3.0
+    cases = []
+    for special, want in [(np.nan, np.nan), (np.inf, np.inf), (-np.inf, np.inf), (-7.0, 7.0)]:
+        values = base.copy()
+        values[position] = special
+        cases.append((case(values), want))
+    with_both = base.copy()
+    with_both[position] = -np.inf
+    with_both[(position + length // 2) % length] = np.nan
+    cases.append((case(with_both), np.nan))
+    cases.append((case(np.full(length, -0.0)), 0.0))
+    got = impl.abs_max([t for t, _ in cases])
+    assert_same(got, [w for _, w in cases])
+    assert not np.signbit(got.numpy()[-1])  # max |-0.0| is +0.0
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16, F32], ids=lambda d: d.name)
+def test_abs_max_of_subnormals_is_exact(impl, dtype):
+    """Subnormal maxima come back exactly (TF's own max reads them as 0: denormals-are-zero)."""
+    mantissa_bits = {F16: 10, BF16: 7, F32: 23}[dtype]
+    raw = RNG.integers(1, 2 ** mantissa_bits, 1009)  # exponent 0: subnormal
+    raw[::3] |= 1 << 15 if dtype != F32 else 1 << 31  # negative ones too
+    t, values = tensor_from_bits(raw, dtype)
+    assert_same(impl.abs_max([t, t[:1], t[:7]]),
+                [ref_abs_max(values), ref_abs_max(values[:1]), ref_abs_max(values[:7])])
+    assert 0 < impl.abs_max([t]).numpy()[0] < 2.0 ** -14
+
+
+def test_abs_max_rounds_float64_to_nearest_float32(impl):
+    above_max = float(np.finfo(np.float32).max) * (1 + 2.0 ** -20)
+    just_above_one = 1.0 + 2.0 ** -30
+    values = [[just_above_one, -0.5], [-above_max], [1e300, 2.0], [np.nan, np.inf]]
+    got = impl.abs_max([tf.constant(v, F64) for v in values])
+    assert_same(got, [1.0, np.inf, np.inf, np.nan])
+
+
+# ---------------------------------------------------------------------------
 # tf.function, XLA and implementation selection
 # ---------------------------------------------------------------------------
 
@@ -396,6 +739,7 @@ def test_public_functions_use_the_compiled_ops_on_cpu():
     x = tf.constant(RNG.normal(size=100), F32)
     fn = tf.function(lambda x: ops.unpack(ops.pack([x], F16, 0.5), [[100]], [F32], 2.0))
     assert {"GfPack", "GfUnpack"} <= _graph_op_types(fn, x)
+    assert "GfAbsMax" in _graph_op_types(tf.function(lambda x: ops.abs_max([x])), x)
 
 
 def test_public_functions_fall_back_to_composite_under_xla():
@@ -412,6 +756,26 @@ def test_public_functions_fall_back_to_composite_under_xla():
     assert not any(t.startswith("Gf") for t in _graph_op_types(xla, x))
     for got, want in zip(xla(x), step(x)):
         np.testing.assert_allclose(as_f64(got), as_f64(want), rtol=1e-6)
+
+
+def test_runtime_scales_and_abs_max_under_xla_match_eager():
+    tensors, _ = random_tensors([1009, 7, 1], (F32, F64, F16))
+    shapes, dtypes = [t.shape for t in tensors], [t.dtype for t in tensors]
+    acc = tf.constant(RNG.normal(size=1017) * 10.0, F32)
+    indices = tf.constant([0, 3, 10], tf.int32)
+
+    def step(tensors, pack_scale, chunk_scale):
+        packed = ops.pack(tensors, F16, pack_scale)
+        selected, residual, _ = ops.gather_chunks(acc, indices, 100, F16, chunk_scale, None)
+        return ([ops.abs_max(tensors), packed, selected, residual]
+                + ops.unpack(packed, shapes, dtypes, pack_scale)
+                + ops.scatter_chunks(selected, indices, 100, shapes, dtypes, chunk_scale))
+
+    pack_scale, chunk_scale = tf.constant(random_scales(3)), tf.constant(random_scales(3))
+    xla = tf.function(step, jit_compile=True)
+    assert not any(t.startswith("Gf") for t in _graph_op_types(xla, tensors, pack_scale, chunk_scale))
+    for got, want in zip(xla(tensors, pack_scale, chunk_scale), step(tensors, pack_scale, chunk_scale)):
+        assert_same(got, as_f64(want))
 
 
 def test_public_functions_use_composite_for_gpu_tensors():
@@ -527,3 +891,75 @@ def test_rejects_non_floating_tensors_and_wire_types(impl):
         impl.pack([tf.zeros([2]), tf.zeros([2], tf.int32)], F16, 1.0)
     with pytest.raises(ValueError, match="wire_dtype must be float16, bfloat16 or float32"):
         impl.pack([tf.zeros([2])], tf.int8, 1.0)
+
+
+@pytest.mark.parametrize("bad_shape", [[2], [4], [1, 3]], ids=["short", "long", "matrix"])
+def test_rejects_scales_of_the_wrong_shape(impl, bad_shape):
+    """One scale per tensor (pack: 3 inputs, unpack: 3 outputs) or per selected chunk (3 indices)."""
+    got = re.escape("[" + ",".join(map(str, bad_shape)) + "]")
+    tensors = [tf.zeros([2]), tf.zeros([1]), tf.zeros([0])]
+    indices = tf.constant([0, 2, 4], tf.int32)
+    scale = tf.ones(bad_shape)
+
+    def message(op, items):
+        return rf"{op}: scale must have shape \[\] or \[3\] \({items}\), got {got}"
+
+    per_chunk = r"one scale per selected chunk, k = len\(indices\)"
+    with pytest.raises(ValueError, match=message("pack", "one scale per input tensor")):
+        impl.pack(tensors, F16, scale)
+    with pytest.raises(ValueError, match=message("unpack", "one scale per output tensor")):
+        impl.unpack(tf.zeros([3], F16), [[2], [1], [0]], [F32] * 3, scale)
+    with pytest.raises(ValueError, match=message("gather_chunks", per_chunk)):
+        impl.gather_chunks(tf.zeros([50]), indices, 10, F16, scale, None)
+    with pytest.raises(ValueError, match=message("scatter_chunks", per_chunk)):
+        impl.scatter_chunks(tf.zeros([30], F16), indices, 10, [[50]], [F32], scale)
+
+
+@pytest.mark.parametrize("bad_shape", [[2], [1, 3]], ids=["short", "matrix"])
+def test_rejects_scales_of_the_wrong_shape_known_only_at_run_time(impl, bad_shape):
+    any_scale = tf.TensorSpec(None, F32)
+    tensors = [tf.zeros([2]), tf.zeros([1]), tf.zeros([0])]
+    # The kernels name the op and the count; the composite's run-time check, the Python name and k.
+    calls = {
+        r"(GfPack|pack): scale must have shape \[\] or \[3\] \(one scale per input tensor\)":
+            lambda s, i: impl.pack(tensors, F16, s),
+        r"(GfUnpack|unpack): scale must have shape \[\] or \[3\] \(one scale per output tensor\)":
+            lambda s, i: impl.unpack(tf.zeros([3], F16), [[2], [1], [0]], [F32] * 3, s),
+        r"(GfGatherChunks|gather_chunks): scale must have shape \[\] or \[(3|k)\] \(one scale per":
+            lambda s, i: impl.gather_chunks(tf.zeros([50]), i, 10, F16, s, None)[0],
+        r"(GfScatterChunks|scatter_chunks): scale must have shape \[\] or \[(3|k)\] \(one scale per":
+            lambda s, i: impl.scatter_chunks(tf.zeros([30], F16), i, 10, [[50]], [F32], s),
+    }
+    for message, call in calls.items():
+        fn = tf.function(call, input_signature=[any_scale, tf.TensorSpec([None], tf.int32)])
+        with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+            fn(tf.ones(bad_shape), tf.constant([0, 2, 4], tf.int32))
+
+
+def test_shape_functions_check_the_scale_rank():
+    """The registered ops reject a statically wrong scale while the graph is built."""
+    lib = ops._lib()
+    if lib is None:
+        pytest.skip(f"compiled ops unavailable: {ops.library_status()}")
+    bad, indices = tf.ones([2]), tf.constant([0, 2, 4], tf.int32)
+    calls = {
+        r"GfPack: scale must have shape \[\] or \[3\] .*got \[2\]":
+            lambda: lib.gf_pack([tf.zeros([2]), tf.zeros([1]), tf.zeros([1])], bad, wire_dtype=F16),
+        r"GfUnpack: scale must have shape \[\] or \[3\] .*got \[2\]":
+            lambda: lib.gf_unpack(tf.zeros([3], F16), bad, Tout=[F32] * 3, shapes=[[1]] * 3),
+        r"GfGatherChunks: scale must have shape \[\] or \[3\] .*got \[2\]":
+            lambda: lib.gf_gather_chunks(tf.zeros([50]), indices, bad, [], chunk_size=10, wire_dtype=F16),
+        r"GfScatterChunks: scale must have shape \[\] or \[3\] .*got \[1,3\]":
+            lambda: lib.gf_scatter_chunks(tf.zeros([30], F16), indices, tf.ones([1, 3]), chunk_size=10,
+                                          Tout=[F32], shapes=[[50]]),
+    }
+    for message, call in calls.items():
+        with pytest.raises(ValueError, match=message):
+            tf.function(call).get_concrete_function()
+
+
+def test_rejects_scale_tensors_not_float32(impl):
+    with pytest.raises(TypeError, match="scale must be float32, got float64; cast it"):
+        impl.pack([tf.zeros([2])], F16, tf.constant(0.5, F64))
+    with pytest.raises(TypeError, match="scale must be float32, got int32"):
+        impl.scatter_chunks(tf.zeros([10], F16), tf.constant([0]), 10, [[10]], [F32], tf.constant([2]))

@@ -577,3 +577,54 @@ def test_mixed_float16_with_loss_scaling_trains_through_csc():
     assert np.all(np.isfinite(residual)) and 0 < np.abs(residual).max() < 100
     assert np.isfinite(history.history["loss"][-1])
     assert all(np.all(np.isfinite(w)) for w in model.get_weights())
+
+
+def test_several_packs_travel_in_two_collectives_per_step():
+    """Three packs (bytes_per_pack=16 wire bytes: one tensor each): all chunk norms in one float32
+    all-reduce, all selected chunks in one float16 all-reduce, whatever the number of packs;
+    each pack still selects its own top-k against its own reference."""
+    sizes = [12, 8, 20]
+    csc = gf_tf.ChunkSparsity(density=0.5, chunk_size=4)
+    gfar = gf_tf.GradientFlowAllReduce(bytes_per_pack=16, sparsity=csc, compression=None,
+                                       cross_device_ops=tf.distribute.ReductionToOneDevice())
+    strategy = tf.distribute.MirroredStrategy(DEVICES[:2], cross_device_ops=gfar)
+    variables = [tf.Variable(np.zeros(n, np.float32)) for n in sizes]
+
+    @tf.function
+    def step(*per_replica):
+        def fn(*grads):
+            return gf_tf.all_reduce_gradients([tf.identity(g) for g in grads], variables)
+        return strategy.run(fn, args=per_replica)
+
+    rng = np.random.default_rng(5)
+    refs = [NumpyCSC(n, 2, 4) for n in sizes]
+    for _ in range(3):
+        grads = [rng.normal(size=(2, n)).astype(np.float32) for n in sizes]
+        values = [strategy.experimental_distribute_values_from_function(
+            lambda ctx, g=g: tf.constant(g[ctx.replica_id_in_sync_group])) for g in grads]
+        out = step(*values)
+        for k, (ref, g) in enumerate(zip(refs, grads)):
+            want, _ = ref.step(g, 0.5)
+            for o in strategy.experimental_local_results(out[k]):
+                np.testing.assert_allclose(o.numpy(), want, rtol=1e-6, atol=1e-6)
+    (variable_set,) = gfar.states().values()
+    assert len(variable_set.plan) == 3
+    graph = step.get_concrete_function(*values).graph
+    vector_sums = sorted((op.get_attr("T").name, op.outputs[0].shape.num_elements())
+                         for op in _all_ops(graph) if op.type == "AddN"
+                         and op.outputs[0].shape.num_elements() not in (None, 1))
+    # norms: 3 + 2 + 5 chunks; chunks: (2 + 1 + 3) x 4 elements, on the float32 wire here.
+    assert vector_sums == [("float32", 10), ("float32", 24)], vector_sums
+
+
+def _all_ops(graph):
+    """The ops of a graph and of the branch functions of its cond / switch_case ops."""
+    for op in graph.get_operations():
+        yield op
+        for attr in ("then_branch", "else_branch", "branches"):
+            try:
+                fns = op.get_attr(attr)
+            except (ValueError, TypeError):
+                continue
+            for fn in fns if isinstance(fns, list) else [fns]:
+                yield from _all_ops(graph._get_function(fn.name).graph)  # pylint: disable=protected-access
