@@ -10,7 +10,7 @@ Two callers, one command:
 
 The library links against libtensorflow_framework.so.2 and loads only into the exact
 TensorFlow version it was compiled against; that version is written next to it
-(`<library>.tf_version`). Flags: tf.sysconfig's compile and link flags as given, plus
+(`<library>.tf_version`: the version, then `sources <hash of ops/*.cc, *.h>`). Flags: tf.sysconfig's compile and link flags as given, plus
 EXTRA_FLAGS. AVX2/F16C code is enabled per function and chosen at run time, so no -march flag
 is passed and the library runs on any x86-64.
 
@@ -53,13 +53,33 @@ def version_file(library: str) -> str:
     return os.path.splitext(library)[0] + VERSION_SUFFIX
 
 
-def built_for(library: str) -> Optional[str]:
-    """The TensorFlow version recorded next to `library`, or None if no sidecar exists."""
+def _sidecar(library: str) -> List[str]:
     try:
         with open(version_file(library)) as f:
-            return f.read().strip()
+            return f.read().split()
     except FileNotFoundError:
-        return None
+        return []
+
+
+def built_for(library: str) -> Optional[str]:
+    """The TensorFlow version recorded next to `library`, or None if no sidecar exists."""
+    fields = _sidecar(library)
+    return fields[0] if fields else None
+
+
+def built_from(library: str) -> Optional[str]:
+    """The source hash (`source_hash`) recorded next to `library`, or None (e.g. a Bazel build)."""
+    fields = _sidecar(library)
+    return fields[2] if len(fields) >= 3 and fields[1] == "sources" else None
+
+
+def source_hash(src_dir: str) -> str:
+    """First 12 hex digits of a SHA-256 over the names and contents of the .cc and .h files."""
+    digest = hashlib.sha256()
+    for path in sources(src_dir) + headers(src_dir):
+        with open(path, "rb") as f:
+            digest.update(os.path.basename(path).encode() + b"\0" + f.read())
+    return digest.hexdigest()[:12]
 
 
 def source_dir(package_dir: str) -> Optional[str]:
@@ -117,7 +137,7 @@ def build(tf, src_dir: str, output: str, obj_dir: str, force: bool = False,
         objects = list(pool.map(compile_one, sources(src_dir)))
     _run([cxx, "-shared", "-o", output] + objects + list(tf.sysconfig.get_link_flags()), log)
     with open(version_file(output), "w") as f:
-        f.write(tf.__version__ + "\n")
+        f.write(f"{tf.__version__}\nsources {source_hash(src_dir)}\n")
     return output
 
 
@@ -136,13 +156,9 @@ def cache_key(tf, src_dir: str) -> str:
 
     A new gf_tf (changed sources) or another TensorFlow gets its own directory.
     """
-    digest = hashlib.sha256()
-    for path in sources(src_dir) + headers(src_dir):
-        with open(path, "rb") as f:
-            digest.update(os.path.basename(path).encode() + b"\0" + f.read())
     abi = next((f.split("=")[1] for f in tf.sysconfig.get_compile_flags()
                 if f.startswith("-D_GLIBCXX_USE_CXX11_ABI=")), "x")
-    return f"{tf.__version__}-{platform.machine()}-cxx11abi{abi}-{digest.hexdigest()[:12]}"
+    return f"{tf.__version__}-{platform.machine()}-cxx11abi{abi}-{source_hash(src_dir)}"
 
 
 def cached_library(tf, src_dir: str) -> str:

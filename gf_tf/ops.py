@@ -111,14 +111,20 @@ def _fall_back(reason: str) -> None:
                   RuntimeWarning, stacklevel=stacklevel)
 
 
-def _mismatch(path: str) -> Optional[str]:
-    """Why the library at `path` cannot serve the running TensorFlow, or None if it can."""
+def _mismatch(path: str, src_dir: Optional[str] = None) -> Optional[str]:
+    """Why the library at `path` cannot serve the running TensorFlow, or None if it can.
+
+    With `src_dir`, a library recording another source hash is stale (an older checkout's build).
+    """
     if not os.path.exists(path):
         return f"compiled ops library not built ({path} is missing)"
     built = _build.built_for(path)
     if built is not None and built != tf.__version__:
         return (f"compiled ops library {path} was built against TensorFlow {built}, "
                 f"but TensorFlow {tf.__version__} is running")
+    recorded = _build.built_from(path)
+    if src_dir is not None and recorded is not None and recorded != _build.source_hash(src_dir):
+        return f"compiled ops library {path} was built from other sources than {src_dir}"
     return None
 
 
@@ -131,10 +137,10 @@ def _find_or_build() -> Tuple[Optional[str], str]:
         path = os.environ[LIBRARY_ENV]
         return (None, _mismatch(path)) if _mismatch(path) else (path, "")
     shipped = os.path.join(_PACKAGE_DIR, LIBRARY_FILE)
-    reason = _mismatch(shipped)
+    src_dir = _build.source_dir(_PACKAGE_DIR)
+    reason = _mismatch(shipped, src_dir)
     if reason is None:
         return shipped, ""
-    src_dir = _build.source_dir(_PACKAGE_DIR)
     if src_dir is None:
         return None, f"{reason}, and gf_tf's op sources are not installed to build it"
     cached = _build.cached_library(tf, src_dir)

@@ -53,8 +53,10 @@ def test_library_records_the_tensorflow_version_it_was_built_against(library):
     version_file = os.path.splitext(library)[0] + ops.VERSION_FILE_SUFFIX
     if not os.path.exists(version_file):
         pytest.skip(f"{version_file} not written by this build")
-    with open(version_file) as f:
-        assert f.read().strip() == tf.__version__
+    assert _build.built_for(library) == tf.__version__
+    src_dir = _build.source_dir(os.path.dirname(ops.__file__))
+    if _build.built_from(library) is not None and src_dir is not None:
+        assert _build.built_from(library) == _build.source_hash(src_dir), "a stale library loaded"
 
 
 _BUILD_IN_CACHE = """
@@ -98,3 +100,20 @@ def test_two_processes_importing_at_once_build_the_cache_once(tmp_path):
     done = subprocess.run([sys.executable, "-c", _LOAD_AND_PACK], env=dict(env, GF_TF_OPS_LIBRARY=path),
                           cwd=repo, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert done.returncode == 0 and f"compiled ({path}" in done.stdout and "PACK OK" in done.stdout, done.stdout
+
+
+def test_a_library_built_from_other_sources_is_stale(tmp_path):
+    """An editable checkout's old build (same TensorFlow, older ops/) is not loaded: its ops
+    would be missing or differ. The sidecar's source hash tells; Bazel's sidecar has none."""
+    src_dir = _build.source_dir(os.path.dirname(ops.__file__))
+    library = tmp_path / "_gf_tf_ops.so"
+    library.write_bytes(b"never loaded: the checks come first")
+    sidecar = tmp_path / "_gf_tf_ops.tf_version"
+    sidecar.write_text(f"{tf.__version__}\nsources 000000000000\n")
+    assert "built from other sources" in ops._mismatch(str(library), src_dir)
+    sidecar.write_text(f"{tf.__version__}\nsources {_build.source_hash(src_dir)}\n")
+    assert ops._mismatch(str(library), src_dir) is None
+    sidecar.write_text(f"{tf.__version__}\n")
+    assert ops._mismatch(str(library), src_dir) is None
+    sidecar.write_text("2.0.0\n")
+    assert "built against TensorFlow 2.0.0" in ops._mismatch(str(library), src_dir)
