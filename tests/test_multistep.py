@@ -39,7 +39,7 @@ def _sgd_reference(result):
 @pytest.mark.parametrize("steps_per_execution", [3, 7])
 def test_mirrored_multi_step_fit_matches_float64_sgd(steps_per_execution):
     r = _mirrored(f"--steps_per_execution={steps_per_execution}", "--compression=none")
-    assert int(r["iterations"]) == EPOCHS * EXAMPLES // BATCH
+    assert int(r["iterations"]) == int(r["gf_steps"]) == EPOCHS * EXAMPLES // BATCH
     w, b = _sgd_reference(r)
     np.testing.assert_allclose(r["w0"], w, rtol=0, atol=2e-5)
     np.testing.assert_allclose(r["w1"], b, rtol=0, atol=2e-5)
@@ -52,10 +52,20 @@ def test_mirrored_fp16_csc_multi_step_equals_single_step():
     three = _mirrored("--steps_per_execution=3", "--compression=fp16", "--density=0.25")
     steps = EPOCHS * EXAMPLES // BATCH
     for r in (one, three):
-        assert int(r["iterations"]) == steps and int(r["csc_step"]) == steps
+        assert int(r["iterations"]) == steps == int(r["csc_step"]) == int(r["gf_steps"])
     assert not np.array_equal(one["w0"], one["w0_init"])
     for k in ("w0", "w1"):
         np.testing.assert_array_equal(three[k], one[k], err_msg=k)
+
+
+@pytest.mark.skipif(not keras_compat.uses_tf_keras(), reason="tf-keras's legacy optimizers")
+def test_tf_keras_legacy_optimizer_gradients_go_through_gradient_flow():
+    """OptimizerV2 aggregates through its own hook (`_aggregate_gradients`)."""
+    r = _mirrored("--steps_per_execution=2", "--compression=none", "--legacy_optimizer")
+    assert int(r["iterations"]) == int(r["gf_steps"]) == EPOCHS * EXAMPLES // BATCH
+    w, b = _sgd_reference(r)
+    np.testing.assert_allclose(r["w0"], w, rtol=0, atol=2e-5)
+    np.testing.assert_allclose(r["w1"], b, rtol=0, atol=2e-5)
 
 
 @pytest.mark.skipif(keras_compat.uses_tf_keras(), reason="tf-keras optimizers do not accumulate")
@@ -82,6 +92,8 @@ def test_multi_worker_multi_step_fit_matches_single_step_and_float64_sgd():
         np.testing.assert_array_equal(three[0][k], one[0][k], err_msg=k)
     dense = _workers("--steps_per_execution=4", "--compression=none")
     w, b = _sgd_reference(dense[0])
+    for r in dense + one + three:
+        assert int(r["iterations"]) == int(r["gf_steps"]) == EPOCHS * EXAMPLES // BATCH
     for r in dense:
         np.testing.assert_allclose(r["w0"], w, rtol=0, atol=2e-5)
         np.testing.assert_allclose(r["w1"], b, rtol=0, atol=2e-5)

@@ -3,7 +3,8 @@ MirroredStrategy(cross_device_ops=GradientFlowAllReduce) on 2 logical CPUs (no T
 gf_tf.MultiWorkerMirroredStrategy (TF_CONFIG, one CPU per worker).
 
 Writes the initial and final weights (w0_init, w1_init, w0, w1), the data (x, y), the
-optimizer's step count and the CSC step counter (-1 without CSC), or `error` (the message
+optimizer's step count, the CSC step counter (-1 without CSC) and the gradient all-reduces
+GradientFlow carried (gf_steps), or `error` (the message
 of the ValueError fit raised, e.g. for --accumulation).
 """
 
@@ -20,6 +21,7 @@ parser.add_argument("--density", type=float, default=0.0, help="CSC density; 0: 
 parser.add_argument("--accumulation", type=int, default=0, help="gradient_accumulation_steps")
 parser.add_argument("--examples", type=int, default=112)   # 7 global batches of 16
 parser.add_argument("--epochs", type=int, default=2)
+parser.add_argument("--legacy_optimizer", action="store_true", help="tf-keras's OptimizerV2 SGD")
 args = parser.parse_args()
 
 MULTI_WORKER = "TF_CONFIG" in os.environ
@@ -47,8 +49,8 @@ x, y = worker_util.regression_data(args.examples)
 with strategy.scope():
     keras.utils.set_random_seed(1)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
-    optimizer = keras.optimizers.SGD(
-        0.1, **({"gradient_accumulation_steps": args.accumulation} if args.accumulation else {}))
+    sgd = keras.optimizers.legacy.SGD if args.legacy_optimizer else keras.optimizers.SGD
+    optimizer = sgd(0.1, **({"gradient_accumulation_steps": args.accumulation} if args.accumulation else {}))
     model.compile(optimizer=optimizer, loss="mse", steps_per_execution=args.steps_per_execution)
 initial = {f"w{i}_init": w for i, w in enumerate(model.get_weights())}
 dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
@@ -57,7 +59,11 @@ try:
 except ValueError as e:
     worker_util.write_result(error=str(e))
     raise SystemExit(0)
-csc_step = int(next(iter(sparsity.states().values())).step.numpy()) if sparsity else -1
+csc_step = -1
+if sparsity:
+    (variable_set,) = gradient_flow.states().values()
+    csc_step = int(variable_set.packs[0].step.numpy())
 worker_util.write_result(x=x, y=y, iterations=int(optimizer.iterations.numpy()), csc_step=csc_step,
+                         gf_steps=gradient_flow.stats.totals()["steps"],
                          **initial, **{f"w{i}": w for i, w in enumerate(model.get_weights())})
 print("done", args)
