@@ -70,7 +70,7 @@ def exact_rounding_error(grads: np.ndarray) -> float:
     return relative_error(np.float16(exact * scale).astype(np.float64) / scale, exact)
 
 
-def measure(num_replicas: int, scales, compressions=("fp16", "bf16")) -> dict:
+def measure(num_replicas: int, scales, compressions=("fp16",)) -> dict:
     """In this process (which must have num_replicas logical CPUs): {compression: [error per scale]}."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     import gf_tf  # pylint: disable=import-outside-toplevel
@@ -97,27 +97,34 @@ def measure(num_replicas: int, scales, compressions=("fp16", "bf16")) -> dict:
     return errors
 
 
-def _worker(num_replicas: int, scales) -> None:
+def _worker(num_replicas: int, scales, compression: str) -> None:
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(
         cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(num_replicas)])
-    print("RESULT " + json.dumps(measure(num_replicas, scales)), flush=True)
+    print("RESULT " + json.dumps(measure(num_replicas, scales, [compression])), flush=True)
 
 
-def run_worker(num_replicas: int, scales, timeout: float = 600) -> dict:
-    """Runs `measure` for N replicas in a fresh process; raises RuntimeError with its output on failure."""
+def run_worker(num_replicas: int, scales, compressions=("fp16", "bf16"),
+               timeout: float = 600) -> dict:
+    """Runs `measure` for N replicas, one fresh process per compression (TF 2.21 numbers the
+    collectives of every MirroredStrategy object alike, so one process hosts one);
+    raises RuntimeError with the worker's output on failure."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.fp16_accuracy", "--worker", str(num_replicas),
-         "--scales", ",".join(map(repr, scales))],
-        cwd=root, env=env, capture_output=True, text=True, timeout=timeout, check=False)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        raise RuntimeError(f"fp16_accuracy worker for N={num_replicas} failed "
-                           f"(exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    errors = {}
+    for compression in compressions:
+        proc = subprocess.run(
+            [sys.executable, "-m", "benchmarks.fp16_accuracy", "--worker", str(num_replicas),
+             "--compression", compression, "--scales", ",".join(map(repr, scales))],
+            cwd=root, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            raise RuntimeError(f"fp16_accuracy worker for N={num_replicas}, {compression} failed "
+                               f"(exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                               f"{proc.stderr[-3000:]}")
+        errors.update(json.loads(lines[-1][len("RESULT "):]))
+    return errors
 
 
 def table(replicas, scales, model_replicas=()) -> str:
@@ -148,10 +155,11 @@ def main(argv=None):
     parser.add_argument("--model_replicas", default="512", help="N for the NumPy model only")
     parser.add_argument("--scales", default=",".join(map(repr, DEFAULT_SCALES)))
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--compression", default="fp16", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     scales = [float(s) for s in args.scales.split(",")]
     if args.worker:
-        _worker(args.worker, scales)
+        _worker(args.worker, scales, args.compression)
         return
     replicas = [int(n) for n in args.replicas.split(",") if n]
     model_replicas = [int(n) for n in args.model_replicas.split(",") if n]

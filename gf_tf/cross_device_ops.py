@@ -207,7 +207,11 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
 
     def _reduce_in_replica(self, replica_ctx, grads, variables, reduce_op, options):
         num_local = len(replica_ctx.strategy.extended.worker_devices)
-        local = replica_ctx.replica_id_in_sync_group % num_local
+        replica_id = tf.get_static_value(replica_ctx.replica_id_in_sync_group)
+        if replica_id is None:
+            raise ValueError("gf_tf: the replica id is not known while tracing; the replica-context "
+                             "gradient all-reduce needs a static one (tf.distribute strategies give it)")
+        local = int(replica_id) % num_local
 
         def all_reduce_sum(tensors):
             return [replica_ctx.all_reduce(_SUM, tensors[0], options)]

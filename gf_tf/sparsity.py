@@ -28,7 +28,9 @@ were (its output carries the inf/NaN so a loss-scale optimizer skips it).
 Dense (warm-up) steps send every chunk the same way, without masking u.
 
 The norms of all packs travel in the step's one control all-reduce
-(`gf_tf.reducers`); each pack then issues one collective of its chunks.
+(`gf_tf.reducers`), and the selected chunks of all packs in one more: two
+collectives per step, whatever the number of packs (one more per extra wire
+dtype, e.g. bfloat16 gradients beside float32 ones).
 State (`CSCState`) is per pack of one variable set, owned by
 GradientFlowAllReduce's state for that variable set, never by this object.
 """

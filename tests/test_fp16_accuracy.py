@@ -58,7 +58,6 @@ def test_tensorflow_and_numpy_scales_agree_bit_for_bit():
 
 @pytest.mark.parametrize("n", [2, 8, 32, 64])
 def test_measured_fp16_error_of_the_sum_meets_the_targets(n):
-    measured = acc.run_worker(n, SCALES)
-    for s, fp16, bf16 in zip(SCALES, measured["fp16"], measured["bf16"]):
+    measured = acc.run_worker(n, SCALES, compressions=("fp16",))
+    for s, fp16 in zip(SCALES, measured["fp16"]):
         assert fp16 <= limit(n), (n, s, fp16)
-        assert bf16 <= 0.01, (n, s, bf16)   # 8-bit significand: about 0.2-0.4% per term

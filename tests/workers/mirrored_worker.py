@@ -23,6 +23,7 @@ parser.add_argument("--devices", type=int, default=2)
 parser.add_argument("--bytes_per_pack", type=int, default=1024)
 parser.add_argument("--mixed_precision", action="store_true")
 parser.add_argument("--steps", type=int, default=4)
+parser.add_argument("--density", type=float, default=0.0, help="> 0: CSC, chunks of 4 elements")
 args = parser.parse_args()
 
 _cpu = tf.config.list_physical_devices("CPU")[0]
@@ -55,7 +56,8 @@ def fit(strategy):
     return model, history.history["loss"]
 
 
-gfar = gf_tf.GradientFlowAllReduce(bytes_per_pack=args.bytes_per_pack)
+sparsity = gf_tf.ChunkSparsity(density=args.density, chunk_size=4) if args.density else None
+gfar = gf_tf.GradientFlowAllReduce(bytes_per_pack=args.bytes_per_pack, sparsity=sparsity)
 strategy = tf.distribute.MirroredStrategy(DEVICES, cross_device_ops=gfar)
 model, loss = fit(strategy)
 result = {f"w{i}": w for i, w in enumerate(model.get_weights())}
@@ -101,6 +103,7 @@ for i, key in enumerate(("a", "b", "c")):
     result[f"replica_{key}"] = np.stack([v.numpy() for v in strategy.experimental_local_results(out[i])])
     result[f"replica_{key}_ref"] = np.sum({"a": a, "b": b, "c": c}[key].astype(np.float64), axis=0)
 result["replica_none_is_none"] = np.array(out[3] is None)
+result["replica_a_inputs"] = a
 result["replica_stat_steps"] = gfar.stats.totals()["steps"] - stats_before["steps"]
 worker_util.write_result(**result)
 print("done", loss, reduces)
