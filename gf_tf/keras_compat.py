@@ -113,16 +113,14 @@ def in_multi_worker_mode(strategy) -> bool:
 
 
 def install() -> None:
-    """Installs the patches the running Keras needs, once (idempotent).
+    """Installs the `fit` fixes the running Keras needs, once (idempotent).
 
-    Called by gf_tf.MultiWorkerMirroredStrategy. Raises RuntimeError on an untested Keras.
+    Called by gf_tf.MultiWorkerMirroredStrategy and GradientFlowAllReduce. tf-keras needs
+    none; Keras 3 models (`import keras`) may also run in a tf-keras process, so a tested
+    Keras 3 is fixed there too. Raises RuntimeError on an untested Keras.
     """
     check_keras_version()
-    if uses_tf_keras():
-        _install_tf_keras_fixes()
     if not uses_tf_keras() or _tested_keras3_present():
-        # Keras 3 models (`import keras`) may also run in a tf-keras process: fix them too
-        # when that Keras 3 is a tested one.
         _install_keras3_multi_worker_fixes()
 
 
@@ -132,10 +130,6 @@ def _tested_keras3_present() -> bool:
     except (ImportError, RuntimeError):
         return False
     return True
-
-
-def _install_tf_keras_fixes() -> None:
-    """tf-keras's multi-worker fit works as it is: nothing to patch (yet)."""
 
 
 def _install_keras3_multi_worker_fixes() -> None:
