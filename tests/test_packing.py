@@ -7,7 +7,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import pytest
 import tensorflow as tf
 
-from gf_tf.compression import Compression, as_compression, scales
+from gf_tf.compression import Compression, as_compression
 from gf_tf.packing import plan_fingerprint, plan_packs
 
 FP16 = Compression("fp16").wire_dtype
@@ -89,10 +89,3 @@ def test_bad_arguments_raise_clear_errors():
         as_compression("fp8")
     with pytest.raises(ValueError, match="cannot pack float64"):
         FP16(tf.float64)
-
-
-def test_prescale_postscale():
-    assert scales(tf.float16, 4) == (0.25, 4.0)
-    assert scales(tf.float16, 4, mean=True) == (0.25, 1.0)
-    assert scales(tf.float32, 4) == (1.0, 1.0)
-    assert scales(tf.float32, 4, mean=True) == (1.0, 0.25)
