@@ -12,10 +12,29 @@ Public API:
   launch   local multi-worker launcher and TF_CONFIG helpers (gf-tf-run)
 
 Names are imported on first use, so `gf-tf-run` (gf_tf.launch) starts without
-importing TensorFlow.
+importing TensorFlow. gf_tf does not install TensorFlow: importing it without one
+raises ImportError naming the `cpu` extra.
 """
 
 import importlib
+import importlib.util
+import sys
+
+SUPPORTED_TENSORFLOW = "2.18-2.21"
+
+
+def _require_tensorflow() -> None:
+    """Raises ImportError, naming how to install one, if no TensorFlow is installed (never imports it)."""
+    if importlib.util.find_spec("tensorflow") is None:
+        raise ImportError(
+            f"gf_tf needs TensorFlow {SUPPORTED_TENSORFLOW}, and none is installed in this Python "
+            f"({sys.executable}). gf_tf leaves the choice of TensorFlow build to you: "
+            f"install yours (e.g. `pip install tensorflow-cpu==2.21.*` or `tensorflow[and-cuda]`), "
+            f"or gf_tf with its `cpu` extra: `pip install 'gf_tf[cpu]'` (`pip install -e '.[cpu]'` "
+            f"in a checkout).")
+
+
+_require_tensorflow()
 
 _EXPORTS = {
     "GradientFlowAllReduce": "gf_tf.cross_device_ops",

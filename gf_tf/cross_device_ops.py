@@ -96,9 +96,10 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         self._stats = None
         self._strategy = None  # the strategy whose default ops we took
         self._states = StateRegistry()
-        # Keras's gradient all-reduce comes here; replicas skip non-finite steps together.
+        # Keras's gradient all-reduce comes here; Keras's fit fixes (multi-step loop, replicas
+        # skipping non-finite steps together) for MirroredStrategy users too.
         keras_compat.install_gradient_hook()
-        keras_compat.install_loss_scale_agreement()
+        keras_compat.install()
 
     def __repr__(self):
         return (f"GradientFlowAllReduce(compression={self.compression.name!r}, "

@@ -1,53 +1,111 @@
-"""Minimal fixes Keras 3 needs for `model.fit` under MultiWorkerMirroredStrategy.
+"""The Keras side of gf_tf: which Keras runs, its version check, and minimal version-guarded patches.
 
-Keras 3.15's TensorFlow trainer fails under `tf.distribute.MultiWorkerMirroredStrategy`
-(public report keras-team/keras#20585):
-1. `TensorFlowTrainer._maybe_symbolic_build` calls
-   `strategy.reduce("MEAN", <tuple of PerReplica>)` on a data batch:
-   "Attempt to convert a value (PerReplica:{...}) to a Tensor". The build only
-   needs the batch's structure and shapes, so we hand it local replica 0's batch.
-2. `trainer.reduce_per_replica` reduces the (scalar) logs with
-   `strategy.reduce("MEAN", v, axis=0)`: "Invalid reduction dimension 0 for input
-   with 0 dimensions". For scalars we reduce with axis=None (the mean over
-   replicas); other values keep Keras's behaviour.
-3. `steps_per_execution > 1` fails deep in TF ("You must feed a value for
-   placeholder tensor ... has_next"); we raise a clear ValueError instead.
+Two Keras flavours are supported (README "Supported versions"):
+- Keras 3 (`keras`, 3.15): its TensorFlow trainer fails under
+  `tf.distribute.MultiWorkerMirroredStrategy` (public report keras-team/keras#20585):
+  1. `TensorFlowTrainer._maybe_symbolic_build` calls
+     `strategy.reduce("MEAN", <tuple of PerReplica>)` on a data batch:
+     "Attempt to convert a value (PerReplica:{...}) to a Tensor". The build only
+     needs the batch's structure and shapes, so we hand it local replica 0's batch.
+  2. `trainer.reduce_per_replica` reduces the (scalar) logs with
+     `strategy.reduce("MEAN", v, axis=0)`: "Invalid reduction dimension 0 for input
+     with 0 dimensions". For scalars we reduce with axis=None (the mean over
+     replicas); other values keep Keras's behaviour.
+  3. `steps_per_execution > 1` fails under MirroredStrategy and MultiWorkerMirroredStrategy
+     ("You must feed a value for placeholder tensor 'while/.../Placeholder_1'"; stock TF
+     too): the multi-step loop calls the one-step tf.function inside a `tf.cond`. We build
+     the loop with that step inlined (`_TensorFlowInliningOneStep`).
+  4. `gradient_accumulation_steps > 1` fails under those strategies ("`merge_call` called
+     while defining a new graph"): the all-reduce sits in a `tf.cond`. We raise a clear
+     ValueError at fit time instead.
+  Patches 1-2 are active only for a MultiWorkerMirroredStrategy in multi-worker
+  mode, 3-4 for MirroredStrategy and MultiWorkerMirroredStrategy; all delegate to Keras's
+  own code otherwise (private names:
+  keras.src.backend.tensorflow.trainer: TensorFlowTrainer._maybe_symbolic_build,
+  TensorFlowTrainer._make_function, reduce_per_replica).
+- tf-keras (`tf_keras`, Keras 2, selected by TF_USE_LEGACY_KERAS=1 as TensorFlow
+  selects it for `tf.keras`), of the same minor version as TensorFlow: its multi-worker
+  `fit` needs none of the Keras 3 fixes.
 
-Every patch is active only for a MultiWorkerMirroredStrategy in multi-worker
-mode and delegates to Keras's own code otherwise.
+Gradients reach GradientFlow through one hook per flavour (`install_gradient_hook`,
+installed by GradientFlowAllReduce), each calling `gf_tf.all_reduce_gradients` when the
+strategy's cross-device ops are a GradientFlowAllReduce, and Keras's own code otherwise:
+- Keras 3: `TFOptimizer._all_reduce_sum_gradients` (keras.src.backend.tensorflow.optimizer),
+  the optimizer's one gradient all-reduce;
+- tf-keras: `Optimizer.aggregate_gradients` (tf_keras.src.optimizers.optimizer) and
+  `OptimizerV2._aggregate_gradients` (tf_keras.src.optimizers.legacy.optimizer_v2), which
+  otherwise call `optimizer_utils.all_reduce_sum_gradients` (`all_reduce(SUM)` or
+  `batch_reduce_to(SUM, grads_and_vars)`); its LossScaleOptimizers delegate to them.
 
-One more hook routes gradients to GradientFlow (`install_gradient_hook`,
-installed by GradientFlowAllReduce): `TFOptimizer._all_reduce_sum_gradients`
-(keras.src.backend.tensorflow.optimizer), the optimizer's one gradient
-all-reduce, calls `gf_tf.all_reduce_gradients` when the strategy's
-cross-device ops are a GradientFlowAllReduce, and Keras's own code otherwise.
+Two more Keras 3 hooks: `install_checkpoint_hook` (TFOptimizer.build,
+TFOptimizer._distribution_strategy, keras.src.saving.keras_saveable.KerasSaveable:
+CSC state in the optimizer's checkpoint) and `install_loss_scale_agreement`
+(LossScaleOptimizer._tf_apply: replicas skip non-finite steps together).
 
-These are the only private Keras attributes gf_tf touches
-(keras.src.backend.tensorflow.trainer: TensorFlowTrainer._maybe_symbolic_build,
-TensorFlowTrainer._make_function, reduce_per_replica;
-keras.src.backend.tensorflow.optimizer: TFOptimizer._all_reduce_sum_gradients,
-TFOptimizer.build, TFOptimizer._distribution_strategy (install_checkpoint_hook);
-keras.src.saving.keras_saveable.KerasSaveable),
-guarded by `check_keras_version`.
+`install()` and `install_gradient_hook()` apply only what the running flavour needs, after
+`check_keras_version`. These are the only private Keras attributes gf_tf touches.
 """
 
 import functools
+import importlib
+import os
+import threading
 
-import keras
 import tensorflow as tf
 
-TESTED_KERAS_VERSIONS = ("3.15",)
+TESTED_KERAS_VERSIONS = ("3.15",)                          # Keras 3
+TESTED_TF_KERAS_VERSIONS = ("2.18", "2.19", "2.20", "2.21")  # tf-keras, same minor as TensorFlow
+LEGACY_KERAS_ENV = "TF_USE_LEGACY_KERAS"
+_MAKE_FUNCTION_LOCK = threading.Lock()
 
 
-def check_keras_version(version: str = None) -> None:
-    """Raises RuntimeError unless Keras is a version these patches were written and tested for."""
-    version = version or keras.__version__
-    if ".".join(version.split(".")[:2]) not in TESTED_KERAS_VERSIONS:
+def uses_tf_keras() -> bool:
+    """True if `tf.keras` is tf-keras here: TF_USE_LEGACY_KERAS is 1/true, TensorFlow's own rule."""
+    return os.environ.get(LEGACY_KERAS_ENV, "") in ("1", "true", "True")
+
+
+def keras_module():
+    """The Keras package `tf.keras` stands for: `tf_keras` (tf-keras) or `keras` (Keras 3)."""
+    return importlib.import_module("tf_keras" if uses_tf_keras() else "keras")
+
+
+def flavour() -> str:
+    """"tf-keras" or "keras" (Keras 3): the Keras that models built with `tf.keras` use."""
+    return "tf-keras" if uses_tf_keras() else "keras"
+
+
+def _minor(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+def check_keras_version(version: str = None, tf_keras: bool = None) -> None:
+    """Raises RuntimeError unless the running Keras flavour and version were tested with gf_tf.
+
+    Keras 3: TESTED_KERAS_VERSIONS. tf-keras: TESTED_TF_KERAS_VERSIONS, and the same minor
+    version as TensorFlow (tf-keras X.Y is built for TensorFlow X.Y).
+    """
+    tf_keras = uses_tf_keras() if tf_keras is None else tf_keras
+    if tf_keras:
+        version = version or keras_module().__version__
+        if _minor(version) not in TESTED_TF_KERAS_VERSIONS or _minor(version) != _minor(tf.__version__):
+            raise RuntimeError(
+                f"gf_tf was tested with tf-keras {', '.join(TESTED_TF_KERAS_VERSIONS)} "
+                f"(TF_USE_LEGACY_KERAS=1), each with the TensorFlow of the same minor version; found "
+                f"tf-keras {version} with TensorFlow {tf.__version__}. Install "
+                f"tf-keras=={_minor(tf.__version__)}.* (or unset TF_USE_LEGACY_KERAS for Keras 3).")
+        return
+    version = version or keras_module().__version__
+    if _minor(version) not in TESTED_KERAS_VERSIONS:
         raise RuntimeError(
             f"gf_tf patches Keras's TensorFlow trainer for multi-worker fit "
             f"(keras-team/keras#20585) and was tested with Keras "
             f"{', '.join(TESTED_KERAS_VERSIONS)}.x only; found Keras {version}. "
             f"Install keras=={TESTED_KERAS_VERSIONS[-1]}.* or port gf_tf/keras_compat.py.")
+
+
+def callback_base():
+    """The Callback class of the running Keras flavour (GradientFlowStats derives from it)."""
+    return keras_module().callbacks.Callback
 
 
 def in_multi_worker_mode(strategy) -> bool:
@@ -60,11 +118,26 @@ def in_multi_worker_mode(strategy) -> bool:
 
 
 def install() -> None:
-    """Installs the patches once (idempotent). Called by gf_tf.MultiWorkerMirroredStrategy.
+    """Installs the `fit` fixes the running Keras needs, once (idempotent).
 
-    Raises RuntimeError on an untested Keras version.
+    Called by gf_tf.MultiWorkerMirroredStrategy and GradientFlowAllReduce. tf-keras needs
+    none; Keras 3 models (`import keras`) may also run in a tf-keras process, so a tested
+    Keras 3 is fixed there too. Raises RuntimeError on an untested Keras.
     """
     check_keras_version()
+    if not uses_tf_keras() or _tested_keras3_present():
+        _install_keras3_multi_worker_fixes()
+
+
+def _tested_keras3_present() -> bool:
+    try:
+        check_keras_version(importlib.import_module("keras").__version__, tf_keras=False)
+    except (ImportError, RuntimeError):
+        return False
+    return True
+
+
+def _install_keras3_multi_worker_fixes() -> None:
     from keras.src.backend.tensorflow import trainer as tf_trainer  # pylint: disable=import-outside-toplevel
     cls = tf_trainer.TensorFlowTrainer
     if getattr(cls, "_gf_tf_patched", False):
@@ -80,9 +153,17 @@ def install_gradient_hook() -> None:
     """Routes the Keras optimizer's gradient all-reduce to gf_tf.all_reduce_gradients (idempotent).
 
     Only where the strategy carries a GradientFlowAllReduce; elsewhere Keras's
-    own code runs unchanged. Raises RuntimeError on an untested Keras version.
+    own code runs unchanged. Hooks the running flavour (and a tested Keras 3 next to
+    tf-keras). Raises RuntimeError on an untested Keras version.
     """
     check_keras_version()
+    if uses_tf_keras():
+        _install_tf_keras_gradient_hook()
+    if not uses_tf_keras() or _tested_keras3_present():
+        _install_keras3_gradient_hook()
+
+
+def _install_keras3_gradient_hook() -> None:
     from keras.src.backend.tensorflow import optimizer as tf_optimizer  # pylint: disable=import-outside-toplevel
     cls = tf_optimizer.TFOptimizer
     if getattr(cls, "_gf_tf_gradient_hook", False):
@@ -127,6 +208,38 @@ def keras_saveable_class():
     return KerasSaveable
 
 
+def _install_tf_keras_gradient_hook() -> None:
+    from tf_keras.src.optimizers import optimizer as tfk_optimizer  # pylint: disable=import-outside-toplevel
+    from tf_keras.src.optimizers.legacy import optimizer_v2  # pylint: disable=import-outside-toplevel
+    for cls, name in ((tfk_optimizer.Optimizer, "aggregate_gradients"),
+                      (optimizer_v2.OptimizerV2, "_aggregate_gradients")):
+        if not getattr(cls, "_gf_tf_gradient_hook", False):
+            setattr(cls, name, _patched_tf_keras_aggregate_gradients(getattr(cls, name)))
+            cls._gf_tf_gradient_hook = True
+
+
+def _patched_tf_keras_aggregate_gradients(original):
+    """tf-keras's aggregation, or gf_tf.all_reduce_gradients under a GradientFlowAllReduce.
+
+    A legacy optimizer given its own `gradient_aggregator` keeps it.
+    """
+    @functools.wraps(original)
+    def aggregate_gradients(self, grads_and_vars):
+        from gf_tf import gradients  # pylint: disable=import-outside-toplevel
+        from tf_keras.src.optimizers import utils as optimizer_utils  # pylint: disable=import-outside-toplevel
+        replica_ctx = tf.distribute.get_replica_context()
+        custom = getattr(self, "gradient_aggregator", optimizer_utils.all_reduce_sum_gradients)
+        if (replica_ctx is None or custom is not optimizer_utils.all_reduce_sum_gradients
+                or not gradients.uses_gradient_flow(replica_ctx.strategy)):
+            return original(self, grads_and_vars)
+        pairs = list(grads_and_vars)
+        present = [(g, v) for g, v in pairs if g is not None]
+        reduced = iter(gradients.all_reduce_gradients([g for g, _ in present],
+                                                      [v for _, v in present]))
+        return [(None if g is None else next(reduced), v) for g, v in pairs]
+    return aggregate_gradients
+
+
 def _patched_all_reduce_sum_gradients(original):
     @functools.wraps(original)
     def _all_reduce_sum_gradients(self, grads_and_vars):
@@ -157,16 +270,61 @@ def _patched_symbolic_build(original):
     return _maybe_symbolic_build
 
 
+def _replicated(strategy) -> bool:
+    """True for the strategies gf_tf serves: MirroredStrategy and MultiWorkerMirroredStrategy."""
+    return isinstance(strategy, (tf.distribute.MirroredStrategy,
+                                 tf.distribute.MultiWorkerMirroredStrategy))
+
+
+def _refuse_gradient_accumulation(model) -> None:
+    """Keras 3.15 all-reduces accumulated gradients inside a `cond` (merge_call there fails)."""
+    steps = getattr(getattr(model, "optimizer", None), "gradient_accumulation_steps", None)
+    if steps and steps > 1:
+        raise ValueError(
+            f"gradient_accumulation_steps={steps} does not work under "
+            f"{type(model.distribute_strategy).__name__} with Keras {keras_module().__version__}: "
+            f"the optimizer all-reduces the accumulated gradients inside a tf.cond, where "
+            f"tf.distribute cannot merge_call (TensorFlow fails with '`merge_call` called while "
+            f"defining a new graph'). Use gradient_accumulation_steps=None and a global batch "
+            f"{steps}x larger (more replicas or a larger per-replica batch) instead.")
+
+
+class _TensorFlowInliningOneStep:
+    """Stands for the tensorflow module while Keras's `_make_function` runs.
+
+    `tf.function(one_step_on_data)` returns the function itself, so the multi-step loop
+    calls `strategy.run` directly instead of a nested tf.function inside its `tf.cond`,
+    which under MirroredStrategy fails with "You must feed a value for placeholder tensor
+    'while/.../Placeholder_1'". Everything else is the real module.
+    """
+
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+    def function(self, func=None, **kwargs):
+        if getattr(func, "__name__", "") == "one_step_on_data":
+            return func
+        return self._module.function(func, **kwargs)
+
+
 def _patched_make_function(original):
     @functools.wraps(original)
     def _make_function(self, step_function):
-        if self.steps_per_execution > 1 and in_multi_worker_mode(self.distribute_strategy):
-            raise ValueError(
-                f"steps_per_execution={self.steps_per_execution} does not work under "
-                f"MultiWorkerMirroredStrategy with Keras {keras.__version__} (its multi-step loop "
-                f"fails with an unfed 'has_next' placeholder); compile the model with "
-                f"steps_per_execution=1.")
-        return original(self, step_function)
+        if not _replicated(self.distribute_strategy):
+            return original(self, step_function)
+        _refuse_gradient_accumulation(self)
+        if self.steps_per_execution <= 1 or self.run_eagerly or self.jit_compile:
+            return original(self, step_function)
+        from keras.src.backend.tensorflow import trainer as tf_trainer  # pylint: disable=import-outside-toplevel
+        with _MAKE_FUNCTION_LOCK:
+            tf_trainer.tf = _TensorFlowInliningOneStep(tf)
+            try:
+                return original(self, step_function)
+            finally:
+                tf_trainer.tf = tf
     return _make_function
 
 

@@ -1,15 +1,18 @@
 """GradientFlow tensor ops: pack/unpack and the chunk ops of CSC.
 
 Every function here has two implementations with the same contract:
-the compiled custom ops of ``ops/`` (loaded once, lazily, from
-``gf_tf/_gf_tf_ops.so``) and an equivalent composite of stock TensorFlow ops.
-The public functions pick one per call: the compiled kernels when the library
-loaded, every input tensor is on the CPU and the call is not being compiled by
-XLA; the composite otherwise (library not built or built for another
-TensorFlow, GPU/TPU tensors, ``tf.function(jit_compile=True)``).
-``library_status()`` says which one runs; ``compiled`` and ``composite`` call
-one explicitly (tests, benchmarks). ``GF_TF_OPS_LIBRARY=<path>`` loads another
-build of the library (e.g. the Bazel one).
+the compiled custom ops of ``ops/`` and an equivalent composite of stock
+TensorFlow ops. The library is loaded once, lazily: ``gf_tf/_gf_tf_ops.so`` if
+it was built for the running TensorFlow, else the per-TensorFlow-version cache
+(``~/.cache/gf_tf/<tf version>-<abi tag>/``), compiled there on first use when a
+C++ compiler is present (``gf_tf._build``). The public functions pick one
+implementation per call: the compiled kernels when the library loaded, every
+input tensor is on the CPU and the call is not being compiled by XLA; the
+composite otherwise (no library and no compiler, GPU/TPU tensors,
+``tf.function(jit_compile=True)``). ``library_status()`` says which one runs;
+``compiled`` and ``composite`` call one explicitly (tests, benchmarks).
+``GF_TF_OPS_LIBRARY=<path>`` loads another build of the library (e.g. the
+Bazel one) and nothing else.
 
 The scaling ops (pack, unpack, gather_chunks, scatter_chunks) take ``scale``
 as a run-time value: a Python float, a float32 scalar tensor (one scale for
@@ -37,14 +40,15 @@ from typing import List, Optional, Sequence, Tuple, Union
 import numpy as np
 import tensorflow as tf
 
-from gf_tf import tf_internal
+from gf_tf import _build, tf_internal
 
 LIBRARY_ENV = "GF_TF_OPS_LIBRARY"
-LIBRARY_FILE = "_gf_tf_ops.so"
-# Written next to the library by setup.py: the TensorFlow version it was built against.
-VERSION_FILE_SUFFIX = ".tf_version"
-BUILD_COMMAND = ("`pip install --no-build-isolation -e .` (or `python setup.py build_ext --inplace`) "
-                 "in the gf_tf checkout")
+LIBRARY_FILE = _build.LIBRARY_FILE
+# Written next to the library (by gf_tf/_build.py or Bazel): the TensorFlow version it was built against.
+VERSION_FILE_SUFFIX = _build.VERSION_SUFFIX
+BUILD_COMMAND = ("a C++ compiler (g++, or $CXX) on PATH: gf_tf then compiles the library on first "
+                 "import into ~/.cache/gf_tf ($GF_TF_CACHE_DIR); or, in a checkout, "
+                 "`pip install --no-build-isolation -e .`")
 
 # The dtype sets of the ops (the one place on the Python side; ops/gf_kernels.h
 # has the same sets for the op registrations).
@@ -77,17 +81,23 @@ def chunk_lengths_total(num_elements: int, chunk_size: int, indices: Sequence[in
 
 class _Library:
     module = None          # the tf.load_op_library module, or None
+    path = None            # the file it was loaded from
     status = ""            # one line for library_status()
     loaded = False
 
 
 _library = _Library()
 _library_lock = threading.Lock()
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def library_path() -> str:
-    """Path of the op library this process loads ($GF_TF_OPS_LIBRARY or the package's)."""
-    return os.environ.get(LIBRARY_ENV) or os.path.join(os.path.dirname(__file__), LIBRARY_FILE)
+    """Path of the op library this process loaded, or else the first place it looks.
+
+    In order: $GF_TF_OPS_LIBRARY; the package's own `gf_tf/_gf_tf_ops.so` if it was built
+    for the running TensorFlow; the per-TensorFlow-version cache (`gf_tf._build.cache_root()`).
+    """
+    return _library.path or os.environ.get(LIBRARY_ENV) or os.path.join(_PACKAGE_DIR, LIBRARY_FILE)
 
 
 def _fall_back(reason: str) -> None:
@@ -97,28 +107,64 @@ def _fall_back(reason: str) -> None:
     while frame.f_back is not None and frame.f_code.co_filename == __file__:
         frame, stacklevel = frame.f_back, stacklevel + 1
     warnings.warn(f"gf_tf: {reason}; using the composite TensorFlow ops instead "
-                  f"(same results, slower). Build it with {BUILD_COMMAND}.",
+                  f"(same results, slower). To get the compiled ops: {BUILD_COMMAND}.",
                   RuntimeWarning, stacklevel=stacklevel)
 
 
-def _load_library() -> None:
-    path = library_path()
+def _mismatch(path: str, src_dir: Optional[str] = None) -> Optional[str]:
+    """Why the library at `path` cannot serve the running TensorFlow, or None if it can.
+
+    With `src_dir`, a library recording another source hash is stale (an older checkout's build).
+    """
     if not os.path.exists(path):
-        return _fall_back(f"compiled ops library not built ({path} is missing)")
-    version_file = os.path.splitext(path)[0] + VERSION_FILE_SUFFIX
-    if os.path.exists(version_file):
-        with open(version_file) as f:
-            built = f.read().strip()
-        if built != tf.__version__:
-            return _fall_back(f"compiled ops library {path} was built against TensorFlow "
-                              f"{built}, but TensorFlow {tf.__version__} is running")
+        return f"compiled ops library not built ({path} is missing)"
+    built = _build.built_for(path)
+    if built is not None and built != tf.__version__:
+        return (f"compiled ops library {path} was built against TensorFlow {built}, "
+                f"but TensorFlow {tf.__version__} is running")
+    recorded = _build.built_from(path)
+    if src_dir is not None and recorded is not None and recorded != _build.source_hash(src_dir):
+        return f"compiled ops library {path} was built from other sources than {src_dir}"
+    return None
+
+
+def _find_or_build() -> Tuple[Optional[str], str]:
+    """(path of a library built for the running TF, "") or (None, why there is none).
+
+    Builds one into the cache when needed and possible (compiler and sources present).
+    """
+    if os.environ.get(LIBRARY_ENV):       # an explicit library: that one or nothing
+        path = os.environ[LIBRARY_ENV]
+        return (None, _mismatch(path)) if _mismatch(path) else (path, "")
+    shipped = os.path.join(_PACKAGE_DIR, LIBRARY_FILE)
+    src_dir = _build.source_dir(_PACKAGE_DIR)
+    reason = _mismatch(shipped, src_dir)
+    if reason is None:
+        return shipped, ""
+    if src_dir is None:
+        return None, f"{reason}, and gf_tf's op sources are not installed to build it"
+    cached = _build.cached_library(tf, src_dir)
+    if _mismatch(cached) is None:
+        return cached, ""
+    if not _build.have_compiler():
+        return None, f"{reason}, and no C++ compiler ({_build.compiler()}) is on PATH to build it"
+    try:
+        return _build.build_in_cache(tf, src_dir, _build.announce_to_stderr), ""
+    except (RuntimeError, OSError) as e:
+        return None, f"{reason}; building it in {_build.cache_root()} failed: {str(e).splitlines()[0]}"
+
+
+def _load_library() -> None:
+    path, reason = _find_or_build()
+    if path is None:
+        return _fall_back(reason)
     try:
         module = tf.load_op_library(path)
     except (tf.errors.OpError, OSError) as e:
         first_line = (getattr(e, "message", None) or str(e)).strip().splitlines()[0]
         return _fall_back(f"compiled ops library {path} failed to load ({first_line})")
     simd = bool(ctypes.CDLL(path).gf_tf_cpu_has_simd())
-    _library.module = module
+    _library.module, _library.path = module, path
     _library.status = (f"compiled ({path}, "
                        f"{'AVX2+F16C' if simd else 'scalar'} kernels)")
 
@@ -490,7 +536,7 @@ def _require_lib():
     lib = _lib()
     if lib is None:
         raise RuntimeError(f"gf_tf compiled ops are unavailable: {_library.status}. "
-                           f"Build them with: {BUILD_COMMAND}")
+                           f"To get them: {BUILD_COMMAND}")
     return lib
 
 

@@ -7,8 +7,9 @@ figures in the `fit` logs (hence `History` and TensorBoard).
 
 from typing import Dict, Optional
 
-import keras
 import tensorflow as tf
+
+from gf_tf import keras_compat
 
 # Per-step figures reported by CommStats.result and GradientFlowStats.
 FIGURES = ("dense_bytes_per_step", "sent_bytes_per_step", "compression_ratio",
@@ -96,8 +97,10 @@ class CommStats:
         }
 
 
-class GradientFlowStats(keras.callbacks.Callback):
+class GradientFlowStats(keras_compat.callback_base()):
     """Keras callback: GradientFlow's communication figures in the `fit` logs.
+
+    A Keras 3 callback, or a tf-keras one when TF_USE_LEGACY_KERAS=1 (the Keras `tf.keras` is).
 
     At the end of every epoch it adds, per all-reduce step of that epoch,
     `gf_dense_bytes_per_step` (float32 dense-equivalent bytes),

@@ -33,7 +33,7 @@ from tensorflow.python.distribute import values as _tf_values
 from tensorflow.python.ops import control_flow_util as _tf_control_flow_util
 from tensorflow.python.ops import resource_variable_ops as _tf_resource_variable_ops
 
-TESTED_TF_VERSIONS = ("2.21",)
+TESTED_TF_VERSIONS = ("2.18", "2.19", "2.20", "2.21")
 
 
 def check_tf_version(version: str = None) -> None:
@@ -42,8 +42,9 @@ def check_tf_version(version: str = None) -> None:
     if ".".join(version.split(".")[:2]) not in TESTED_TF_VERSIONS:
         raise RuntimeError(
             f"gf_tf touches private tf.distribute internals and was tested with TensorFlow "
-            f"{', '.join(TESTED_TF_VERSIONS)}.x only; found TensorFlow {version}. "
-            f"Install tensorflow-cpu=={TESTED_TF_VERSIONS[-1]}.* or port gf_tf/tf_internal.py.")
+            f"{TESTED_TF_VERSIONS[0]}-{TESTED_TF_VERSIONS[-1]} ({', '.join(TESTED_TF_VERSIONS)}) only; "
+            f"found TensorFlow {version}. Install a supported one (e.g. "
+            f"tensorflow-cpu=={TESTED_TF_VERSIONS[-1]}.*) or port gf_tf/tf_internal.py.")
 
 
 # --- distributed values ------------------------------------------------------

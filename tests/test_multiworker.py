@@ -75,10 +75,10 @@ def test_fit_without_gradient_flow_works_and_matches_baseline(baseline):
     np.testing.assert_allclose(results[0].result["loss"], baseline["loss"], rtol=1e-5)
     r = results[0].result
     assert ("float32", MODEL_ELEMENTS) in zip(r["reduce_dtypes"], r["reduce_elements"])
-    # steps_per_execution > 1 fails with a clear message, not TF's placeholder error.
+    # steps_per_execution > 1 trains too (stock Keras fails with an unfed placeholder);
+    # tests/test_multistep.py checks its results.
     for worker in results:
-        message = str(worker.result["steps_per_execution_error"])
-        assert "steps_per_execution=2" in message and "steps_per_execution=1" in message
+        assert str(worker.result["steps_per_execution_error"]) == ""
 
 
 def test_mismatched_settings_fail_fast_naming_setting_and_workers():

@@ -29,7 +29,7 @@ parser.add_argument("--baseline", action="store_true", help="one process, no str
 parser.add_argument("--freeze_first_layer", action="store_true",
                     help="same variables, fewer gradients (a variable-list mismatch)")
 parser.add_argument("--check_steps_per_execution", action="store_true",
-                    help="after fit, record the error of a fit with steps_per_execution=2")
+                    help="after fit, record the error of a fit with steps_per_execution=2 ('' if none)")
 parser.add_argument("--inf_on_worker", type=int, default=-1,
                     help="this worker alone gets inf inputs in the global batch of --inf_step")
 parser.add_argument("--inf_step", type=int, default=1)

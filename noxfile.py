@@ -1,0 +1,68 @@
+"""The supported matrix, one nox session per cell, each in its own venv (README "Supported versions").
+
+    nox -l                                  # list the cells
+    nox                                     # run every cell (~4-8 min each on 2 cores)
+    nox -s "tf2.18-keras3" "tf2.21-tf_keras"  # the cells CI runs (.ci/run)
+
+A cell is a TensorFlow minor version and a Keras flavour:
+  keras3    tensorflow-cpu X.Y with the Keras 3 pip resolves with it
+  tf_keras  tensorflow-cpu X.Y with tf-keras X.Y (installed --no-deps: tf-keras requires the
+            `tensorflow` distribution, which would put a second TensorFlow beside tensorflow-cpu)
+            and TF_USE_LEGACY_KERAS=1
+Per cell: the op build against the cell's TensorFlow (`python -m gf_tf._build --force`, into
+the cell's own cache), the op tests on that library, the fast tests (`-m "not slow"`), the
+2-worker FP16 + CSC fit (tests/test_matrix_fit.py) and Keras's multi-step loop under
+MirroredStrategy and 2 workers (tests/test_multistep.py). gf_tf runs from this checkout (PYTHONPATH),
+with GF_TF_OPS_LIBRARY naming the cell's library, so cells never share a build. Wheels come from
+pip's cache after the first run.
+"""
+
+import os
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = True
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+TF_VERSIONS = ("2.18", "2.19", "2.20", "2.21")
+FLAVOURS = ("keras3", "tf_keras")
+TEST_DEPENDENCIES = ("pytest", "scikit-learn", "tensorboard", "absl-py", "numpy")
+OP_TESTS = ("tests/test_ops.py", "tests/test_ops_build.py")
+
+
+def _install(session, tf_version: str, flavour: str) -> dict:
+    """Installs the cell's TensorFlow and Keras; returns the environment the cell runs in."""
+    session.install(f"tensorflow-cpu=={tf_version}.*", *TEST_DEPENDENCIES)
+    env = {"PYTHONPATH": REPO, "TF_CPP_MIN_LOG_LEVEL": "2",
+           "GF_TF_CACHE_DIR": os.path.join(session.virtualenv.location, "gf_tf_cache"),
+           "TF_USE_LEGACY_KERAS": "1" if flavour == "tf_keras" else "0"}
+    if flavour == "tf_keras":
+        session.install("--no-deps", f"tf-keras=={tf_version}.*")
+    session.run("python", "-c", "import tensorflow as tf, gf_tf.keras_compat as k; "
+                "print('cell: TensorFlow', tf.__version__, k.flavour(), k.keras_module().__version__); "
+                "k.check_keras_version()", env=env)
+    return env
+
+
+def _cell(session, tf_version: str, flavour: str) -> None:
+    env = _install(session, tf_version, flavour)
+    output = session.run("python", "-m", "gf_tf._build", "--force", env=env, silent=True)
+    env["GF_TF_OPS_LIBRARY"] = output.strip().splitlines()[-1]
+    session.log(f"op library: {env['GF_TF_OPS_LIBRARY']}")
+    pytest = ("python", "-m", "pytest", "-q", "-p", "no:cacheprovider")
+    session.run(*pytest, "-m", "not slow", *OP_TESTS, env=env)
+    session.run(*pytest, "-m", "not slow", *(f"--ignore={t}" for t in OP_TESTS), env=env)
+    session.run(*pytest, "tests/test_matrix_fit.py", "tests/test_multistep.py", env=env)
+
+
+def _register(tf_version: str, flavour: str) -> None:
+    def cell(session):
+        _cell(session, tf_version, flavour)
+    cell.__doc__ = f"TensorFlow {tf_version} with {'tf-keras' if flavour == 'tf_keras' else 'Keras 3'}"
+    nox.session(name=f"tf{tf_version}-{flavour}", reuse_venv=True)(cell)
+
+
+for _tf in TF_VERSIONS:
+    for _flavour in FLAVOURS:
+        _register(_tf, _flavour)

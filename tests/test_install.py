@@ -1,0 +1,99 @@
+"""Installing gf_tf as users do leaves their TensorFlow alone and gives a library for *that* TensorFlow.
+
+One fresh venv holds tensorflow-cpu 2.19 (a supported TF that is not the newest). Installing the
+project into it, first with pip's default build isolation, then with --no-build-isolation, must
+keep TensorFlow and Keras at the versions the user had, and `gf_tf.ops.library_status()` must
+report the compiled library built for TF 2.19: compiled on first import into the per-TF cache
+(isolated build: no TF in the build environment) or at build time into the package.
+Wheels come from pip's cache after the first run; the slow part is two ~20-60 s compiles.
+"""
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+USER_TF = "2.19"
+PROJECT_FILES = ("setup.py", "pyproject.toml", "MANIFEST.in", "README.md")
+
+
+def _run(args, **kwargs):
+    done = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+    assert done.returncode == 0, f"{' '.join(map(str, args))} failed:\n{done.stdout[-6000:]}"
+    return done.stdout
+
+
+def _versions(python):
+    out = _run([python, "-m", "pip", "list", "--format=freeze", "--disable-pip-version-check"])
+    return {line.split("==")[0].lower().replace("_", "-"): line.split("==")[1]
+            for line in out.splitlines() if "==" in line}
+
+
+def _library_status(python, env):
+    code = ("import gf_tf.ops as o, gf_tf._build as b, tensorflow as tf; "
+            "s = o.library_status(); print(tf.__version__); print(s); print(b.built_for(o.library_path()))")
+    lines = _run([python, "-c", code], env=env, cwd="/").strip().splitlines()
+    return lines[-3], lines[-2], lines[-1]
+
+
+@pytest.fixture(scope="module")
+def user_venv(tmp_path_factory):
+    """A venv holding tensorflow-cpu 2.19 (and the Keras pip resolves with it), as a user's would."""
+    root = tmp_path_factory.mktemp("user")
+    venv = root / "venv"
+    _run([sys.executable, "-m", "venv", str(venv)])
+    python = str(venv / "bin" / "python")
+    _run([python, "-m", "pip", "install", "-q", f"tensorflow-cpu=={USER_TF}.*", "setuptools>=68", "wheel"])
+    project = root / "project"       # a copy of the sources: the build must not touch the checkout
+    project.mkdir()
+    for name in PROJECT_FILES:
+        shutil.copy(REPO / name, project / name)
+    shutil.copytree(REPO / "ops", project / "ops", ignore=shutil.ignore_patterns("bazel"))
+    shutil.copytree(REPO / "gf_tf", project / "gf_tf",
+                    ignore=shutil.ignore_patterns("*.so", "*.tf_version", "__pycache__", "_ops_src"))
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", GF_TF_CACHE_DIR=str(root / "cache"))
+    env.pop("GF_TF_OPS_LIBRARY", None)
+    env.pop("PYTHONPATH", None)
+    return python, project, env, _versions(python), root / "cache"
+
+
+@pytest.mark.slow
+def test_install_keeps_the_users_tensorflow_and_builds_for_it_on_first_import(user_venv):
+    python, project, env, before, cache = user_venv
+    assert before["tensorflow-cpu"].startswith(USER_TF + ".")
+    _run([python, "-m", "pip", "install", str(project)], env=env)
+    after = _versions(python)
+    assert after["tensorflow-cpu"] == before["tensorflow-cpu"]
+    assert after["keras"] == before["keras"]
+    assert "tensorflow" not in after, "installing gf_tf pulled a second TensorFlow distribution"
+    tf_version, status, built = _library_status(python, env)
+    assert tf_version == before["tensorflow-cpu"]
+    assert status.startswith(f"compiled ({cache}/{tf_version}-"), status
+    assert built == tf_version
+
+
+@pytest.mark.slow
+def test_no_build_isolation_builds_into_the_package_for_the_installed_tensorflow(user_venv):
+    python, project, env, before, cache = user_venv
+    _run([python, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "--force-reinstall",
+          str(project)], env=env)
+    assert _versions(python)["tensorflow-cpu"] == before["tensorflow-cpu"]
+    env = dict(env, GF_TF_CACHE_DIR=str(cache.parent / "unused-cache"))
+    tf_version, status, built = _library_status(python, env)
+    assert status.startswith("compiled (") and "site-packages/gf_tf/_gf_tf_ops.so" in status, status
+    assert built == tf_version == before["tensorflow-cpu"]
+    assert not (cache.parent / "unused-cache").exists()
+
+
+def test_import_without_tensorflow_names_the_extra(tmp_path):
+    venv = tmp_path / "bare"
+    _run([sys.executable, "-m", "venv", str(venv)])
+    done = subprocess.run([str(venv / "bin" / "python"), "-c", "import gf_tf"], cwd=str(REPO),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert done.returncode != 0
+    assert "ImportError: gf_tf needs TensorFlow 2.18-2.21" in done.stdout
+    assert "gf_tf[cpu]" in done.stdout

@@ -1,0 +1,69 @@
+"""Keras fit of a linear model (Dense(3), MSE, SGD 0.1) with `steps_per_execution` (Keras 3, or tf-keras under TF_USE_LEGACY_KERAS=1), under
+MirroredStrategy(cross_device_ops=GradientFlowAllReduce) on 2 logical CPUs (no TF_CONFIG) or
+gf_tf.MultiWorkerMirroredStrategy (TF_CONFIG, one CPU per worker).
+
+Writes the initial and final weights (w0_init, w1_init, w0, w1), the data (x, y), the
+optimizer's step count, the CSC step counter (-1 without CSC) and the gradient all-reduces
+GradientFlow carried (gf_steps), or `error` (the message
+of the ValueError fit raised, e.g. for --accumulation).
+"""
+
+import argparse
+import os
+
+import numpy as np
+import tensorflow as tf
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps_per_execution", type=int, default=1)
+parser.add_argument("--compression", default="none")
+parser.add_argument("--density", type=float, default=0.0, help="CSC density; 0: dense")
+parser.add_argument("--accumulation", type=int, default=0, help="gradient_accumulation_steps")
+parser.add_argument("--examples", type=int, default=112)   # 7 global batches of 16
+parser.add_argument("--epochs", type=int, default=2)
+parser.add_argument("--legacy_optimizer", action="store_true", help="tf-keras's OptimizerV2 SGD")
+args = parser.parse_args()
+
+MULTI_WORKER = "TF_CONFIG" in os.environ
+if not MULTI_WORKER:
+    tf.config.set_logical_device_configuration(
+        tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+
+import gf_tf  # pylint: disable=wrong-import-position
+import worker_util  # pylint: disable=wrong-import-position
+from gf_tf import keras_compat  # pylint: disable=wrong-import-position
+
+keras = keras_compat.keras_module()   # tf-keras under TF_USE_LEGACY_KERAS=1, else Keras 3
+
+sparsity = (gf_tf.ChunkSparsity(density=args.density, chunk_size=4, warmup_steps=3, momentum=0.9)
+            if args.density else None)
+gradient_flow = gf_tf.GradientFlowAllReduce(
+    compression=None if args.compression == "none" else args.compression, sparsity=sparsity)
+if MULTI_WORKER:
+    strategy = gf_tf.MultiWorkerMirroredStrategy(
+        communication_options=worker_util.communication_options(), gradient_flow=gradient_flow)
+else:
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=gradient_flow)
+
+x, y = worker_util.regression_data(args.examples)
+with strategy.scope():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+    sgd = keras.optimizers.legacy.SGD if args.legacy_optimizer else keras.optimizers.SGD
+    optimizer = sgd(0.1, **({"gradient_accumulation_steps": args.accumulation} if args.accumulation else {}))
+    model.compile(optimizer=optimizer, loss="mse", steps_per_execution=args.steps_per_execution)
+initial = {f"w{i}_init": w for i, w in enumerate(model.get_weights())}
+dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+try:
+    model.fit(dataset, epochs=args.epochs, verbose=0)
+except ValueError as e:
+    worker_util.write_result(error=str(e))
+    raise SystemExit(0)
+csc_step = -1
+if sparsity:
+    (variable_set,) = gradient_flow.states().values()
+    csc_step = int(variable_set.packs[0].step.numpy())
+worker_util.write_result(x=x, y=y, iterations=int(optimizer.iterations.numpy()), csc_step=csc_step,
+                         gf_steps=gradient_flow.stats.totals()["steps"],
+                         **initial, **{f"w{i}": w for i, w in enumerate(model.get_weights())})
+print("done", args)
