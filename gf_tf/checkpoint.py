@@ -347,9 +347,16 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     """
 
     def _rank(self) -> int:
-        gradient_flow = tf_internal.strategy_cross_device_ops(self.model.distribute_strategy)
-        workers = getattr(gradient_flow, "_workers", None)
-        return 0 if workers is None else workers.rank
+        """This worker's rank among the workers (0 = the one that writes Keras's backup).
+
+        With GradientFlow, its worker list; otherwise 0 on the worker TensorFlow
+        checkpoints from (`strategy.extended.should_checkpoint`), 1 elsewhere (such
+        workers have no CSC state to write and only restore)."""
+        strategy = self.model.distribute_strategy
+        workers = getattr(tf_internal.strategy_cross_device_ops(strategy), "_workers", None)
+        if workers is not None:
+            return workers.rank
+        return 0 if strategy.extended.should_checkpoint else 1
 
     def _side_path(self) -> str:
         return os.path.join(self.backup_dir, f"gf_tf_state.worker{self._rank()}.npz")

@@ -140,3 +140,21 @@ def test_without_tf_config_it_trains_two_replicas_in_one_process_through_gradien
     sent, dense = map(lambda s: float(s.replace(",", "")), re.search(
         r"bytes sent per step per replica: ([\d,]+) .* vs ([\d,]+) for float32", text).groups())
     assert 0 < sent < 0.5 * dense  # 1 dense FP16 step, 3 sparse ones
+
+
+def test_two_workers_without_gradient_flow_back_up_from_the_chief_only(tmp_path):
+    """TF's own float32 all-reduce (no GradientFlow) with --model_dir on 2 workers: only the
+    chief writes the BackupAndRestore files. (Both once wrote latest.weights.h5 and one died
+    with h5py's 'unable to lock file'.)"""
+    model_dir = tmp_path / "model"
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env.pop("TF_CONFIG", None)
+    out = io.BytesIO()
+    code = launch.run_workers(2, [
+        sys.executable, "-m", "models.train", "--epochs", "2", "--steps_per_epoch", "4",
+        "--batch_size", "32", "--compression", "none", "--density", "1",
+        "--collective_timeout", "60", f"--model_dir={model_dir}"], env=env, out=out)
+    text = out.getvalue().decode()
+    assert code == 0, text[-3000:]
+    assert "gradient all-reduce: TF float32" in text
+    assert len(re.findall(r"\[worker \d\] test accuracy", text)) == 2
