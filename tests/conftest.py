@@ -26,7 +26,7 @@ assert len(tf.config.list_logical_devices("CPU")) == NUM_LOGICAL_CPUS
 # (noxfile.py); tests elsewhere mark themselves with @pytest.mark.slow.
 SLOW_MODULES = frozenset({"test_multiworker", "test_sparsity_multiworker", "test_train", "test_launch",
                           "test_benchmarks", "test_bazel_library", "test_install", "test_matrix_fit",
-                          "test_multistep"})
+                          "test_multistep", "test_faults", "test_checkpoint_multiworker"})
 # Single slow tests in otherwise fast modules (by function name).
 SLOW_TESTS = frozenset({"test_measured_fp16_error_of_the_sum_meets_the_targets"})  # up to 64 replicas
 
