@@ -166,7 +166,10 @@ def configure_peer_startup_timeout(cluster_spec: tf.train.ClusterSpec, seconds: 
     if a coordination service was already configured in this process.
     """
     check_tf_version()
-    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2  # pylint: disable=import-outside-toplevel
+    try:   # TF 2.19+
+        from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2  # pylint: disable=import-outside-toplevel
+    except ImportError:   # TF 2.18
+        from tensorflow.tsl.protobuf import coordination_config_pb2  # pylint: disable=import-outside-toplevel
     from tensorflow.python.distribute import multi_worker_util  # pylint: disable=import-outside-toplevel
     from tensorflow.python.eager import context  # pylint: disable=import-outside-toplevel
     if context.context().coordination_service is not None:
