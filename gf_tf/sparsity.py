@@ -35,10 +35,9 @@ State (`CSCState`) is per pack of one variable set, owned by
 GradientFlowAllReduce's state for that variable set, never by this object.
 """
 
-import dataclasses
 import logging
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import Sequence, Tuple
 
 import tensorflow as tf
 
@@ -192,20 +191,6 @@ class ChunkSparsity:
             if step >= first_step:
                 current = density
         return current
-
-    def _pack_stages(self, num_chunks: int) -> Tuple[Tuple[int, Optional[int]], ...]:
-        """Per pack: ((first_step, k or None for dense), ...), equal neighbours merged.
-
-        A stage that would send every chunk is a dense step (no norms, no
-        momentum masking: plain momentum SGD while everything is sent).
-        """
-        stages = []
-        for first_step, density in self.schedule():
-            k = selected_chunk_count(num_chunks, density)
-            k = None if k >= num_chunks else k
-            if not stages or stages[-1][1] != k:
-                stages.append((first_step, k))
-        return tuple(stages)
 
     def reducer(self) -> "CSCReducer":
         """The reducer GradientFlowAllReduce runs each pack through."""
