@@ -260,23 +260,28 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
                 for r in range(len(grads)):
                     for i, shape, dtype in zip(pack.indices, pack.shapes, pack.dtypes):
                         results[r][i] = tf.zeros(shape, dtype)
+        if not live:
+            return Sent()
         pack_grads = {p: [[g[i] for i in pack.indices] for g in grads] for p, pack in live}
-        controls, carries, sizes = {}, {}, []
+        packs, states = [pack for _, pack in live], [state.packs[p] for p, _ in live]
+        sizes = [self.reducer.step_control_size(packs)]
+        step_control = (self.reducer.step_control(packs, [pack_grads[p] for p, _ in live],
+                                                  states, comm) if sizes[0] else None)
+        controls, carries = {}, {}
         for p, pack in live:
             controls[p], carries[p] = self.reducer.control(pack, pack_grads[p], state.packs[p], comm)
             sizes.append(self.reducer.control_size(pack))
         if sum(sizes):
-            summed = comm.all_reduce_sum([tf.concat([controls[p][r] for p, _ in live], 0)
+            summed = comm.all_reduce_sum([tf.concat(([step_control[r]] if sizes[0] else [])
+                                                    + [controls[p][r] for p, _ in live], 0)
                                           for r in range(len(grads))])
             split = [tf.split(s, sizes) for s in summed]
-            controls = {p: [split[r][j] for r in range(len(grads))]
+            step_control = [split[r][0] for r in range(len(grads))] if sizes[0] else None
+            controls = {p: [split[r][j + 1] for r in range(len(grads))]
                         for j, (p, _) in enumerate(live)}
-        if not live:
-            return Sent()
         outputs, sent = self.reducer.reduce_packs(
-            [pack for _, pack in live], [pack_grads[p] for p, _ in live],
-            [controls[p] for p, _ in live], [carries[p] for p, _ in live],
-            [state.packs[p] for p, _ in live], comm)
+            packs, [pack_grads[p] for p, _ in live], [controls[p] for p, _ in live],
+            [carries[p] for p, _ in live], states, comm, step_control=step_control)
         for (_, pack), per_replica in zip(live, outputs):
             for r, reduced in enumerate(per_replica):
                 for i, value in zip(pack.indices, reduced):
@@ -293,7 +298,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
             ("bytes_per_pack", self.bytes_per_pack, lambda b: str(int(b))),
             ("number of gradients", len(state.signature), lambda n: str(int(n))),
             ("gradient shapes/dtypes (CRC32)", zlib.crc32(shapes), lambda c: f"{int(c):08x}"),
-            ("sparsity density", getattr(self.sparsity, "density", 0.0), lambda d: f"{d:g}"),
+            ("sparsity density", _density_code(self.sparsity), _density_text),
             ("sparsity settings (CRC32)", _sparsity_fingerprint(self.sparsity),
              lambda c: f"{int(c):08x}"),
         ]
@@ -321,6 +326,16 @@ def _packable_signature(values):
            for v in values[1:]):
         return None
     return (first.shape, first.dtype)
+
+
+def _density_code(sparsity) -> float:
+    """The sparsity's density as a number for the handshake: -1 for "auto", 0 without CSC."""
+    density = getattr(sparsity, "density", 0.0)
+    return -1.0 if density == "auto" else float(density)
+
+
+def _density_text(code) -> str:
+    return "auto" if code < 0 else f"{code:g}"
 
 
 def _sparsity_fingerprint(sparsity) -> int:

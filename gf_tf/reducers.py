@@ -8,11 +8,14 @@ float32 all-reduce per step:
 
   1. `control`: per pack, per served replica, a local float32 vector of
      `control_size(pack)` elements (may be 0), plus anything the pack needs
-     later (`carry`). GradientFlowAllReduce concatenates every pack's vectors
+     later (`carry`); and once per step `step_control` (`step_control_size`
+     elements, usually 0: CSC density="auto" adds its timing figures).
+     GradientFlowAllReduce concatenates the step's and every pack's vectors
      and all-reduces them (SUM) in one collective.
   2. `reduce`: per pack, with its all-reduced control vector: the pack's
      collective and the reduced tensors (`reduce_packs` may fuse the packs'
-     collectives: CSC sends all its chunks in one).
+     collectives: CSC sends all its chunks in one, and gets the all-reduced
+     step control).
 
 Source: GradientFlow (arXiv 1902.06855), lazy all-reduce and mixed-precision
 communication; PyTorch DDP communication hooks for the interface.
@@ -56,20 +59,25 @@ class Sent:
     sent_bytes: bytes put into collectives (wire buffers plus control vectors).
     selected_chunks / total_chunks: CSC chunks sent / existing (0 for dense).
     residual_norm: L1 norm of the first served replica's CSC residual, or None.
-    Fields may be Python numbers or scalar tensors; `+` adds them up.
+    density: the CSC density of the step (1.0 on dense steps; density="auto":
+      the rung chosen), or None (a dense reducer: everything sent).
+    Fields may be Python numbers or scalar tensors; `+` adds them up (density:
+    the first one given).
     """
     dense_bytes: Any = 0
     sent_bytes: Any = 0
     selected_chunks: Any = 0
     total_chunks: Any = 0
     residual_norm: Any = None
+    density: Any = None
 
     def __add__(self, other: "Sent") -> "Sent":
         norms = [n for n in (self.residual_norm, other.residual_norm) if n is not None]
         return Sent(self.dense_bytes + other.dense_bytes, self.sent_bytes + other.sent_bytes,
                     self.selected_chunks + other.selected_chunks,
                     self.total_chunks + other.total_chunks,
-                    sum(norms[1:], norms[0]) if norms else None)
+                    sum(norms[1:], norms[0]) if norms else None,
+                    self.density if self.density is not None else other.density)
 
 
 class Reducer:
@@ -88,16 +96,27 @@ class Reducer:
         """(per served replica a float32 [control_size] vector, carry for `reduce`)."""
         return [tf.zeros([0], tf.float32) for _ in grads], None
 
+    def step_control_size(self, packs: Sequence[PackSpec]) -> int:
+        """float32 elements the step (all packs together) adds to the control all-reduce."""
+        return 0
+
+    def step_control(self, packs: Sequence[PackSpec], grads: Sequence[PackGrads], states,
+                     comm: Communicator) -> List[tf.Tensor]:
+        """Per served replica a float32 [step_control_size] vector (runs before `control`)."""
+        return [tf.zeros([0], tf.float32) for _ in comm.replicas]
+
     def reduce(self, pack: PackSpec, grads: PackGrads, control: List[tf.Tensor], carry,
                state, comm: Communicator) -> Tuple[List[List[tf.Tensor]], Sent]:
         """(per served replica the reduced tensors of the pack, what was sent)."""
         raise NotImplementedError
 
     def reduce_packs(self, packs: Sequence[PackSpec], grads: Sequence[PackGrads], controls,
-                     carries, states, comm: Communicator) -> Tuple[List, Sent]:
+                     carries, states, comm: Communicator, step_control=None
+                     ) -> Tuple[List, Sent]:
         """All packs of a step (lists, one entry per pack): per pack what `reduce` returns,
-        and the total sent. The default reduces pack by pack; a reducer that fuses the
-        packs' collectives (CSC) overrides it."""
+        and the total sent. step_control: per served replica the all-reduced step
+        control vector, or None when `step_control_size` is 0. The default reduces
+        pack by pack; a reducer that fuses the packs' collectives (CSC) overrides it."""
         outputs, sent = [], Sent()
         for args in zip(packs, grads, controls, carries, states):
             reduced, pack_sent = self.reduce(*args, comm)

@@ -13,7 +13,7 @@ from gf_tf import keras_compat
 
 # Per-step figures reported by CommStats.result and GradientFlowStats.
 FIGURES = ("dense_bytes_per_step", "sent_bytes_per_step", "compression_ratio",
-           "selected_chunks_per_step", "total_chunks_per_step", "residual_norm")
+           "selected_chunks_per_step", "total_chunks_per_step", "residual_norm", "density")
 
 
 class CommStats:
@@ -38,9 +38,11 @@ class CommStats:
                                             name="gf_total_chunks")
             self.residual_norm = tf.Variable(0.0, dtype=tf.float32, trainable=False,
                                              name="gf_residual_norm")
+            self.densities = tf.Variable(0.0, dtype=tf.float64, trainable=False,
+                                         name="gf_densities")
 
     def update(self, dense_bytes, sent_bytes, selected_chunks=0, total_chunks=0,
-               residual_norm=None):
+               residual_norm=None, density=None):
         """Adds one step. Byte counts are per worker replica, in bytes.
 
         dense_bytes: what float32 dense all-reduce would have sent (4 bytes x
@@ -49,7 +51,9 @@ class CommStats:
         wire dtype). selected_chunks / total_chunks: CSC chunks sent / existing
         (dense steps of CSC count all chunks as sent). residual_norm: L1 norm
         (sum of |x|) of the CSC residual of the first local replica over all
-        packs after this step. Arguments may be Python numbers or scalar
+        packs after this step. density: the step's CSC density (1.0 on dense
+        steps; with density="auto" the one chosen); None counts as 1.0 (a dense
+        all-reduce sends everything). Arguments may be Python numbers or scalar
         tensors.
         """
         with tf.device("/cpu:0"):
@@ -60,9 +64,11 @@ class CommStats:
             self.total_chunks.assign_add(tf.cast(total_chunks, tf.float64))
             if residual_norm is not None:
                 self.residual_norm.assign(tf.cast(residual_norm, tf.float32))
+            self.densities.assign_add(tf.cast(1.0 if density is None else density, tf.float64))
 
     def totals(self) -> Dict[str, float]:
-        """The running totals since creation (eager): steps, bytes, chunks, last residual norm."""
+        """The running totals since creation (eager): steps, bytes, chunks, last residual norm,
+        sum of the steps' densities."""
         return {
             "steps": int(self.steps.numpy()),
             "dense_bytes": float(self.dense_bytes.numpy()),
@@ -70,6 +76,7 @@ class CommStats:
             "selected_chunks": float(self.selected_chunks.numpy()),
             "total_chunks": float(self.total_chunks.numpy()),
             "residual_norm": float(self.residual_norm.numpy()),
+            "densities": float(self.densities.numpy()),
         }
 
     def result(self, since: Optional[Dict[str, float]] = None) -> dict:
@@ -78,7 +85,8 @@ class CommStats:
         Returns a dict with "steps" and the FIGURES: dense_bytes_per_step,
         sent_bytes_per_step (bytes), compression_ratio (dense / sent; 0 if
         nothing was sent), selected_chunks_per_step, total_chunks_per_step,
-        residual_norm (the latest value, not a mean).
+        residual_norm (the latest value, not a mean), density (the mean CSC
+        density per step: with density="auto", what it chose; 1.0 when dense).
         """
         now = self.totals()
         if since:
@@ -94,6 +102,7 @@ class CommStats:
             "selected_chunks_per_step": now["selected_chunks"] / steps,
             "total_chunks_per_step": now["total_chunks"] / steps,
             "residual_norm": now["residual_norm"],
+            "density": now["densities"] / steps if now["steps"] else 0.0,
         }
 
 
@@ -106,8 +115,9 @@ class GradientFlowStats(keras_compat.callback_base()):
     `gf_dense_bytes_per_step` (float32 dense-equivalent bytes),
     `gf_sent_bytes_per_step` (bytes put into the collectives),
     `gf_compression_ratio`, `gf_selected_chunks_per_step`,
-    `gf_total_chunks_per_step` and `gf_residual_norm` (L1 norm of the CSC
-    residual at the end of the epoch) to the epoch logs. `History`
+    `gf_total_chunks_per_step`, `gf_residual_norm` (L1 norm of the CSC
+    residual at the end of the epoch) and `gf_density` (mean CSC density per
+    step; with ChunkSparsity(density="auto") what it chose) to the epoch logs. `History`
     (model.fit's return value) records them; a `keras.callbacks.TensorBoard`
     listed AFTER this callback writes them as epoch scalars.
 
