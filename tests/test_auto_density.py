@@ -1,0 +1,257 @@
+"""gf_tf.ChunkSparsity(density="auto"): the rule, its inputs (all-reduced timing figures), its wire.
+
+The decision is tested with an injected clock (CSCReducer.clock) that feeds
+known compute and communication seconds per replica; everything else is real:
+MirroredStrategy over 2 logical CPUs, the traced step, the control
+all-reduce, the chunk all-reduce, a NumPy float64 CSC reference.
+Across 2 worker processes: test_sparsity_multiworker.py.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import math
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import gf_tf
+from gf_tf.sparsity import AUTO_LADDER, choose_rung
+from test_sparsity import DEVICES, NumpyCSC, Runner, _all_ops, only_state
+
+
+class FakeClock:
+    """CSCReducer.clock for tests: replica r's clock advances by compute[r] seconds up to
+    "ready" and by comm[r] seconds up to "done", so it measures exactly those figures."""
+
+    def __init__(self, compute, comm):
+        self.compute, self.comm = compute, comm
+        with tf.device("/cpu:0"):
+            self.now = [tf.Variable(100.0, dtype=tf.float64, trainable=False) for _ in compute]
+
+    def __call__(self, replica, event):
+        step = self.compute[replica] if event == "ready" else self.comm[replica]
+        return self.now[replica].assign_add(step)
+
+
+# --- arguments, rungs, schedule ---------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(density="fast"), "density"), (dict(density="AUTO"), "density"),
+    (dict(density=True), "density"),
+    (dict(density="auto", min_density=0.0), "min_density"),
+    (dict(density="auto", min_density=1.5), "min_density"),
+    (dict(density="auto", min_density="0.01"), "min_density"),
+    (dict(density="auto", auto_budget=0.0), "auto_budget"),
+    (dict(density="auto", auto_budget=-1.0), "auto_budget"),
+    (dict(density="auto", auto_budget=math.inf), "auto_budget"),
+])
+def test_bad_auto_arguments_name_the_argument(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        gf_tf.ChunkSparsity(**kwargs)
+
+
+def test_rungs_are_the_ladder_above_the_floor_then_the_floor():
+    assert AUTO_LADDER == (0.25, 0.1, 0.03, 0.01, 0.003, 0.001)
+    assert gf_tf.ChunkSparsity(density="auto").rungs() == AUTO_LADDER
+    assert gf_tf.ChunkSparsity(density="auto", min_density=0.01).rungs() == (0.25, 0.1, 0.03, 0.01)
+    assert gf_tf.ChunkSparsity(density="auto", min_density=0.005).rungs() == \
+        (0.25, 0.1, 0.03, 0.01, 0.005)
+    assert gf_tf.ChunkSparsity(density="auto", min_density=1.0).rungs() == (1.0,)
+    assert gf_tf.ChunkSparsity(density=0.02).rungs() == (0.02,)
+
+
+def test_config_and_repr_carry_the_auto_settings_and_numeric_ones_are_unchanged():
+    auto = gf_tf.ChunkSparsity(density="auto", min_density=0.01, auto_budget=0.1, chunk_size=64)
+    assert auto.get_config() == {"density": "auto", "chunk_size": 64, "warmup_steps": 0,
+                                 "momentum": 0.0, "warmup": "dense", "min_density": 0.01,
+                                 "auto_budget": 0.1}
+    assert gf_tf.ChunkSparsity(**auto.get_config()).get_config() == auto.get_config()
+    assert "density='auto'" in repr(auto) and "min_density=0.01" in repr(auto) \
+        and "auto_budget=0.1" in repr(auto)
+    assert gf_tf.ChunkSparsity(density=0.01).get_config() == {
+        "density": 0.01, "chunk_size": 1024, "warmup_steps": 0, "momentum": 0.0, "warmup": "dense"}
+    assert repr(gf_tf.ChunkSparsity(density=0.01)) == (
+        "ChunkSparsity(density=0.01, chunk_size=1024, warmup_steps=0, momentum=0.0, "
+        "warmup='dense')")
+
+
+def test_auto_schedules_keep_the_warmup_and_end_in_auto():
+    dense = gf_tf.ChunkSparsity(density="auto", warmup_steps=50)
+    assert dense.schedule() == ((0, 1.0), (50, "auto"))
+    assert [dense.density_at(s) for s in (0, 49, 50)] == [1.0, 1.0, "auto"]
+    expo = gf_tf.ChunkSparsity(density="auto", min_density=0.01, warmup_steps=30,
+                               warmup="exponential")
+    assert expo.schedule() == ((0, 0.25), (10, 0.0625), (20, 0.015625), (30, "auto"))
+    assert gf_tf.ChunkSparsity(density="auto").schedule() == ((0, "auto"),)
+
+
+# --- the rule ---------------------------------------------------------------------
+
+# Bytes of 4 rungs and budget x compute = 0.5 x 1.0 = 0.5 s: exact binary fractions, so each
+# case below is decided by exact float32 arithmetic.
+RUNG_BYTES = (1024.0, 512.0, 256.0, 128.0)
+
+
+@pytest.mark.parametrize("comm_seconds, expected", [
+    (0.25, 0),    # predicted 0.25 s at rung 0 (measured at 1024 bytes): fits
+    (0.5, 0),     # 0.5 s == the budget: a tie fits
+    (1.0, 1),     # 1.0, 0.5 (tie), ...
+    (1.5, 2),     # 1.5, 0.75, 0.375
+    (4.0, 3),     # 4, 2, 1, 0.5 (tie)
+    (8.0, 3),     # nothing fits: the floor
+])
+def test_rule_picks_the_largest_rung_whose_predicted_communication_fits(comm_seconds, expected):
+    rung = choose_rung(1.0, comm_seconds, 1024.0, RUNG_BYTES, budget=0.5)
+    assert rung.dtype == tf.int32 and int(rung) == expected
+
+
+def test_rule_scales_the_measured_time_by_bytes():
+    # Measured 0.25 s at 128 bytes: 2 s at 1024, 1 s at 512, 0.5 s at 256 (tie: fits).
+    assert int(choose_rung(1.0, 0.25, 128.0, RUNG_BYTES, budget=0.5)) == 2
+    # Twice the compute time doubles the budget: 1 s at 512 fits.
+    assert int(choose_rung(2.0, 0.25, 128.0, RUNG_BYTES, budget=0.5)) == 1
+
+
+@pytest.mark.parametrize("figures", [
+    (0.0, 0.0, 0.0),                 # nothing measured yet (the first step)
+    (1.0, 0.25, 0.0), (0.0, 0.25, 1024.0), (1.0, 0.0, 1024.0),
+    (np.nan, 0.25, 1024.0), (np.inf, 0.25, 1024.0), (1.0, -0.25, 1024.0),
+])
+def test_rule_falls_to_the_floor_without_a_valid_measurement(figures):
+    assert int(choose_rung(*figures, RUNG_BYTES, budget=0.5)) == 3
+
+
+def test_rule_with_equal_rung_bytes_picks_the_first_of_them():
+    # Small packs: several densities give the same k, hence the same bytes.
+    assert int(choose_rung(1.0, 0.5, 512.0, (512.0, 512.0, 256.0), budget=0.5)) == 0
+    assert int(choose_rung(1.0, 0.5, 256.0, (512.0, 512.0, 256.0), budget=0.5)) == 2
+
+
+# --- in the traced step, from all-reduced figures -----------------------------------
+
+# One pack of 400 float32 elements in chunks of 4: 100 chunks. Rungs 0.25 .. 0.001 send
+# k = 25, 10, 3, 1, 1, 1 chunks; a step puts 4 x 3 (timing) + 4 x 100 (norms) + 16 k bytes
+# (float32 wire) into the collectives: 812, 572, 460, 428 bytes.
+N, CS, C = 400, 4, 100
+
+
+def _bytes(k):
+    return 12 + 4 * C + 4 * CS * k
+
+
+def test_replicas_with_different_figures_pick_the_rung_of_the_mean_and_match_numpy():
+    """Replica 0 measures 0.05 s of communication, replica 1 0.35 s (1 s compute each,
+    budget 0.25 s). Alone, replica 0 would pick 25 chunks and replica 1 the floor; from the
+    all-reduced figures (mean 0.2 s) both pick the same rung, step by step:
+      step 0: nothing measured -> floor (k=1, 428 bytes)
+      step 1: 0.2 s at 428 B -> 25: 0.379 s, 10: 0.267 s, 3: 0.215 s fits -> k=3
+      step 2: 0.2 s at 460 B -> 25: 0.353 s, 10: 0.249 s fits -> k=10
+      step 3: 0.2 s at 572 B -> 25: 0.284 s, 10: 0.2 s fits -> k=10
+    and the reduced gradients equal a float64 CSC reference at that k."""
+    csc = gf_tf.ChunkSparsity(density="auto", chunk_size=CS, auto_budget=0.25)
+    run = Runner(2, csc, compression=None)
+    run.gfar.reducer.clock = FakeClock(compute=[1.0, 1.0], comm=[0.05, 0.35])
+    model = NumpyCSC(N, 2, CS)
+    rng = np.random.default_rng(11)
+    ks, before = [], run.gfar.stats.totals()
+    for _ in range(4):
+        scale = rng.permutation(np.repeat(np.linspace(0.1, 10.0, C), CS))  # no near ties
+        grads = [rng.normal(size=N).astype(np.float32) * scale.astype(np.float32)
+                 for _ in range(2)]
+        out = run([[g] for g in grads])
+        now = run.gfar.stats.totals()
+        k = int(now["selected_chunks"] - before["selected_chunks"])
+        assert now["sent_bytes"] - before["sent_bytes"] == _bytes(k)
+        ks.append(k)
+        before = now
+        ref, idx = model.step(np.array(grads, np.float64), k / C)
+        assert len(idx) == k
+        np.testing.assert_array_equal(out[1][0], out[0][0])
+        np.testing.assert_allclose(out[0][0], ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+        for r, residual in enumerate(run.residuals()):
+            np.testing.assert_allclose(residual, model.residual[r], rtol=1e-6, atol=1e-5)
+    assert ks == [1, 3, 10, 10]
+    stats = run.gfar.stats.result()
+    assert stats["density"] == pytest.approx((0.001 + 0.03 + 0.1 + 0.1) / 4)
+    state = only_state(run.gfar)
+    assert [float(v.numpy()) for v in state.sent] == [_bytes(10)] * 2
+
+
+def test_first_sparse_step_after_a_dense_warmup_uses_the_warmup_measurement():
+    """2 dense warm-up steps (all 100 chunks: 412 + 1600 = 2012 bytes) measure 0.5 s of
+    communication per 1 s of compute; at budget 0.05 the prediction for the floor,
+    0.5 x 428 / 2012 = 0.106 s, does not fit: floor. At budget 0.5: 25 chunks,
+    0.5 x 812 / 2012 = 0.2 s, fits."""
+    for budget, sparse_k in ((0.05, 1), (0.5, 25)):
+        csc = gf_tf.ChunkSparsity(density="auto", chunk_size=CS, warmup_steps=2,
+                                  auto_budget=budget)
+        run = Runner(2, csc, compression=None)
+        run.gfar.reducer.clock = FakeClock(compute=[1.0, 1.0], comm=[0.5, 0.5])
+        ks, before = [], run.gfar.stats.totals()
+        for _ in range(3):
+            run([[np.linspace(1, 2, N).astype(np.float32)]] * 2)
+            now = run.gfar.stats.totals()
+            ks.append(int(now["selected_chunks"] - before["selected_chunks"]))
+            before = now
+        assert ks == [C, C, sparse_k], budget
+        assert run.gfar.stats.result()["density"] == \
+            pytest.approx((2 * 1.0 + (0.001 if sparse_k == 1 else 0.25)) / 3)
+
+
+def test_auto_travels_in_two_collectives_per_step():
+    """Three packs (as test_several_packs_travel_in_two_collectives_per_step): the timing
+    figures join the chunk norms in the one float32 control all-reduce; each rung's branch
+    holds exactly one chunk all-reduce, and one branch runs per step."""
+    sizes = [12, 8, 20]     # 3, 2, 5 chunks of 4: k = (1, 1, 2) at 0.25, (1, 1, 1) below
+    csc = gf_tf.ChunkSparsity(density="auto", chunk_size=4, auto_budget=1.0)
+    gfar = gf_tf.GradientFlowAllReduce(bytes_per_pack=16, sparsity=csc, compression=None,
+                                       cross_device_ops=tf.distribute.ReductionToOneDevice())
+    gfar.reducer.clock = FakeClock(compute=[1.0, 1.0], comm=[0.5, 0.5])
+    strategy = tf.distribute.MirroredStrategy(DEVICES[:2], cross_device_ops=gfar)
+    variables = [tf.Variable(np.zeros(n, np.float32)) for n in sizes]
+
+    @tf.function
+    def step(*per_replica):
+        def fn(*grads):
+            return gf_tf.all_reduce_gradients([tf.identity(g) for g in grads], variables)
+        return strategy.run(fn, args=per_replica)
+
+    rng = np.random.default_rng(5)
+    refs = [NumpyCSC(n, 2, 4) for n in sizes]
+    # Step 0: the floor; then 0.5 s measured per 1 s of compute fits the top rung
+    # (0.5 x 116 / 100 bytes = 0.58 s <= 1 s).
+    for ks in [(1, 1, 1), (1, 1, 2), (1, 1, 2)]:
+        grads = [rng.normal(size=(2, n)).astype(np.float32) for n in sizes]
+        values = [strategy.experimental_distribute_values_from_function(
+            lambda ctx, g=g: tf.constant(g[ctx.replica_id_in_sync_group])) for g in grads]
+        out = step(*values)
+        for j, (ref, g, k) in enumerate(zip(refs, grads, ks)):
+            want, idx = ref.step(g, k / ref.c)
+            assert len(idx) == k
+            for o in strategy.experimental_local_results(out[j]):
+                np.testing.assert_allclose(o.numpy(), want, rtol=1e-6, atol=1e-6)
+    graph = step.get_concrete_function(*values).graph
+    main = _vector_sums(graph.get_operations())
+    assert main == [("float32", 3 + 3 + 2 + 5)], main     # timing + norms, outside the branches
+    cases = [op for op in _all_ops(graph) if op.type in ("Case", "StatelessCase")]
+    assert len(cases) == 1
+    branch_sums = [_vector_sums(graph._get_function(fn.name).graph.get_operations())  # pylint: disable=protected-access
+                   for fn in cases[0].get_attr("branches")]
+    assert sorted(branch_sums) == [[("float32", 12)], [("float32", 16)]], branch_sums
+    assert gfar.stats.totals()["selected_chunks"] == 3 + 4 + 4
+
+
+def _vector_sums(operations):
+    return sorted((op.get_attr("T").name, op.outputs[0].shape.num_elements())
+                  for op in operations if op.type == "AddN"
+                  and op.outputs[0].shape.num_elements() not in (None, 1))
+
+
+def test_settings_handshake_names_auto():
+    from gf_tf.cross_device_ops import _density_code, _density_text
+    assert _density_text(_density_code(gf_tf.ChunkSparsity(density="auto"))) == "auto"
+    assert _density_text(_density_code(gf_tf.ChunkSparsity(density=0.01))) == "0.01"
+    assert _density_code(None) == 0.0
