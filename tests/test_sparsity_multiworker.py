@@ -59,3 +59,52 @@ def test_fit_with_exponential_warmup_and_momentum_stays_in_lockstep():
         np.testing.assert_array_equal(r["per_step"][:, 2], ks)
         np.testing.assert_array_equal(r["per_step"][:, 1], [4 * c + 2 * k * cs for k in ks])
         assert np.all(np.isfinite(r["residual"]))
+
+
+def _auto_k(density, c):
+    return max(1, math.ceil(round(density * c, 9)))
+
+
+def test_auto_density_decides_on_all_reduced_figures_of_both_workers():
+    """density="auto", 97 chunks of 4, budget 0.25 s per 1 s of compute. Worker 0's clock
+    measures 0.03 s of communication per step, worker 1's 0.35 s: alone, worker 0 would pick
+    25 chunks at step 1 and worker 1 the floor (and their collectives would not match). From
+    the all-reduced figures (mean 0.19 s; bytes per step 400 + 8 k on the float16 wire):
+      step 0: nothing measured: floor, k=1 (408 B)
+      step 1: 0.19 s at 408 B -> 25: 0.279 s; 10: 0.224 s fits -> k=10
+      step 2: 0.19 s at 480 B -> 25: 0.2375 s fits -> k=25, and so on."""
+    cs, steps, c = 4, 5, math.ceil(PARAMS / 4)
+    results = run_workers("csc_fit_worker.py", num_workers=2, timeout=90, comm_timeout=30,
+                          args=["--density=auto", f"--chunk_size={cs}", f"--steps={steps}",
+                                "--auto_budget=0.25"],
+                          per_worker_args=[["--fake_clock=1.0,0.03"], ["--fake_clock=1.0,0.35"]])
+    assert all(r.ok and r.result is not None for r in results), describe(results)
+    a, b = [r.result for r in results]
+    _assert_identical_weights(a, b)
+    densities = [0.001, 0.1, 0.25, 0.25, 0.25]
+    ks = [_auto_k(d, c) for d in densities]
+    assert ks == [1, 10, 25, 25, 25]
+    for r in (a, b):
+        np.testing.assert_array_equal(r["per_step"][:, 2], ks)
+        np.testing.assert_array_equal(r["per_step"][:, 1], [12 + 4 * c + 2 * k * cs for k in ks])
+        np.testing.assert_allclose(r["per_step_density"], densities, rtol=1e-12)
+        pairs = set(zip(r["reduce_dtypes"].tolist(), r["reduce_elements"].tolist()))
+        assert ("float32", 3 + c) in pairs, pairs       # timing figures ride with the norms
+
+
+def test_auto_density_with_the_real_clock_stays_in_lockstep():
+    """Real timestamps differ between the workers; both still choose the same density at
+    every step (or their chunk all-reduces would not match and time out)."""
+    cs, steps, c = 4, 6, math.ceil(PARAMS / 4)
+    a, b = _run("--density=auto", f"--chunk_size={cs}", f"--steps={steps}", "--warmup_steps=2",
+                "--momentum=0.9")
+    _assert_identical_weights(a, b)
+    np.testing.assert_array_equal(a["per_step"], b["per_step"])
+    np.testing.assert_array_equal(a["per_step_density"], b["per_step_density"])
+    rungs = (0.25, 0.1, 0.03, 0.01, 0.003, 0.001)
+    for r in (a, b):
+        assert r["per_step_density"][:2].tolist() == [1.0, 1.0]       # dense warm-up
+        for d, k in zip(r["per_step_density"][2:], r["per_step"][2:, 2]):
+            rung = min(rungs, key=lambda x: abs(x - d))
+            assert d == pytest.approx(rung, rel=1e-12) and k == _auto_k(rung, c)
+        assert np.all(np.isfinite(r["residual"]))

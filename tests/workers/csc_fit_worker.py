@@ -3,6 +3,10 @@
 Writes its final weights (w0, w1, ...), its CSC residual and step counter, the
 per-step communication figures of every step, and the (dtype, element count)
 of every CollectiveReduceV2 in the traced step's main graph.
+
+--density auto chooses the density each step from measured timing; with
+--fake_clock COMPUTE,COMM this worker's clock measures exactly those seconds
+(CSCReducer.clock), so the test knows what each worker feeds into the decision.
 """
 
 import argparse
@@ -14,7 +18,9 @@ import keras
 import worker_util
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--density", type=float, default=0.1)
+parser.add_argument("--density", default="0.1", help='a fraction, or "auto"')
+parser.add_argument("--auto_budget", type=float, default=0.05)
+parser.add_argument("--fake_clock", default="", help="COMPUTE,COMM seconds per step (auto)")
 parser.add_argument("--chunk_size", type=int, default=16)
 parser.add_argument("--warmup_steps", type=int, default=0)
 parser.add_argument("--warmup", default="dense")
@@ -26,12 +32,22 @@ args = parser.parse_args()
 
 import gf_tf  # after argparse: fail fast on bad flags
 
-sparsity = gf_tf.ChunkSparsity(density=args.density, chunk_size=args.chunk_size,
+density = args.density if args.density == "auto" else float(args.density)
+auto = dict(auto_budget=args.auto_budget) if density == "auto" else {}
+sparsity = gf_tf.ChunkSparsity(density=density, chunk_size=args.chunk_size,
                                warmup_steps=args.warmup_steps, warmup=args.warmup,
-                               momentum=args.momentum)
+                               momentum=args.momentum, **auto)
 gradient_flow = gf_tf.GradientFlowAllReduce(sparsity=sparsity)
 strategy = gf_tf.MultiWorkerMirroredStrategy(
     communication_options=worker_util.communication_options(), gradient_flow=gradient_flow)
+
+# After the strategy: a variable would start the TF runtime before it configures collectives.
+if args.fake_clock:
+    compute, comm = (float(s) for s in args.fake_clock.split(","))
+    with tf.device("/cpu:0"):
+        clock = tf.Variable(100.0, dtype=tf.float64, trainable=False)
+    gradient_flow.reducer.clock = lambda replica, event: clock.assign_add(
+        compute if event == "ready" else comm)
 
 x, y = worker_util.regression_data(args.global_batch * args.steps)
 
@@ -49,6 +65,7 @@ class PerStep(keras.callbacks.Callback):
     def __init__(self):
         super().__init__()
         self.rows = []
+        self.densities = []
         self.last = None
 
     def on_train_batch_begin(self, batch, logs=None):
@@ -58,6 +75,7 @@ class PerStep(keras.callbacks.Callback):
         now = gradient_flow.stats.totals()
         self.rows.append([now[k] - self.last[k] for k in
                           ("dense_bytes", "sent_bytes", "selected_chunks", "total_chunks")])
+        self.densities.append(now["densities"] - self.last["densities"])
 
 
 per_step = PerStep()
@@ -71,6 +89,7 @@ result = {f"w{i}": w for i, w in enumerate(model.get_weights())}
 result["residual"] = state.residuals[0].numpy()
 result["csc_steps"] = int(state.step.numpy())
 result["per_step"] = np.array(per_step.rows, np.float64)
+result["per_step_density"] = np.array(per_step.densities, np.float64)
 result["compression_ratio"] = history.history["gf_compression_ratio"][0]
 reduces = worker_util.collective_reduces(model)
 result["reduce_dtypes"] = np.array([d for d, _ in reduces], dtype="U16")
