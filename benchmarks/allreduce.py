@@ -108,7 +108,7 @@ def payload_bytes_estimate(method: str, elements: int) -> float:
     if method == "tf_fp32":
         return 4.0 * elements
     if method in methods.CSC_DENSITY:
-        return 2.0 * elements * methods.CSC_DENSITY[method]
+        return 2.0 * elements * methods.largest_density(method)
     return 2.0 * elements
 
 

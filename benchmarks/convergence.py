@@ -1,6 +1,6 @@
 r"""Convergence of CSC on real data: test accuracy and bytes per step vs dense all-reduce.
 
-  PYTHONPATH=. python benchmarks/convergence.py [--epochs 10] [--densities 0.1,0.01,0.001]
+  PYTHONPATH=. python benchmarks/convergence.py [--epochs 10] [--densities 0.1,0.01,0.001,auto]
 
 Trains the digits CNN (models.networks.digits_cnn, 0.54M parameters) on
 scikit-learn's handwritten digits (1437 train / 360 test images) with
@@ -9,7 +9,10 @@ epochs, seeds, batch size and learning-rate schedule for every row:
   dense FP32  TF's own float32 all-reduce, SGD with momentum 0.9
   dense FP16  GradientFlowAllReduce(compression="fp16"), SGD with momentum 0.9
   CSC d       FP16 wire + ChunkSparsity(density=d, momentum=0.9 correction) after
-              --warmup_steps dense steps, plain SGD (momentum lives in CSC)
+              --warmup_steps dense steps, plain SGD (momentum lives in CSC);
+              d = auto: ChunkSparsity(density="auto"), the density chosen each step
+              from the measured compute and all-reduce time (the density column
+              shows its mean over the last epoch)
   CSC d cold  the same without warm-up (sparse from the first step), to show
               what the warm-up contributes
   CSC d cold m0  plain error feedback and plain SGD (no momentum anywhere), no warm-up
@@ -27,6 +30,12 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def row_name(density: str, suffix: str = "") -> str:
+    """'CSC 0.01', 'CSC auto', ... for a --densities entry."""
+    label = "auto" if density.strip().lower() == "auto" else f"{float(density):g}"
+    return f"CSC {label}{suffix}"
 
 
 def run(name, flags, args, workdir):
@@ -69,11 +78,11 @@ def main():
     runs = [("dense FP32", ["--compression", "none", "--density", "1"]),
             ("dense FP16", ["--compression", "fp16", "--density", "1"])]
     for d in filter(None, args.densities.split(",")):
-        runs.append((f"CSC {float(d):g}", ["--compression", "fp16", "--density", d]))
+        runs.append((row_name(d), ["--compression", "fp16", "--density", d]))
     for d in filter(None, args.cold_densities.split(",")):
-        runs.append((f"CSC {float(d):g} cold", ["--compression", "fp16", "--density", d,
+        runs.append((row_name(d, " cold"), ["--compression", "fp16", "--density", d,
                                                  "--warmup_steps", "0"]))
-        runs.append((f"CSC {float(d):g} cold m0", ["--compression", "fp16", "--density", d,
+        runs.append((row_name(d, " cold m0"), ["--compression", "fp16", "--density", d,
                                                     "--warmup_steps", "0", "--momentum", "0"]))
 
     print(f"digits_cnn on sklearn digits, {args.workers} workers, {args.epochs} epochs, "
@@ -81,7 +90,7 @@ def main():
           f"CSC: chunk_size {args.chunk_size}, {args.warmup_steps} dense warm-up steps, "
           f"momentum correction 0.9", flush=True)
     header = (f"{'run':<18} {'test acc':>8} {'vs FP32':>8} {'bytes/step':>12} "
-              f"{'ratio':>7} {'mean bytes/step':>16} {'seconds':>8}")
+              f"{'ratio':>7} {'density':>8} {'mean bytes/step':>16} {'seconds':>8}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="gf_tf_convergence_") as workdir:
         for name, flags in runs:
@@ -94,8 +103,9 @@ def main():
         after = r["last_epoch_sent_bytes_per_step"]
         print(f"{name:<18} {100 * r['test_accuracy']:>7.2f}% {100 * (r['test_accuracy'] - base):>+7.2f} "
               f"{after:>12,.0f} {r['dense_bytes_per_step'] / after:>6.1f}x "
+              f"{r.get('last_epoch_density', 1.0):>8.4g} "
               f"{r['sent_bytes_per_step']:>16,.0f} {r['seconds']:>8.0f}")
-    print("bytes/step: per replica and step in the last epoch (after warm-up); "
+    print("bytes/step, density: per replica and step in the last epoch (after warm-up); "
           "mean bytes/step: over all steps, warm-up included; ratio: float32 dense bytes / bytes/step; "
           "cold: no warm-up; m0: no momentum anywhere (plain SGD, plain error feedback)")
 

@@ -6,7 +6,7 @@ fails the same way: a ValueError naming the flag and listing the valid values.
 
 import json
 import os
-from typing import Callable, Dict, Mapping, Optional, Tuple
+from typing import Callable, Dict, Mapping, Optional, Tuple, Union
 
 import keras
 import tensorflow as tf
@@ -86,19 +86,38 @@ def configure_local_devices(num_devices: int) -> None:
             cpu, [tf.config.LogicalDeviceConfiguration()] * num_devices)
 
 
+def parse_density(text: Union[str, float]) -> Union[float, str]:
+    """--density: a fraction in (0, 1] as a float, or "auto" (ChunkSparsity(density="auto"))."""
+    if isinstance(text, str) and text.strip().lower() == "auto":
+        return "auto"
+    try:
+        density = float(text)
+    except ValueError:
+        density = None
+    if density is None or not 0.0 < density <= 1.0:
+        raise ValueError(f"--density must be in (0, 1] (fraction of chunks sent) or \"auto\", "
+                         f"got {text!r}")
+    return density
+
+
+def uses_csc(density: Union[float, str]) -> bool:
+    """True if --density asks for CSC (below 1, or "auto")."""
+    return density == "auto" or density < 1.0
+
+
 def build_gradient_flow(compression: str = "fp16", bytes_per_pack: int = 4 << 20,
-                        density: float = 1.0, chunk_size: int = 1024, warmup_steps: int = 0,
-                        momentum: float = 0.0):
+                        density: Union[float, str] = 1.0, chunk_size: int = 1024,
+                        warmup_steps: int = 0, momentum: float = 0.0):
     """A gf_tf.GradientFlowAllReduce for these flags, or None for TF's own all-reduce.
 
-    density 1.0 means dense (no CSC); --compression none with density 1.0 means
+    density 1.0 means dense (no CSC); "auto" means CSC with
+    ChunkSparsity(density="auto"); --compression none with density 1.0 means
     plain TF (float32, TF's packing). momentum: CSC momentum correction
     (the optimizer must then run without momentum). Raises ValueError for a density outside
-    (0, 1], a non-positive chunk_size or a negative bytes_per_pack.
+    (0, 1] (and not "auto"), a non-positive chunk_size or a negative bytes_per_pack.
     """
     wire = choose("compression", compression, COMPRESSIONS)
-    if not 0.0 < density <= 1.0:
-        raise ValueError(f"--density must be in (0, 1] (fraction of chunks sent), got {density}")
+    density = parse_density(density)
     if chunk_size < 1:
         raise ValueError(f"--chunk_size must be >= 1 (elements), got {chunk_size}")
     if bytes_per_pack < 0:
@@ -107,7 +126,7 @@ def build_gradient_flow(compression: str = "fp16", bytes_per_pack: int = 4 << 20
     if warmup_steps < 0:
         raise ValueError(f"--warmup_steps must be >= 0, got {warmup_steps}")
     sparsity = None
-    if density < 1.0:
+    if uses_csc(density):
         sparsity = gf_tf.ChunkSparsity(density=density, chunk_size=chunk_size,
                                        warmup_steps=warmup_steps, momentum=momentum)
     if wire is None and sparsity is None:

@@ -35,14 +35,15 @@ flags.DEFINE_string("strategy", "multi_worker_mirrored", "multi_worker_mirrored,
 flags.DEFINE_integer("num_devices", 1, "replicas (logical CPU devices) per worker")
 flags.DEFINE_string("compression", "fp16", "wire format of gradients: fp16, bf16, none")
 flags.DEFINE_integer("bytes_per_pack", 4 << 20, "lazy all-reduce threshold: wire bytes per pack; 0 = one pack per dtype")
-flags.DEFINE_float("density", 0.01, "fraction of chunks sent per step after warm-up (CSC); 1 = dense")
+flags.DEFINE_string("density", "0.01", "fraction of chunks sent per step after warm-up (CSC); 1 = dense; "
+                    "auto = chosen each step from the measured compute and all-reduce time")
 flags.DEFINE_integer("chunk_size", 1024, "CSC chunk size in elements")
 flags.DEFINE_integer("warmup_steps", 20, "dense steps before CSC starts")
 flags.DEFINE_integer("epochs", 10, "training epochs")
 flags.DEFINE_integer("steps_per_epoch", 0, "steps per epoch; 0 = one pass over the training set")
 flags.DEFINE_integer("batch_size", 64, "global batch size (all replicas of all workers)")
 flags.DEFINE_float("learning_rate", 0.05, "peak learning rate (SGD with --momentum, cosine decay)")
-flags.DEFINE_float("momentum", 0.9, "SGD momentum; with CSC (--density < 1) applied as CSC momentum "
+flags.DEFINE_float("momentum", 0.9, "SGD momentum; with CSC (--density < 1 or auto) applied as CSC momentum "
                    "correction before the all-reduce, the optimizer then being plain SGD")
 flags.DEFINE_string("mixed_precision", "none", "Keras dtype policy: none, mixed_float16, mixed_bfloat16")
 flags.DEFINE_string("model_dir", "", "TensorBoard logs, checkpoints, BackupAndRestore state; '' = none. "
@@ -83,9 +84,11 @@ def _bytes_per_step(gradient_flow, model, history) -> dict:
     if gradient_flow is None:
         dense = 4.0 * sum(int(w.numpy().size) for w in model.trainable_weights)
         return {"sent_bytes_per_step": dense, "dense_bytes_per_step": dense,
-                "last_epoch_sent_bytes_per_step": dense, "source": "TF float32 all-reduce"}
+                "last_epoch_sent_bytes_per_step": dense, "density": 1.0, "last_epoch_density": 1.0,
+                "source": "TF float32 all-reduce"}
     result = dict(gradient_flow.stats.result())
     result["last_epoch_sent_bytes_per_step"] = history.history["gf_sent_bytes_per_step"][-1]
+    result["last_epoch_density"] = history.history["gf_density"][-1]
     result["source"] = "gf_tf CommStats"
     return result
 
@@ -139,11 +142,12 @@ def main(argv):
     factory.configure_local_devices(num_devices)
     factory.set_precision(FLAGS.mixed_precision)
     keras.utils.set_random_seed(FLAGS.seed)
+    density = factory.parse_density(FLAGS.density)
     gradient_flow = factory.build_gradient_flow(
-        FLAGS.compression, FLAGS.bytes_per_pack, FLAGS.density, FLAGS.chunk_size, FLAGS.warmup_steps,
+        FLAGS.compression, FLAGS.bytes_per_pack, density, FLAGS.chunk_size, FLAGS.warmup_steps,
         FLAGS.momentum)
     # With CSC the momentum lives in ChunkSparsity (momentum correction), not in the optimizer.
-    optimizer_momentum = 0.0 if FLAGS.density < 1.0 else FLAGS.momentum
+    optimizer_momentum = 0.0 if factory.uses_csc(density) else FLAGS.momentum
     strategy = factory.build_strategy(strategy_name, num_devices, gradient_flow,
                                       FLAGS.collective_timeout, FLAGS.startup_timeout)
     task_type, task_id, is_chief = factory.task_info(strategy)

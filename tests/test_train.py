@@ -35,6 +35,7 @@ def test_unknown_flag_values_list_the_valid_ones(call, flag, valid):
 @pytest.mark.parametrize("kwargs, message", [
     ({"density": 0.0}, "--density must be in (0, 1]"),
     ({"density": 1.5}, "--density must be in (0, 1]"),
+    ({"density": "fast"}, "--density must be in (0, 1] (fraction of chunks sent) or \"auto\""),
     ({"density": 0.1, "chunk_size": 0}, "--chunk_size must be >= 1"),
     ({"bytes_per_pack": -1}, "--bytes_per_pack must be >= 0"),
     ({"warmup_steps": -1}, "--warmup_steps must be >= 0"),
@@ -53,6 +54,10 @@ def test_gradient_flow_follows_the_flags():
     sparse = factory.build_gradient_flow("fp16", density=0.05, chunk_size=128, warmup_steps=7, momentum=0.9)
     assert (sparse.sparsity.density, sparse.sparsity.chunk_size, sparse.sparsity.warmup_steps,
             sparse.sparsity.momentum) == (0.05, 128, 7, 0.9)
+    auto = factory.build_gradient_flow("fp16", density="auto", warmup_steps=3, momentum=0.9)
+    assert auto.sparsity.density == "auto" and auto.sparsity.warmup_steps == 3
+    assert [factory.parse_density(t) for t in ("auto", "AUTO", "0.5", "1")] == ["auto", "auto", 0.5, 1.0]
+    assert factory.uses_csc("auto") and factory.uses_csc(0.5) and not factory.uses_csc(1.0)
 
 
 def test_one_device_refuses_gradient_flow():
@@ -140,6 +145,23 @@ def test_without_tf_config_it_trains_two_replicas_in_one_process_through_gradien
     sent, dense = map(lambda s: float(s.replace(",", "")), re.search(
         r"bytes sent per step per replica: ([\d,]+) .* vs ([\d,]+) for float32", text).groups())
     assert 0 < sent < 0.5 * dense  # 1 dense FP16 step, 3 sparse ones
+
+
+def test_density_auto_flag_trains_and_reports_the_chosen_density(tmp_path):
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env.pop("TF_CONFIG", None)
+    model_dir = tmp_path / "model"
+    run = subprocess.run([sys.executable, "-m", "models.train", "--epochs", "1", "--steps_per_epoch", "4",
+                          "--warmup_steps", "1", "--density", "auto", f"--model_dir={model_dir}"],
+                         env=env, capture_output=True, timeout=300, cwd=REPO_ROOT)
+    text = run.stdout.decode()
+    assert run.returncode == 0, (text + run.stderr.decode())[-3000:]
+    assert "density auto" in text
+    results = json.loads((model_dir / "results.json").read_text())
+    assert results["flags"]["density"] == "auto" and results["steps"] == 4
+    # 1 dense step, then 3 steps at rungs of gf_tf.sparsity.AUTO_LADDER (whichever the clock chose).
+    assert 1 + 3 * 0.001 - 1e-9 <= 4 * results["density"] <= 1 + 3 * 0.25 + 1e-9
+    assert results["sent_bytes_per_step"] < results["dense_bytes_per_step"]
 
 
 def test_two_workers_without_gradient_flow_back_up_from_the_chief_only(tmp_path):

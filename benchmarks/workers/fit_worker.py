@@ -133,6 +133,7 @@ def main():
         steps = stats_after["steps"] - stats_before["steps"]
         result["sent_payload_bytes_per_step"] = (stats_after["sent_bytes"] - stats_before["sent_bytes"]) / steps
         result["dense_payload_bytes_per_step"] = (stats_after["dense_bytes"] - stats_before["dense_bytes"]) / steps
+        result["density_per_step"] = (stats_after["densities"] - stats_before["densities"]) / steps
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -150,7 +151,7 @@ def _stats(gradient_flow):
         return None
     s = gradient_flow.stats
     return {"steps": int(s.steps.numpy()), "sent_bytes": float(s.sent_bytes.numpy()),
-            "dense_bytes": float(s.dense_bytes.numpy())}
+            "dense_bytes": float(s.dense_bytes.numpy()), "densities": float(s.densities.numpy())}
 
 
 if __name__ == "__main__":

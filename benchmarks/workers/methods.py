@@ -7,12 +7,15 @@
     csc_10 / csc_1 / csc_0.1
               gf_tf.GradientFlowAllReduce(compression="fp16",
               sparsity=gf_tf.ChunkSparsity(density=0.1 / 0.01 / 0.001, warmup_steps=0))
+    csc_auto  the same with ChunkSparsity(density="auto", warmup_steps=0): each step the
+              largest density whose communication costs at most 5% of the measured compute
 """
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Union
 
-METHODS = ["tf_fp32", "tf_fp16", "gf_fp16", "csc_10", "csc_1", "csc_0.1"]
-CSC_DENSITY: Dict[str, float] = {"csc_10": 0.10, "csc_1": 0.01, "csc_0.1": 0.001}
+METHODS = ["tf_fp32", "tf_fp16", "gf_fp16", "csc_10", "csc_1", "csc_0.1", "csc_auto"]
+CSC_DENSITY: Dict[str, Union[float, str]] = {"csc_10": 0.10, "csc_1": 0.01, "csc_0.1": 0.001,
+                                             "csc_auto": "auto"}
 LABELS = {
     "tf_fp32": "TF default fp32",
     "tf_fp16": "TF default, fp16 by hand",
@@ -20,11 +23,18 @@ LABELS = {
     "csc_10": "GradientFlow CSC 10%",
     "csc_1": "GradientFlow CSC 1%",
     "csc_0.1": "GradientFlow CSC 0.1%",
+    "csc_auto": "GradientFlow CSC auto",
 }
 
 
 def is_gradient_flow(method: str) -> bool:
     return method.startswith("gf_") or method in CSC_DENSITY
+
+
+def largest_density(method: str) -> float:
+    """The most a CSC method may send, as a fraction (for time budgets): "auto" -> its top rung."""
+    density = CSC_DENSITY[method]
+    return 0.25 if density == "auto" else density   # gf_tf.sparsity.AUTO_LADDER[0]
 
 
 def make_strategy(method: str, timeout_seconds: float, keras_fit: bool = False):
