@@ -108,3 +108,12 @@ def test_auto_density_with_the_real_clock_stays_in_lockstep():
             rung = min(rungs, key=lambda x: abs(x - d))
             assert d == pytest.approx(rung, rel=1e-12) and k == _auto_k(rung, c)
         assert np.all(np.isfinite(r["residual"]))
+
+
+def test_auto_on_one_worker_only_fails_fast_naming_the_density():
+    results = run_workers("csc_fit_worker.py", num_workers=2, timeout=90, comm_timeout=30,
+                          per_worker_args=[["--density=auto"], ["--density=0.01"]])
+    for r in results:
+        assert r.returncode not in (0, None), describe(results)
+        assert "settings differ across workers" in r.output, describe(results)
+        assert "sparsity density: worker 0 = auto, worker 1 = 0.01" in r.output, describe(results)
