@@ -178,6 +178,8 @@ def test_allreduce_quick_reports_sane_figures(tmp_path):
         assert 0.005 < cells["csc_1"]["nonzero_fraction"] < 0.05
         assert cells["csc_1"]["payload_bytes"] < 0.1 * cells["tf_fp32"]["payload_bytes"]
         assert cells["csc_1"]["wire_tx_bytes_per_worker"] < 0.2 * cells["tf_fp32"]["wire_tx_bytes_per_worker"]
+        assert cells["csc_1"]["chunk_path_s"] > 0   # timed in the same worker processes
+        assert cells["csc_1"]["limit_s"] == max(cells["csc_1"]["bound_s"], cells["csc_1"]["chunk_path_s"])
     assert not [n for n in _namespaces() if n.startswith(PREFIX)]
 
 

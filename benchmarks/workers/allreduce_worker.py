@@ -89,6 +89,32 @@ def pack_unpack_seconds(values, num_workers, iters):
     return statistics.median(times)
 
 
+def chunk_path_seconds(strategy, method, values, iters):
+    """Local time of CSC's whole chunk path with no network: the same GradientFlowAllReduce
+    pipeline (accumulate, chunk norms, top-k, gather into the wire dtype, scatter, residual
+    update) with every collective replaced by the identity, on this worker's replica.
+
+    This is the CPU floor of a CSC step: with the ring bound it gives CSC's limit.
+    """
+    _, gradient_flow = methods.make_strategy(method, timeout_seconds=60.0, build_strategy=False)
+    variables = list(values)
+
+    @tf.function
+    def local_path():
+        grads = [tf.identity(v) for v in values]
+        return gradient_flow._reduce(strategy, [grads], (0,), variables,
+                                     tf.distribute.ReduceOp.SUM, lambda tensors: list(tensors),
+                                     lambda indices: [[grads[i]] for i in indices], None)
+
+    local_path()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        local_path()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def profile_step(step, logdir):
     """Runs `step` once under the TF profiler; per op type: [count, total busy s], plus interval overlap.
 
@@ -160,6 +186,8 @@ def main():
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--pack-overhead", action="store_true",
                         help="also time gf_tf.ops pack+unpack of each set locally")
+    parser.add_argument("--chunk-path", action="store_true",
+                        help="also time CSC's local chunk path of each set with no collectives")
     parser.add_argument("--profile", default=None,
                         help="directory: run one more step under the TF profiler and summarise its ops")
     args = parser.parse_args()
@@ -208,6 +236,8 @@ def main():
             entry["profile"] = profile_step(step, os.path.join(args.profile, f"{name}_w{task}"))
         if args.pack_overhead:
             entry["pack_unpack_s"] = pack_unpack_seconds(values, num_workers, max(args.iters, 3))
+        if args.chunk_path and args.method in methods.CSC_DENSITY:
+            entry["chunk_path_s"] = chunk_path_seconds(strategy, args.method, values, max(args.iters, 3))
         results["sets"][name] = entry
         del values, step, out
     print("RESULT " + json.dumps(results), flush=True)

@@ -37,13 +37,15 @@ def largest_density(method: str) -> float:
     return 0.25 if density == "auto" else density   # gf_tf.sparsity.AUTO_LADDER[0]
 
 
-def make_strategy(method: str, timeout_seconds: float, keras_fit: bool = False):
+def make_strategy(method: str, timeout_seconds: float, keras_fit: bool = False,
+                  build_strategy: bool = True):
     """Returns (strategy, gradient_flow or None) for `method`.
 
     Every method uses RING collectives with a timeout. With keras_fit=True the
     TF default goes through gf_tf.MultiWorkerMirroredStrategy(gradient_flow=None)
     so that Keras 3 `fit` works under multi-worker (keras-team/keras#20585);
-    the all-reduce itself is then TensorFlow's.
+    the all-reduce itself is then TensorFlow's. With build_strategy=False the
+    strategy is None (the GradientFlowAllReduce alone, e.g. for local timing).
     """
     import tensorflow as tf
     if method not in METHODS:
@@ -61,5 +63,7 @@ def make_strategy(method: str, timeout_seconds: float, keras_fit: bool = False):
     if method in CSC_DENSITY:
         sparsity = gf_tf.ChunkSparsity(density=CSC_DENSITY[method], warmup_steps=0)
     gradient_flow = gf_tf.GradientFlowAllReduce(compression="fp16", sparsity=sparsity)
+    if not build_strategy:
+        return None, gradient_flow
     strategy = gf_tf.MultiWorkerMirroredStrategy(communication_options=options, gradient_flow=gradient_flow)
     return strategy, gradient_flow
