@@ -178,9 +178,9 @@ class ChunkSparsity:
     pack, so wire shapes stay static and the rungs are branches of one
     `tf.switch_case`. Each step measures, per replica, with `tf.timestamp()`:
     t_c, the compute seconds (gradients ready minus the end of the previous
-    step's communication) and t_m, the seconds from gradients ready to the end
-    of the chunk all-reduce (accumulate, norms all-reduce, gather, chunk
-    all-reduce), with b, the bytes that step sent. The figures ride in the
+    step's communication) and t_m, the seconds of the chunk all-reduce (the
+    local chunk path, which costs the same at every rung, is left out), with
+    b, the bytes that step sent. The figures ride in the
     step's control all-reduce (3 float32 more, no extra collective), so every
     replica on every worker decides from the same sums with the same float32
     arithmetic and picks the same rung (`choose_rung`): predicting
@@ -328,10 +328,10 @@ class CSCState(tf.Module):
     residuals: per local replica, float32 [n] on the replica's device.
     velocities: per local replica, float32 [n] (momentum > 0), else None.
     residual_l1: float32 scalar: L1 norm of local replica 0's residual.
-    ready, done, sent (density="auto" only, else None; the first pack's serve
+    started, done, sent (density="auto" only, else None; the first pack's serve
       the variable set): per local replica, on the host, of the last step:
-      float64 seconds (clock time) when its gradients were ready and when its
-      chunk all-reduce ended (0: no step measured yet), float32 bytes it sent.
+      float64 seconds (clock time) when its chunk all-reduce started and when
+      it ended (0: no step measured yet), float32 bytes the step sent.
       Timing only: not checkpointed (a restored run starts at the floor).
     """
 
@@ -353,13 +353,13 @@ class CSCState(tf.Module):
                                    for r, d in enumerate(devices)]
             self.residual_l1 = tf_internal.local_variable(tf.constant(0.0), "/cpu:0",
                                                           f"gf_residual_l1_{name}")
-            self.ready = self.done = self.sent = None
+            self.started = self.done = self.sent = None
             if timing:
-                self.ready, self.done, self.sent = (
+                self.started, self.done, self.sent = (
                     [tf_internal.local_variable(tf.constant(0.0, dtype), "/cpu:0",
                                                 f"gf_{what}_{name}_r{r}")
                      for r in range(len(devices))]
-                    for what, dtype in (("ready", tf.float64), ("done", tf.float64),
+                    for what, dtype in (("started", tf.float64), ("done", tf.float64),
                                         ("sent", tf.float32)))
 
     @property
@@ -378,8 +378,8 @@ class CSCReducer(Reducer):
     """The CSC reducer of `gf_tf.reducers`: top-k chunks of residual + gradient (module doc).
 
     clock: density="auto"'s clock, clock(replica, event) -> float64 scalar
-      seconds, event "ready" (the replica's gradients are ready) or "done" (its
-      chunk all-reduce ended); tf.timestamp() by default. Tests replace it
+      seconds, event "ready" (the replica's gradients are ready), "send" (its
+      chunk all-reduce can start) or "done" (it ended); tf.timestamp() by default. Tests replace it
       (before the first trace) to feed known figures.
     """
 
@@ -419,7 +419,10 @@ class CSCReducer(Reducer):
         previous step's communication seconds and bytes (zeros before the first measurement).
 
         The clock reads "ready" once all of the replica's gradients exist; the
-        previous step's "done" was read when its chunk all-reduce ended."""
+        previous step's "send" and "done" were read when its chunk all-reduce
+        started and ended, so the communication seconds leave out the local
+        chunk path (accumulate, top-k, gather, scatter), which costs the same at
+        every rung."""
         if not self.step_control_size(packs):
             return super().step_control(packs, grads, states, comm)
         state, vectors = states[0], []
@@ -428,12 +431,11 @@ class CSCReducer(Reducer):
             with tf.device("/cpu:0"):
                 with tf.control_dependencies(tensors):
                     ready = tf.cast(self.clock(r, "ready"), tf.float64)
-                done, before = state.done[r].read_value(), state.ready[r].read_value()
-                figures = tf.cast(tf.stack([ready - done, done - before,
+                done, started = state.done[r].read_value(), state.started[r].read_value()
+                figures = tf.cast(tf.stack([ready - done, done - started,
                                             tf.cast(state.sent[r].read_value(), tf.float64)]),
                                   tf.float32)
                 vectors.append(tf.where(done > 0.0, figures, tf.zeros_like(figures)))
-                state.ready[r].assign(ready)
         return vectors
 
     def reduce_packs(self, packs, grads, controls, carries, states, comm, step_control=None):
@@ -456,14 +458,15 @@ class CSCReducer(Reducer):
             with tf.device("/cpu:0"):
                 which = tf.gather([branches.index(ks) for _, _, ks in candidates], index)
             result = tf.switch_case(which, [branch(ks) for ks in branches])
-        outputs, sent_bytes, selected, residual_l1, done = result
+        outputs, sent_bytes, selected, residual_l1, started, done = result
         with tf.device("/cpu:0"):
             density = tf.gather(tf.constant([d for _, d, _ in candidates], tf.float64), index)
             for state in states:
                 for r in comm.replicas:
                     state.steps[r].assign_add(1)
-            for r, t in zip(comm.replicas, done):
-                states[0].done[r].assign(t)
+            for r, t0, t1 in zip(comm.replicas, started, done):
+                states[0].started[r].assign(t0)
+                states[0].done[r].assign(t1)
                 states[0].sent[r].assign(tf.cast(sent_bytes, tf.float32))
         sent = Sent(dense_bytes=4 * sum(p.num_elements for p in packs), sent_bytes=sent_bytes,
                     selected_chunks=selected,
@@ -521,10 +524,14 @@ class CSCReducer(Reducer):
         by_wire, reduced = {}, [[] for _ in comm.replicas]
         for j, pack in enumerate(packs):
             by_wire.setdefault(pack.wire_dtype, []).append(j)
+        started = []
         for members in by_wire.values():
             lengths = [sends[j]["length"] for j in members]
-            fused = comm.all_reduce_sum([tf.concat([sends[j]["buffers"][r] for j in members], 0)
-                                         for r in range(len(comm.replicas))])
+            buffers = [tf.concat([sends[j]["buffers"][r] for j in members], 0)
+                       for r in range(len(comm.replicas))]
+            if self.sparsity.auto and not started:   # the start of this step's chunk all-reduce
+                buffers, started = self._clocked(buffers, comm)
+            fused = comm.all_reduce_sum(buffers)
             for r, buffer in enumerate(fused):
                 reduced[r].append(buffer)
                 with tf.device(buffer.device):
@@ -542,7 +549,18 @@ class CSCReducer(Reducer):
             selected += self.control_size(pack) if k is None else k
         return (_flatten_replicas(outputs, len(comm.replicas)),
                 tf.constant(self._sent_bytes(packs, ks), tf.int64),
-                tf.constant(selected, tf.int64), residual_l1, done)
+                tf.constant(selected, tf.int64), residual_l1, started, done)
+
+    def _clocked(self, buffers, comm):
+        """(buffers, per replica the "send" clock): the buffers wait for the clock, which waits
+        for them, so the clock reads when the collective can start."""
+        clocked, started = [], []
+        for r, buffer in zip(comm.replicas, buffers):
+            with tf.device("/cpu:0"), tf.control_dependencies([buffer]):
+                started.append(tf.cast(self.clock(r, "send"), tf.float64))
+            with tf.device(buffer.device), tf.control_dependencies([started[-1]]):
+                clocked.append(tf.identity(buffer))
+        return clocked, started
 
     def _gather(self, pack, control, carry, state, comm, k):
         n, cs, wire = pack.num_elements, self.sparsity.chunk_size, pack.wire_dtype

@@ -24,7 +24,8 @@ from test_sparsity import DEVICES, NumpyCSC, Runner, _all_ops, only_state
 
 class FakeClock:
     """CSCReducer.clock for tests: replica r's clock advances by compute[r] seconds up to
-    "ready" and by comm[r] seconds up to "done", so it measures exactly those figures."""
+    "ready", not at all up to "send" and by comm[r] seconds up to "done", so it measures
+    exactly those figures."""
 
     def __init__(self, compute, comm):
         self.compute, self.comm = compute, comm
@@ -32,7 +33,7 @@ class FakeClock:
             self.now = [tf.Variable(100.0, dtype=tf.float64, trainable=False) for _ in compute]
 
     def __call__(self, replica, event):
-        step = self.compute[replica] if event == "ready" else self.comm[replica]
+        step = {"ready": self.compute, "send": [0.0] * len(self.comm), "done": self.comm}[event][replica]
         return self.now[replica].assign_add(step)
 
 

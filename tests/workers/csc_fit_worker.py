@@ -47,7 +47,7 @@ if args.fake_clock:
     with tf.device("/cpu:0"):
         clock = tf.Variable(100.0, dtype=tf.float64, trainable=False)
     gradient_flow.reducer.clock = lambda replica, event: clock.assign_add(
-        compute if event == "ready" else comm)
+        {"ready": compute, "send": 0.0, "done": comm}[event])
 
 x, y = worker_util.regression_data(args.global_batch * args.steps)
 
