@@ -31,6 +31,10 @@ The norms of all packs travel in the step's one control all-reduce
 (`gf_tf.reducers`), and the selected chunks of all packs in one more: two
 collectives per step, whatever the number of packs (one more per extra wire
 dtype, e.g. bfloat16 gradients beside float32 ones).
+With ChunkSparsity(selection="global") the k largest norms are taken over the
+chunks of all packs of one wire dtype at once (K = ceil(density * their total
+chunks), a static wire length K*chunk_size); each pack then sends its share
+of those K chunks, a number that changes from step to step.
 State (`CSCState`) is per pack of one variable set, owned by
 GradientFlowAllReduce's state for that variable set, never by this object.
 """
@@ -55,6 +59,7 @@ DEFAULT_CHUNK_SIZE = 1024
 DEFAULT_DENSITY = 0.01
 
 WARMUP_MODES = ("dense", "exponential")
+SELECTIONS = ("per_pack", "global")
 
 _log = logging.getLogger(__name__)
 
@@ -118,6 +123,15 @@ class ChunkSparsity:
         it diverged without one and with the exponential ramp from step 0,
         and matched dense float32 after 50 dense steps; plain error feedback
         (momentum=0) converged without warm-up.
+      selection: which chunks compete for the k places:
+        "per_pack": each pack sends its own top k = max(1, ceil(density *
+          C_p)) of its C_p chunks (every pack is represented every step);
+        "global": one top K = max(1, ceil(density * C)) over the C chunks of
+          all packs of one wire dtype (the whole model in practice), the
+          whole-model importance of GradientFlow's CSC; a pack may send none
+          or all of its chunks on a step. Same bytes on the wire, same two
+          collectives per step; ties go to the lower chunk index, counting
+          through the packs in their all-reduce order.
 
     Raises:
       ValueError naming the argument when one is out of range.
@@ -134,7 +148,7 @@ class ChunkSparsity:
 
     def __init__(self, density: float = DEFAULT_DENSITY,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, warmup_steps: int = 0,
-                 momentum: float = 0.0, warmup: str = "dense"):
+                 momentum: float = 0.0, warmup: str = "dense", selection: str = "per_pack"):
         if not (isinstance(density, (int, float)) and 0.0 < density <= 1.0):
             raise ValueError(f"density must be a fraction in (0, 1], got {density!r}")
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
@@ -145,16 +159,20 @@ class ChunkSparsity:
             raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
         if warmup not in WARMUP_MODES:
             raise ValueError(f"warmup must be one of {WARMUP_MODES}, got {warmup!r}")
+        if selection not in SELECTIONS:
+            raise ValueError(f"selection must be one of {SELECTIONS} (top-k per pack or over "
+                             f"the whole model), got {selection!r}")
         self.density = float(density)
         self.chunk_size = chunk_size
         self.warmup_steps = warmup_steps
         self.momentum = float(momentum)
         self.warmup = warmup
+        self.selection = selection
 
     def __repr__(self):
         return (f"ChunkSparsity(density={self.density}, chunk_size={self.chunk_size}, "
                 f"warmup_steps={self.warmup_steps}, momentum={self.momentum}, "
-                f"warmup={self.warmup!r})")
+                f"warmup={self.warmup!r}, selection={self.selection!r})")
 
     # -- schedule ----------------------------------------------------------
 
@@ -200,7 +218,7 @@ class ChunkSparsity:
         """The constructor arguments (also compared across workers by GradientFlowAllReduce)."""
         return {"density": self.density, "chunk_size": self.chunk_size,
                 "warmup_steps": self.warmup_steps, "momentum": self.momentum,
-                "warmup": self.warmup}
+                "warmup": self.warmup, "selection": self.selection}
 
 
 class CSCState(tf.Module):
@@ -301,59 +319,125 @@ class CSCReducer(Reducer):
         """((first_step, (k or None per pack)), ...): the schedule's stages, equal neighbours merged."""
         stages = []
         for first_step, density in self.sparsity.schedule():
-            ks = []
-            for pack in packs:
-                c = self.control_size(pack)
-                k = selected_chunk_count(c, density)
-                ks.append(None if k >= c else k)
-            if not stages or stages[-1][1] != tuple(ks):
-                stages.append((first_step, tuple(ks)))
+            ks = self._ks(packs, density)
+            if not stages or stages[-1][1] != ks:
+                stages.append((first_step, ks))
         return tuple(stages)
 
+    def _ks(self, packs, density):
+        """Per pack its k, or None (every chunk: a dense step), at `density`.
+
+        selection="global": the K of the pack's wire group (one top K over the
+        chunks of all its packs), None for every pack of a group K covers whole.
+        """
+        if self.sparsity.selection == "global":
+            totals = {}
+            for pack in packs:
+                totals[pack.wire_dtype] = totals.get(pack.wire_dtype, 0) + self.control_size(pack)
+            counts = [totals[pack.wire_dtype] for pack in packs]
+        else:
+            counts = [self.control_size(pack) for pack in packs]
+        return tuple(None if selected_chunk_count(c, density) >= c
+                     else selected_chunk_count(c, density) for c in counts)
+
     def _step(self, packs, controls, carries, states, comm, ks):
-        """One step: every pack sends its k chunks (None: all, a dense warm-up step)."""
-        sends = [self._gather(p, c, a, s, comm, k)
-                 for p, c, a, s, k in zip(packs, controls, carries, states, ks)]
-        received = [[None] * len(comm.replicas) for _ in packs]
-        by_wire = {}
+        """One step: every pack sends its k chunks (None: all, a dense warm-up step).
+
+        selection="global": ks holds each pack's wire group's K; the group's
+        packs send their shares of one top K (`_global_picks`).
+        """
+        groups = {}
         for j, pack in enumerate(packs):
-            by_wire.setdefault(pack.wire_dtype, []).append(j)
-        for members in by_wire.values():
-            lengths = [sends[j]["length"] for j in members]
-            fused = comm.all_reduce_sum([tf.concat([sends[j]["buffers"][r] for j in members], 0)
-                                         for r in range(len(comm.replicas))])
+            groups.setdefault(pack.wire_dtype, []).append(j)
+        picks = [None] * len(packs)
+        if self.sparsity.selection == "global":
+            for members in groups.values():
+                if ks[members[0]] is not None:
+                    shares = self._global_picks([packs[j] for j in members],
+                                                [controls[j] for j in members],
+                                                states[members[0]], comm, ks[members[0]])
+                    for j, share in zip(members, shares):
+                        picks[j] = share
+        sends = [self._gather(p, c, a, s, comm, k, pk)
+                 for p, c, a, s, k, pk in zip(packs, controls, carries, states, ks, picks)]
+        received = [[None] * len(comm.replicas) for _ in packs]
+        sent, selected = 0, 0
+        for members in groups.values():
+            k = ks[members[0]]
+            if picks[members[0]] is None:     # per pack: static lengths, k (or C) chunks each
+                length = sum(sends[j]["length"] for j in members)
+                selected += sum(self.control_size(packs[j]) if ks[j] is None else ks[j]
+                                for j in members)
+            else:                             # global: K chunks in all, padded as one
+                length = k * self.sparsity.chunk_size
+                selected += k
+            sent += (4 * sum(self.control_size(packs[j]) for j in members)
+                     + length * packs[members[0]].wire_dtype.size)
+            fused = comm.all_reduce_sum([
+                _pad_to(tf.concat([sends[j]["buffers"][r] for j in members], 0), length)
+                for r in range(len(comm.replicas))])
             for r, buffer in enumerate(fused):
                 with tf.device(buffer.device):
-                    for j, part in zip(members, tf.split(buffer, lengths)):
+                    sizes = [sends[j]["sizes"][r] for j in members]
+                    for j, part in zip(members, tf.split(buffer, sizes + [-1])):
                         received[j][r] = part
-        outputs, residual_l1, sent, selected = [], 0.0, 0, 0
+        outputs, residual_l1 = [], 0.0
         for pack, send, parts, k in zip(packs, sends, received, ks):
             outputs.extend(self._scatter(pack, send, parts, k))
             residual_l1 += send["residual_l1"]
-            sent += 4 * self.control_size(pack) + send["length"] * pack.wire_dtype.size
-            selected += self.control_size(pack) if k is None else k
         return (_flatten_replicas(outputs, len(comm.replicas)), tf.constant(sent, tf.int64),
                 tf.constant(selected, tf.int64), residual_l1)
 
-    def _gather(self, pack, control, carry, state, comm, k):
+    def _global_picks(self, packs, controls, state, comm, k):
+        """selection="global": per pack, per served replica, its share of one top k.
+
+        The all-reduced norms of `packs` (one wire group) are concatenated in
+        pack order; `select_chunks` takes the k largest (ties: the lower index
+        in that order; NaN first). Pack p's share: the selected indices in
+        [offset_p, offset_p + C_p), minus offset_p: int32 [k_p], ascending,
+        k_p a run-time number with sum over packs = k, equal on every replica.
+        """
+        offsets = [0]
+        for pack in packs:
+            offsets.append(offsets[-1] + self.control_size(pack))
+        shares = [[] for _ in packs]
+        for i, r in enumerate(comm.replicas):
+            with tf.device(state.residuals[r].device):
+                idx = select_chunks(tf.concat([control[i] for control in controls], 0), k)
+                bounds = tf.searchsorted(idx, tf.constant(offsets, idx.dtype), side="left")
+                for share, part, offset in zip(shares, tf.split(idx, bounds[1:] - bounds[:-1]),
+                                               offsets):
+                    share.append(part - offset)
+        return shares
+
+    def _gather(self, pack, control, carry, state, comm, k, picks=None):
+        """The pack's chunks to send, per served replica: idx from `picks` (per replica,
+        selection="global": unpadded, "sizes" their run-time lengths) or its own top k
+        (padded to the static "length" k*chunk_size)."""
         n, cs, wire = pack.num_elements, self.sparsity.chunk_size, pack.wire_dtype
         c = self.control_size(pack)
         length = n if k is None else k * cs
         accs, local_norms, new_us = carry
-        send = {"length": length, "buffers": [], "picks": [], "finites": [], "postscales": [],
-                "updates": []}
-        for acc, norms, new_u, r in zip(accs, control, new_us, comm.replicas):
+        send = {"length": length, "sizes": [], "buffers": [], "picks": [], "finites": [],
+                "postscales": [], "updates": []}
+        for i, (acc, norms, new_u, r) in enumerate(zip(accs, control, new_us, comm.replicas)):
             residual = state.residuals[r]
             u = state.velocities[r] if state.velocities else None
             with tf.device(residual.device):
                 finite = tf.reduce_all(tf.math.is_finite(norms))
-                idx = tf.range(c, dtype=tf.int32) if k is None else select_chunks(norms, k)
+                if picks is not None:
+                    idx = picks[i]
+                elif k is None:
+                    idx = tf.range(c, dtype=tf.int32)
+                else:
+                    idx = select_chunks(norms, k)
                 prescale, postscale = _chunk_scales(norms, idx, wire, comm)
                 selected, new_residual, masked_u = ops.gather_chunks(
                     acc, idx, cs, wire, prescale, new_u if k is not None else None)
-                # Static wire shape on every step: pad a selected partial last chunk.
-                selected = tf.ensure_shape(
-                    tf.pad(selected, [[0, length - tf.shape(selected)[0]]]), [length])
+                if picks is None:
+                    # Static wire shape on every step: pad a selected partial last chunk.
+                    selected = _pad_to(selected, length)
+            send["sizes"].append(length if picks is None else tf.size(selected))
             send["buffers"].append(selected)
             send["picks"].append(idx)
             send["finites"].append(finite)
@@ -390,7 +474,15 @@ def _selected_length(n, chunk_size, idx):
     """Elements in the (sorted) chunks idx of a pack of n elements: the last chunk may be partial."""
     c = ops.num_chunks(n, chunk_size)
     short = c * chunk_size - n
-    return idx.shape[0] * chunk_size - short * tf.cast(tf.equal(idx[-1], c - 1), tf.int32)
+    has_last = tf.reduce_any(tf.equal(idx, c - 1))     # idx may be empty (selection="global")
+    return tf.size(idx) * chunk_size - short * tf.cast(has_last, tf.int32)
+
+
+def _pad_to(buffer, length):
+    """1-D `buffer` zero-padded at the end to the static `length` (>= its length)."""
+    if buffer.shape[0] == length:
+        return buffer
+    return tf.ensure_shape(tf.pad(buffer, [[0, length - tf.shape(buffer)[0]]]), [length])
 
 
 def _chunk_scales(norms, idx, wire_dtype, comm):
