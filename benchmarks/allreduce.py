@@ -89,7 +89,7 @@ def preset_launches(name: str) -> List[Launch]:
     if name == "targets":
         # Budgeted for ~20-25 min on 2 cores; covers every all-reduce target of the issue.
         for rate in DEFAULT_RATES:
-            for m in methods.METHODS:                                   # N=2: everything but
+            for m in methods.PRESET_METHODS:                            # N=2: everything but
                 sets = ["resnet20", "resnet50"]                         # AlexNet at 100 Mbit/s
                 if rate is None or rate >= 1000:                         # (25 s per fp32 all-reduce)
                     if m in ("tf_fp32", "gf_fp16", "csc_1"):
@@ -103,7 +103,7 @@ def preset_launches(name: str) -> List[Launch]:
     if name == "full":
         for n in (2, 3, 4):
             for rate in DEFAULT_RATES:
-                for m in methods.METHODS:
+                for m in methods.PRESET_METHODS:
                     launches.append((n, rate, m, list(ALL_SETS)))
         return launches
     raise SystemExit(f"--preset: unknown {name!r}; choose quick, targets or full")
@@ -376,7 +376,8 @@ def main(argv=None) -> int:
     preset = "quick" if args.quick else (args.preset or ("custom" if custom else "full"))
     if preset == "custom":
         sets = parse_list(args.sets, ALL_SETS, "--sets") if args.sets else ALL_SETS
-        meths = parse_list(args.methods, methods.METHODS, "--methods") if args.methods else methods.METHODS
+        meths = (parse_list(args.methods, methods.METHODS, "--methods") if args.methods
+                 else methods.PRESET_METHODS)
         ns = [int(x) for x in args.workers.split(",")] if args.workers else [2, 3, 4]
         rates = parse_rates(args.rates) if args.rates else DEFAULT_RATES
         launches = [(n, r, m, sets) for n in ns for r in rates for m in meths]

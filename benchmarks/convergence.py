@@ -1,6 +1,7 @@
 r"""Convergence of CSC on real data: test accuracy and bytes per step vs dense all-reduce.
 
   PYTHONPATH=. python benchmarks/convergence.py [--epochs 10] [--densities 0.1,0.01,0.001,auto]
+      [--selections per_pack,global] [--bytes_per_pack 1] [--no_baselines]
 
 Trains the digits CNN (models.networks.digits_cnn, 0.54M parameters) on
 scikit-learn's handwritten digits (1437 train / 360 test images) with
@@ -16,6 +17,9 @@ epochs, seeds, batch size and learning-rate schedule for every row:
   CSC d cold  the same without warm-up (sparse from the first step), to show
               what the warm-up contributes
   CSC d cold m0  plain error feedback and plain SGD (no momentum anywhere), no warm-up
+  CSC d global   the CSC d row with ChunkSparsity(selection="global") (one top-K over
+              all packs; rows per --selections; with one pack, the default
+              --bytes_per_pack for this model, both selections are the same)
 and prints one row per run: test accuracy (whole test set), its difference to
 dense FP32 in points, bytes sent per step and replica after warm-up, and the
 compression ratio against float32 dense bytes.
@@ -45,6 +49,7 @@ def run(name, flags, args, workdir):
            "--epochs", str(args.epochs), "--seed", str(args.seed),
            "--batch_size", str(args.batch_size), "--learning_rate", str(args.learning_rate),
            "--warmup_steps", str(args.warmup_steps), "--chunk_size", str(args.chunk_size),
+           *([] if args.bytes_per_pack is None else ["--bytes_per_pack", str(args.bytes_per_pack)]),
            "--collective_timeout", "120", *flags]  # later flags win (absl)
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
     start = time.monotonic()
@@ -67,6 +72,14 @@ def main():
     parser.add_argument("--cold_densities", default="0.01",
                         help="densities also run without warm-up ('' = none)")
     parser.add_argument("--warmup_steps", type=int, default=50)
+    parser.add_argument("--selections", default="per_pack",
+                        help="CSC top-k per pack and/or over the whole model: comma-separated "
+                             "per_pack, global (one row each per density)")
+    parser.add_argument("--bytes_per_pack", type=int, default=None,
+                        help="lazy all-reduce threshold in wire bytes (models.train's default if "
+                             "unset: one pack for the digits CNN; 1: one pack per tensor)")
+    parser.add_argument("--no_baselines", action="store_true",
+                        help="skip the dense FP32 / FP16 rows ('vs FP32' is then against the first row)")
     parser.add_argument("--chunk_size", type=int, default=1024)
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--learning_rate", type=float, default=0.05)
@@ -75,10 +88,14 @@ def main():
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     args = parser.parse_args()
 
-    runs = [("dense FP32", ["--compression", "none", "--density", "1"]),
-            ("dense FP16", ["--compression", "fp16", "--density", "1"])]
+    runs = [] if args.no_baselines else [
+        ("dense FP32", ["--compression", "none", "--density", "1"]),
+        ("dense FP16", ["--compression", "fp16", "--density", "1"])]
+    selections = list(filter(None, args.selections.split(",")))
     for d in filter(None, args.densities.split(",")):
-        runs.append((row_name(d), ["--compression", "fp16", "--density", d]))
+        for s in selections:
+            runs.append((row_name(d, "" if s == "per_pack" else f" {s}"),
+                         ["--compression", "fp16", "--density", d, "--selection", s]))
     for d in filter(None, args.cold_densities.split(",")):
         runs.append((row_name(d, " cold"), ["--compression", "fp16", "--density", d,
                                                  "--warmup_steps", "0"]))
@@ -88,8 +105,9 @@ def main():
     print(f"digits_cnn on sklearn digits, {args.workers} workers, {args.epochs} epochs, "
           f"batch {args.batch_size}, lr {args.learning_rate} cosine, seed {args.seed}; "
           f"CSC: chunk_size {args.chunk_size}, {args.warmup_steps} dense warm-up steps, "
-          f"momentum correction 0.9", flush=True)
-    header = (f"{'run':<18} {'test acc':>8} {'vs FP32':>8} {'bytes/step':>12} "
+          f"momentum correction 0.9; bytes_per_pack "
+          f"{'default' if args.bytes_per_pack is None else args.bytes_per_pack}", flush=True)
+    header = (f"{'run':<20} {'test acc':>8} {'vs FP32':>8} {'bytes/step':>12} "
               f"{'ratio':>7} {'density':>8} {'mean bytes/step':>16} {'seconds':>8}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="gf_tf_convergence_") as workdir:
@@ -101,7 +119,7 @@ def main():
     print("\n" + header)
     for name, r in rows:
         after = r["last_epoch_sent_bytes_per_step"]
-        print(f"{name:<18} {100 * r['test_accuracy']:>7.2f}% {100 * (r['test_accuracy'] - base):>+7.2f} "
+        print(f"{name:<20} {100 * r['test_accuracy']:>7.2f}% {100 * (r['test_accuracy'] - base):>+7.2f} "
               f"{after:>12,.0f} {r['dense_bytes_per_step'] / after:>6.1f}x "
               f"{r.get('last_epoch_density', 1.0):>8.4g} "
               f"{r['sent_bytes_per_step']:>16,.0f} {r['seconds']:>8.0f}")

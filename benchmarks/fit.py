@@ -62,7 +62,8 @@ def preset_launches(name: str) -> List[Launch]:
         return launches
     if name == "full":
         return [(model, n, rate, m) for model in MODELS for n in (2, 3, 4)
-                for rate in (100.0, 1000.0, None) for m in FIT_METHODS]
+                for rate in (100.0, 1000.0, None) for m in FIT_METHODS
+                if m in methods.PRESET_METHODS]
     raise SystemExit(f"--preset: unknown {name!r}; choose quick, targets or full")
 
 
@@ -243,7 +244,8 @@ def main(argv=None) -> int:
     preset = "quick" if args.quick else (args.preset or ("custom" if custom else "targets"))
     if preset == "custom":
         models_ = parse_list(args.models, list(MODELS), "--models") if args.models else list(MODELS)
-        meths = parse_list(args.methods, FIT_METHODS, "--methods") if args.methods else FIT_METHODS
+        meths = (parse_list(args.methods, FIT_METHODS, "--methods") if args.methods
+                 else [m for m in FIT_METHODS if m in methods.PRESET_METHODS])
         ns = [int(x) for x in args.workers.split(",")] if args.workers else [2]
         rates = parse_rates(args.rates) if args.rates else [100.0, 1000.0, None]
         launches = [(m, n, r, meth) for m in models_ for n in ns for r in rates for meth in meths]

@@ -150,10 +150,12 @@ def method_traffic(method: str, shapes) -> Tuple[float, int]:
     density = methods.CSC_DENSITY[method]
     if density == "auto":
         raise ValueError(f"{method}: the density is chosen at run time; no fixed traffic to model")
-    payload = 0.0
-    for n in packs:
-        chunks = math.ceil(n / DEFAULT_CHUNK_SIZE)
-        payload += 2.0 * selected_chunk_count(chunks, density) * DEFAULT_CHUNK_SIZE + 4.0 * chunks
+    chunks = [math.ceil(n / DEFAULT_CHUNK_SIZE) for n in packs]
+    if methods.csc_selection(method) == "global":   # one top K over all chunks (one wire dtype)
+        selected = selected_chunk_count(sum(chunks), density)
+    else:
+        selected = sum(selected_chunk_count(c, density) for c in chunks)
+    payload = 2.0 * selected * DEFAULT_CHUNK_SIZE + 4.0 * sum(chunks)
     return payload, 2                      # the norms' all-reduce and the chunks' all-reduce
 
 

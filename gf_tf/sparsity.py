@@ -34,13 +34,17 @@ dtype, e.g. bfloat16 gradients beside float32 ones).
 With ChunkSparsity(density="auto") the step's control all-reduce also
 carries 3 timing figures per replica, from whose sums every replica picks the
 same density (`choose_rung`); see ChunkSparsity.
+With ChunkSparsity(selection="global") the k largest norms are taken over the
+chunks of all packs of one wire dtype at once (K = ceil(density * their total
+chunks), a static wire length K*chunk_size); each pack then sends its share
+of those K chunks, a number that changes from step to step.
 State (`CSCState`) is per pack of one variable set, owned by
 GradientFlowAllReduce's state for that variable set, never by this object.
 """
 
 import logging
 import math
-from typing import List, Sequence, Tuple, Union
+from typing import Sequence, Tuple, Union
 
 import tensorflow as tf
 
@@ -67,6 +71,7 @@ DEFAULT_MIN_DENSITY = 0.001
 DEFAULT_AUTO_BUDGET = 0.05
 
 WARMUP_MODES = ("dense", "exponential")
+SELECTIONS = ("per_pack", "global")
 
 _log = logging.getLogger(__name__)
 
@@ -196,6 +201,15 @@ class ChunkSparsity:
     chunks the link affords. The decision follows the previous step's
     figures; a slow step (an evaluation between epochs) may give one step at a
     higher density. The chosen density is `GradientFlowStats`' `gf_density`.
+      selection: which chunks compete for the k places:
+        "per_pack": each pack sends its own top k = max(1, ceil(density *
+          C_p)) of its C_p chunks (every pack is represented every step);
+        "global": one top K = max(1, ceil(density * C)) over the C chunks of
+          all packs of one wire dtype (the whole model in practice), the
+          whole-model importance of GradientFlow's CSC; a pack may send none
+          or all of its chunks on a step. Same bytes on the wire, same two
+          collectives per step; ties go to the lower chunk index, counting
+          through the packs in their all-reduce order.
 
     Raises:
       ValueError naming the argument when one is out of range.
@@ -212,7 +226,7 @@ class ChunkSparsity:
 
     def __init__(self, density: Union[float, str] = DEFAULT_DENSITY,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, warmup_steps: int = 0,
-                 momentum: float = 0.0, warmup: str = "dense",
+                 momentum: float = 0.0, warmup: str = "dense", selection: str = "per_pack",
                  min_density: float = DEFAULT_MIN_DENSITY,
                  auto_budget: float = DEFAULT_AUTO_BUDGET):
         if isinstance(density, str):
@@ -229,6 +243,9 @@ class ChunkSparsity:
             raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
         if warmup not in WARMUP_MODES:
             raise ValueError(f"warmup must be one of {WARMUP_MODES}, got {warmup!r}")
+        if selection not in SELECTIONS:
+            raise ValueError(f"selection must be one of {SELECTIONS} (top-k per pack or over "
+                             f"the whole model), got {selection!r}")
         if isinstance(min_density, bool) or not (isinstance(min_density, (int, float))
                                                  and 0.0 < min_density <= 1.0):
             raise ValueError(f"min_density must be a fraction in (0, 1] (the floor of "
@@ -242,6 +259,7 @@ class ChunkSparsity:
         self.warmup_steps = warmup_steps
         self.momentum = float(momentum)
         self.warmup = warmup
+        self.selection = selection
         self.min_density = float(min_density)
         self.auto_budget = float(auto_budget)
 
@@ -265,7 +283,7 @@ class ChunkSparsity:
                 if self.auto else "")
         return (f"ChunkSparsity(density={self.density!r}, chunk_size={self.chunk_size}, "
                 f"warmup_steps={self.warmup_steps}, momentum={self.momentum}, "
-                f"warmup={self.warmup!r}{auto})")
+                f"warmup={self.warmup!r}, selection={self.selection!r}{auto})")
 
     # -- schedule ----------------------------------------------------------
 
@@ -315,7 +333,7 @@ class ChunkSparsity:
         """The constructor arguments (also compared across workers by GradientFlowAllReduce)."""
         config = {"density": self.density, "chunk_size": self.chunk_size,
                   "warmup_steps": self.warmup_steps, "momentum": self.momentum,
-                  "warmup": self.warmup}
+                  "warmup": self.warmup, "selection": self.selection}
         if self.auto:
             config.update(min_density=self.min_density, auto_budget=self.auto_budget)
         return config
@@ -484,13 +502,8 @@ class CSCReducer(Reducer):
         one per rung with first_step None. ks: per pack its k, or None (every chunk)."""
         stages = [(s, d) for s, d in self.sparsity.schedule() if d != AUTO]
         stages += [(None, d) for d in self.sparsity.rungs()] if self.sparsity.auto else []
-        return tuple((first_step, density, tuple(self._k(p, density) for p in packs))
+        return tuple((first_step, density, self._ks(packs, density))
                      for first_step, density in stages)
-
-    def _k(self, pack, density):
-        c = self.control_size(pack)
-        k = selected_chunk_count(c, density)
-        return None if k >= c else k
 
     def _candidate_index(self, packs, candidates, states, comm, step_control):
         """int32 index into `candidates` for this step (a Python 0 when there is one)."""
@@ -511,23 +524,67 @@ class CSCReducer(Reducer):
     def _sent_bytes(self, packs, ks) -> int:
         """Bytes one replica puts into the step's collectives when the packs send ks."""
         total = 4 * self.step_control_size(packs)
-        for pack, k in zip(packs, ks):
-            length = pack.num_elements if k is None else k * self.sparsity.chunk_size
-            total += 4 * self.control_size(pack) + length * pack.wire_dtype.size
+        for members in _wire_groups(packs):
+            total += (4 * sum(self.control_size(packs[j]) for j in members)
+                      + self._wire_length(packs, members, ks) * packs[members[0]].wire_dtype.size)
         return total
 
+    def _wire_length(self, packs, members, ks) -> int:
+        """Elements of one wire group's chunk buffer: K chunks (global), else each pack's k or all."""
+        if self.sparsity.selection == "global" and ks[members[0]] is not None:
+            return ks[members[0]] * self.sparsity.chunk_size
+        return sum(packs[j].num_elements if ks[j] is None else ks[j] * self.sparsity.chunk_size
+                   for j in members)
+
+    def _selected_chunks(self, packs, ks) -> int:
+        """Chunks one step sends (a dense pack counts all of its chunks)."""
+        total = 0
+        for members in _wire_groups(packs):
+            if self.sparsity.selection == "global" and ks[members[0]] is not None:
+                total += ks[members[0]]
+            else:
+                total += sum(self.control_size(packs[j]) if ks[j] is None else ks[j] for j in members)
+        return total
+
+    def _ks(self, packs, density):
+        """Per pack its k, or None (every chunk: a dense step), at `density`.
+
+        selection="global": the K of the pack's wire group (one top K over the
+        chunks of all its packs), None for every pack of a group K covers whole.
+        """
+        if self.sparsity.selection == "global":
+            totals = {}
+            for pack in packs:
+                totals[pack.wire_dtype] = totals.get(pack.wire_dtype, 0) + self.control_size(pack)
+            counts = [totals[pack.wire_dtype] for pack in packs]
+        else:
+            counts = [self.control_size(pack) for pack in packs]
+        return tuple(None if selected_chunk_count(c, density) >= c
+                     else selected_chunk_count(c, density) for c in counts)
+
     def _step(self, packs, controls, carries, states, comm, ks):
-        """One step: every pack sends its k chunks (None: all, a dense warm-up step)."""
-        sends = [self._gather(p, c, a, s, comm, k)
-                 for p, c, a, s, k in zip(packs, controls, carries, states, ks)]
+        """One step: every pack sends its k chunks (None: all, a dense warm-up step).
+
+        selection="global": ks holds each pack's wire group's K; the group's
+        packs send their shares of one top K (`_global_picks`).
+        """
+        groups = _wire_groups(packs)
+        picks = [None] * len(packs)
+        if self.sparsity.selection == "global":
+            for members in groups:
+                if ks[members[0]] is not None:
+                    shares = self._global_picks([packs[j] for j in members],
+                                                [controls[j] for j in members],
+                                                states[members[0]], comm, ks[members[0]])
+                    for j, share in zip(members, shares):
+                        picks[j] = share
+        sends = [self._gather(p, c, a, s, comm, k, pk)
+                 for p, c, a, s, k, pk in zip(packs, controls, carries, states, ks, picks)]
         received = [[None] * len(comm.replicas) for _ in packs]
-        by_wire, reduced = {}, [[] for _ in comm.replicas]
-        for j, pack in enumerate(packs):
-            by_wire.setdefault(pack.wire_dtype, []).append(j)
-        started = []
-        for members in by_wire.values():
-            lengths = [sends[j]["length"] for j in members]
-            buffers = [tf.concat([sends[j]["buffers"][r] for j in members], 0)
+        reduced, started = [[] for _ in comm.replicas], []
+        for members in groups:
+            length = self._wire_length(packs, members, ks)
+            buffers = [_pad_to(tf.concat([sends[j]["buffers"][r] for j in members], 0), length)
                        for r in range(len(comm.replicas))]
             if self.sparsity.auto and not started:   # the start of this step's chunk all-reduce
                 buffers, started = self._clocked(buffers, comm)
@@ -535,21 +592,21 @@ class CSCReducer(Reducer):
             for r, buffer in enumerate(fused):
                 reduced[r].append(buffer)
                 with tf.device(buffer.device):
-                    for j, part in zip(members, tf.split(buffer, lengths)):
+                    sizes = [sends[j]["sizes"][r] for j in members]
+                    for j, part in zip(members, tf.split(buffer, sizes + [-1])):
                         received[j][r] = part
         done = []
         if self.sparsity.auto:      # the end of this step's communication, per replica
             for r, buffers in zip(comm.replicas, reduced):
                 with tf.device("/cpu:0"), tf.control_dependencies(buffers):
                     done.append(tf.cast(self.clock(r, "done"), tf.float64))
-        outputs, residual_l1, selected = [], 0.0, 0
+        outputs, residual_l1 = [], 0.0
         for pack, send, parts, k in zip(packs, sends, received, ks):
             outputs.extend(self._scatter(pack, send, parts, k))
             residual_l1 += send["residual_l1"]
-            selected += self.control_size(pack) if k is None else k
         return (_flatten_replicas(outputs, len(comm.replicas)),
                 tf.constant(self._sent_bytes(packs, ks), tf.int64),
-                tf.constant(selected, tf.int64), residual_l1, started, done)
+                tf.constant(self._selected_chunks(packs, ks), tf.int64), residual_l1, started, done)
 
     def _clocked(self, buffers, comm):
         """(buffers, per replica the "send" clock): the buffers wait for the clock, which waits
@@ -562,25 +619,56 @@ class CSCReducer(Reducer):
                 clocked.append(tf.identity(buffer))
         return clocked, started
 
-    def _gather(self, pack, control, carry, state, comm, k):
+    def _global_picks(self, packs, controls, state, comm, k):
+        """selection="global": per pack, per served replica, its share of one top k.
+
+        The all-reduced norms of `packs` (one wire group) are concatenated in
+        pack order; `select_chunks` takes the k largest (ties: the lower index
+        in that order; NaN first). Pack p's share: the selected indices in
+        [offset_p, offset_p + C_p), minus offset_p: int32 [k_p], ascending,
+        k_p a run-time number with sum over packs = k, equal on every replica.
+        """
+        offsets = [0]
+        for pack in packs:
+            offsets.append(offsets[-1] + self.control_size(pack))
+        shares = [[] for _ in packs]
+        for i, r in enumerate(comm.replicas):
+            with tf.device(state.residuals[r].device):
+                idx = select_chunks(tf.concat([control[i] for control in controls], 0), k)
+                bounds = tf.searchsorted(idx, tf.constant(offsets, idx.dtype), side="left")
+                for share, part, offset in zip(shares, tf.split(idx, bounds[1:] - bounds[:-1]),
+                                               offsets):
+                    share.append(part - offset)
+        return shares
+
+    def _gather(self, pack, control, carry, state, comm, k, picks=None):
+        """The pack's chunks to send, per served replica: idx from `picks` (per replica,
+        selection="global": unpadded, "sizes" their run-time lengths) or its own top k
+        (padded to the static "length" k*chunk_size)."""
         n, cs, wire = pack.num_elements, self.sparsity.chunk_size, pack.wire_dtype
         c = self.control_size(pack)
         length = n if k is None else k * cs
         accs, local_norms, new_us = carry
-        send = {"length": length, "buffers": [], "picks": [], "finites": [], "postscales": [],
-                "updates": []}
-        for acc, norms, new_u, r in zip(accs, control, new_us, comm.replicas):
+        send = {"length": length, "sizes": [], "buffers": [], "picks": [], "finites": [],
+                "postscales": [], "updates": []}
+        for i, (acc, norms, new_u, r) in enumerate(zip(accs, control, new_us, comm.replicas)):
             residual = state.residuals[r]
             u = state.velocities[r] if state.velocities else None
             with tf.device(residual.device):
                 finite = tf.reduce_all(tf.math.is_finite(norms))
-                idx = tf.range(c, dtype=tf.int32) if k is None else select_chunks(norms, k)
+                if picks is not None:
+                    idx = picks[i]
+                elif k is None:
+                    idx = tf.range(c, dtype=tf.int32)
+                else:
+                    idx = select_chunks(norms, k)
                 prescale, postscale = _chunk_scales(norms, idx, wire, comm)
                 selected, new_residual, masked_u = ops.gather_chunks(
                     acc, idx, cs, wire, prescale, new_u if k is not None else None)
-                # Static wire shape on every step: pad a selected partial last chunk.
-                selected = tf.ensure_shape(
-                    tf.pad(selected, [[0, length - tf.shape(selected)[0]]]), [length])
+                if picks is None:
+                    # Static wire shape on every step: pad a selected partial last chunk.
+                    selected = _pad_to(selected, length)
+            send["sizes"].append(length if picks is None else tf.size(selected))
             send["buffers"].append(selected)
             send["picks"].append(idx)
             send["finites"].append(finite)
@@ -617,7 +705,23 @@ def _selected_length(n, chunk_size, idx):
     """Elements in the (sorted) chunks idx of a pack of n elements: the last chunk may be partial."""
     c = ops.num_chunks(n, chunk_size)
     short = c * chunk_size - n
-    return idx.shape[0] * chunk_size - short * tf.cast(tf.equal(idx[-1], c - 1), tf.int32)
+    has_last = tf.reduce_any(tf.equal(idx, c - 1))     # idx may be empty (selection="global")
+    return tf.size(idx) * chunk_size - short * tf.cast(has_last, tf.int32)
+
+
+def _wire_groups(packs):
+    """Indices of `packs` grouped by wire dtype (one chunk all-reduce each), in pack order."""
+    groups = {}
+    for j, pack in enumerate(packs):
+        groups.setdefault(pack.wire_dtype, []).append(j)
+    return list(groups.values())
+
+
+def _pad_to(buffer, length):
+    """1-D `buffer` zero-padded at the end to the static `length` (>= its length)."""
+    if buffer.shape[0] == length:
+        return buffer
+    return tf.ensure_shape(tf.pad(buffer, [[0, length - tf.shape(buffer)[0]]]), [length])
 
 
 def _chunk_scales(norms, idx, wire_dtype, comm):

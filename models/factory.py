@@ -13,6 +13,7 @@ import tensorflow as tf
 
 import gf_tf
 from gf_tf import launch
+from gf_tf.sparsity import SELECTIONS
 from models import datasets, networks
 
 # name -> (builder(input_shape, num_classes), default input shape (used by --dataset synthetic))
@@ -107,14 +108,15 @@ def uses_csc(density: Union[float, str]) -> bool:
 
 def build_gradient_flow(compression: str = "fp16", bytes_per_pack: int = 4 << 20,
                         density: Union[float, str] = 1.0, chunk_size: int = 1024,
-                        warmup_steps: int = 0, momentum: float = 0.0):
+                        warmup_steps: int = 0, momentum: float = 0.0, selection: str = "per_pack"):
     """A gf_tf.GradientFlowAllReduce for these flags, or None for TF's own all-reduce.
 
     density 1.0 means dense (no CSC); "auto" means CSC with
     ChunkSparsity(density="auto"); --compression none with density 1.0 means
     plain TF (float32, TF's packing). momentum: CSC momentum correction
-    (the optimizer must then run without momentum). Raises ValueError for a density outside
-    (0, 1] (and not "auto"), a non-positive chunk_size or a negative bytes_per_pack.
+    (the optimizer must then run without momentum). selection: CSC's top-k "per_pack" or
+    "global" (gf_tf.ChunkSparsity). Raises ValueError for a density outside (0, 1] (and not
+    "auto"), a non-positive chunk_size, a negative bytes_per_pack or an unknown selection.
     """
     wire = choose("compression", compression, COMPRESSIONS)
     density = parse_density(density)
@@ -125,10 +127,12 @@ def build_gradient_flow(compression: str = "fp16", bytes_per_pack: int = 4 << 20
                          f"got {bytes_per_pack}")
     if warmup_steps < 0:
         raise ValueError(f"--warmup_steps must be >= 0, got {warmup_steps}")
+    choose("selection", selection, {s: s for s in SELECTIONS})
     sparsity = None
     if uses_csc(density):
         sparsity = gf_tf.ChunkSparsity(density=density, chunk_size=chunk_size,
-                                       warmup_steps=warmup_steps, momentum=momentum)
+                                       warmup_steps=warmup_steps, momentum=momentum,
+                                       selection=selection)
     if wire is None and sparsity is None:
         return None
     return gf_tf.GradientFlowAllReduce(compression=wire, bytes_per_pack=bytes_per_pack,

@@ -39,6 +39,8 @@ flags.DEFINE_string("density", "0.01", "fraction of chunks sent per step after w
                     "auto = chosen each step from the measured compute and all-reduce time")
 flags.DEFINE_integer("chunk_size", 1024, "CSC chunk size in elements")
 flags.DEFINE_integer("warmup_steps", 20, "dense steps before CSC starts")
+flags.DEFINE_string("selection", "per_pack", "CSC top-k: per_pack (k chunks of each pack) or "
+                    "global (K chunks over the whole model)")
 flags.DEFINE_integer("epochs", 10, "training epochs")
 flags.DEFINE_integer("steps_per_epoch", 0, "steps per epoch; 0 = one pass over the training set")
 flags.DEFINE_integer("batch_size", 64, "global batch size (all replicas of all workers)")
@@ -145,7 +147,7 @@ def main(argv):
     density = factory.parse_density(FLAGS.density)
     gradient_flow = factory.build_gradient_flow(
         FLAGS.compression, FLAGS.bytes_per_pack, density, FLAGS.chunk_size, FLAGS.warmup_steps,
-        FLAGS.momentum)
+        FLAGS.momentum, FLAGS.selection)
     # With CSC the momentum lives in ChunkSparsity (momentum correction), not in the optimizer.
     optimizer_momentum = 0.0 if factory.uses_csc(density) else FLAGS.momentum
     strategy = factory.build_strategy(strategy_name, num_devices, gradient_flow,
@@ -220,9 +222,9 @@ def main(argv):
 
 
 _TRAIN_FLAGS = ("model", "dataset", "data_dir", "strategy", "num_devices", "compression",
-                "bytes_per_pack", "density", "chunk_size", "warmup_steps", "epochs", "steps_per_epoch",
-                "batch_size", "learning_rate", "momentum", "mixed_precision", "model_dir", "seed",
-                "collective_timeout", "startup_timeout")
+                "bytes_per_pack", "density", "chunk_size", "warmup_steps", "selection", "epochs",
+                "steps_per_epoch", "batch_size", "learning_rate", "momentum", "mixed_precision",
+                "model_dir", "seed", "collective_timeout", "startup_timeout")
 
 
 def run():

@@ -19,7 +19,8 @@ import tensorflow as tf
 
 import gf_tf
 from gf_tf.sparsity import AUTO_LADDER, choose_rung
-from test_sparsity import DEVICES, NumpyCSC, Runner, _all_ops, only_state
+from test_sparsity import (DEVICES, NumpyCSC, NumpyGlobalCSC, Runner, _all_ops, _pack_states,
+                           only_state)
 
 
 class FakeClock:
@@ -67,16 +68,17 @@ def test_rungs_are_the_ladder_above_the_floor_then_the_floor():
 def test_config_and_repr_carry_the_auto_settings_and_numeric_ones_are_unchanged():
     auto = gf_tf.ChunkSparsity(density="auto", min_density=0.01, auto_budget=0.1, chunk_size=64)
     assert auto.get_config() == {"density": "auto", "chunk_size": 64, "warmup_steps": 0,
-                                 "momentum": 0.0, "warmup": "dense", "min_density": 0.01,
-                                 "auto_budget": 0.1}
+                                 "momentum": 0.0, "warmup": "dense", "selection": "per_pack",
+                                 "min_density": 0.01, "auto_budget": 0.1}
     assert gf_tf.ChunkSparsity(**auto.get_config()).get_config() == auto.get_config()
     assert "density='auto'" in repr(auto) and "min_density=0.01" in repr(auto) \
         and "auto_budget=0.1" in repr(auto)
     assert gf_tf.ChunkSparsity(density=0.01).get_config() == {
-        "density": 0.01, "chunk_size": 1024, "warmup_steps": 0, "momentum": 0.0, "warmup": "dense"}
+        "density": 0.01, "chunk_size": 1024, "warmup_steps": 0, "momentum": 0.0, "warmup": "dense",
+        "selection": "per_pack"}
     assert repr(gf_tf.ChunkSparsity(density=0.01)) == (
         "ChunkSparsity(density=0.01, chunk_size=1024, warmup_steps=0, momentum=0.0, "
-        "warmup='dense')")
+        "warmup='dense', selection='per_pack')")
 
 
 def test_auto_schedules_keep_the_warmup_and_end_in_auto():
@@ -298,3 +300,44 @@ def test_fit_save_and_restore_with_auto(tmp_path):
     assert history.history["gf_density"] == [pytest.approx((0.001 + 3 * 0.25) / 4)]
     assert int(only_state(gfar2).step.numpy()) == 8
     assert np.all(np.isfinite(history.history["loss"]))
+
+
+def test_auto_with_global_selection_prices_rungs_by_one_top_k_over_all_packs():
+    """density="auto" and selection="global" together: packs of 400 and 200 elements (chunk 4:
+    100 + 50 = 150 chunks), float32 wire. A rung sends K = ceil(d x 150) chunks in all, so
+    its bytes are 12 + 4 x 150 + 16 K: floor 628 B (K=1), 0.01: 636 B (K=2), 0.03: 692 B
+    (K=5), 0.1: 852 B (K=15), 0.25: 1220 B (K=38). 1 s of compute, 0.2 s of communication,
+    budget 0.25 s:
+      step 0: nothing measured -> floor, K=1
+      step 1: 0.2 s at 628 B -> 0.1: 0.271 s, 0.03: 0.220 s fits -> K=5
+      step 2: 0.2 s at 692 B -> 0.25: 0.353 s, 0.1: 0.246 s fits -> K=15
+      step 3: 0.2 s at 852 B -> 0.25: 0.286 s, 0.1: 0.2 s fits -> K=15
+    and the outputs equal the float64 global-selection reference at that density."""
+    sizes = [400, 200]
+    csc = gf_tf.ChunkSparsity(density="auto", chunk_size=CS, auto_budget=0.25, selection="global")
+    run = Runner(2, csc, compression=None, bytes_per_pack=1)
+    run.gfar.reducer.clock = FakeClock(compute=[1.0, 1.0], comm=[0.2, 0.2])
+    rng = np.random.default_rng(5)
+    model, order, ks, before = None, None, [], run.gfar.stats.totals()
+    for _ in range(4):
+        flat = rng.permutation(np.linspace(0.1, 10.0, 150))   # one scale per chunk: no near ties
+        scales = [flat[:100], flat[100:]]
+        grads = [[(rng.uniform(0.5, 1.5, n) * np.repeat(sc, CS)).astype(np.float32)
+                  for n, sc in zip(sizes, scales)] for _ in range(2)]
+        out = run(grads)
+        if model is None:
+            order, _ = _pack_states(run)
+            model = NumpyGlobalCSC([sizes[i] for i in order], 2, CS)
+        now = run.gfar.stats.totals()
+        k = int(now["selected_chunks"] - before["selected_chunks"])
+        assert now["sent_bytes"] - before["sent_bytes"] == 12 + 4 * 150 + 4 * CS * k
+        ks.append(k)
+        before = now
+        density = {1: 0.001, 2: 0.01, 5: 0.03, 15: 0.1, 38: 0.25}[k]
+        refs, shares = model.step([np.stack([g[i] for g in grads]).astype(np.float64)
+                                   for i in order], density)
+        assert sum(len(s) for s in shares) == k
+        for ref, i in zip(refs, order):
+            np.testing.assert_array_equal(out[1][i], out[0][i])
+            np.testing.assert_allclose(out[0][i], ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+    assert ks == [1, 5, 15, 15]

@@ -58,6 +58,19 @@ def test_gradient_sets_match_the_published_networks():
     assert gradients.num_elements(gradients.resnet20_shapes()) == 269_722
 
 
+def test_global_csc_methods_select_globally_and_stay_out_of_the_presets():
+    from benchmarks import allreduce, fit
+    from benchmarks.workers import methods
+    _, whole = methods.make_strategy("csc_1_global", 30.0, build_strategy=False)
+    _, per_pack = methods.make_strategy("csc_1", 30.0, build_strategy=False)
+    assert (whole.sparsity.density, whole.sparsity.selection) == (0.01, "global")
+    assert (per_pack.sparsity.density, per_pack.sparsity.selection) == (0.01, "per_pack")
+    assert methods.LABELS["csc_0.1_global"] and methods.CSC_DENSITY["csc_0.1_global"] == 0.001
+    for preset in ("targets", "full"):
+        assert not any(l[2] in methods.CSC_SELECTION for l in allreduce.preset_launches(preset))
+        assert not any(l[3] in methods.CSC_SELECTION for l in fit.preset_launches(preset))
+
+
 def test_token_bucket_is_deep_enough_for_the_rate():
     for rate in (10, 100, 1000, 10000):
         assert netem.tbf_burst_bytes(rate) >= rate * 1e6 / 8 / 250

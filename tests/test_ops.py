@@ -585,6 +585,41 @@ def test_runtime_scales_of_unknown_shape_match_known(impl):
             assert_same(got, as_f64(want))
 
 
+@pytest.mark.parametrize("indices", [[], [10], [0, 3], [1, 2, 4, 7, 10]],
+                         ids=["none", "only_the_partial_last", "two", "five"])
+def test_chunk_ops_take_indices_of_run_time_length(impl, indices):
+    """ChunkSparsity(selection="global") gives each pack a share of the K chunks whose
+    length is known only at run time, possibly 0: gather and scatter traced with
+    indices [None] and per-chunk scales [None] match the reference, velocity included."""
+    sizes, chunk_size = [1000, 1], 100           # 11 chunks, the last of 1 element
+    n = sum(sizes)
+    acc = round_to(RNG.normal(size=n) * 10.0, F32)
+    velocity = round_to(RNG.normal(size=n), F32)
+    per_chunk = 2.0 ** RNG.integers(-8, 9, len(indices)).astype(np.float32)
+    shapes, dtypes = [[s] for s in sizes], [F32, BF16]
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.int32), tf.TensorSpec([None], F32)])
+    def step(idx, scale):
+        selected, residual, new_velocity = impl.gather_chunks(
+            tf.constant(acc, F32), idx, chunk_size, F16, scale, tf.constant(velocity, F32))
+        outputs = impl.scatter_chunks(selected, idx, chunk_size, shapes, dtypes, 1.0 / scale)
+        return [selected, residual, new_velocity] + outputs
+
+    selected, residual, new_velocity, *outputs = step(
+        tf.constant(indices, tf.int32), tf.constant(per_chunk, F32))
+    mask = chunk_mask(n, chunk_size, indices)
+    element_scales = chunk_element_scales(n, chunk_size, indices, per_chunk)
+    expected = ref_to_wire(acc[mask], F32, F16, element_scales)
+    assert_same(selected, expected)
+    assert_same(residual, np.where(mask, 0.0, acc))
+    assert_same(new_velocity, np.where(mask, 0.0, velocity))
+    full = np.zeros(n)
+    full[mask] = ref_from_wire(expected, F32, 1.0 / element_scales.astype(np.float32))
+    for out, part, dtype in zip(outputs, segments(full, sizes), dtypes):
+        assert out.dtype == dtype
+        assert_same(out, round_to(part, dtype))
+
+
 # ---------------------------------------------------------------------------
 # abs_max
 # ---------------------------------------------------------------------------

@@ -57,6 +57,9 @@ def test_method_traffic_matches_the_packing_and_chunk_rules():
     expected = sum(2.0 * max(1, math.ceil(0.01 * math.ceil(n / 1024))) * 1024 + 4.0 * math.ceil(n / 1024)
                    for n in packs)
     assert projection.method_traffic("csc_1", shapes) == (expected, 2)
+    chunks = sum(math.ceil(n / 1024) for n in packs)     # global: one top K over all of them
+    assert projection.method_traffic("csc_1_global", shapes) == (
+        2.0 * math.ceil(0.01 * chunks) * 1024 + 4.0 * chunks, 2)
 
 
 def test_fit_recovers_known_parameters():

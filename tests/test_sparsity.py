@@ -19,6 +19,7 @@ import pytest
 import tensorflow as tf
 
 import gf_tf
+from gf_tf.cross_device_ops import DEFAULT_BYTES_PER_PACK, _sparsity_fingerprint
 from gf_tf.sparsity import select_chunks, selected_chunk_count
 
 
@@ -31,10 +32,11 @@ SUM = tf.distribute.ReduceOp.SUM
 class Runner:
     """One traced all-reduce step of `num_replicas` replicas through GradientFlowAllReduce."""
 
-    def __init__(self, num_replicas, sparsity, compression="fp16"):
+    def __init__(self, num_replicas, sparsity, compression="fp16",
+                 bytes_per_pack=DEFAULT_BYTES_PER_PACK):
         self.sparsity = sparsity
         self.gfar = gf_tf.GradientFlowAllReduce(
-            compression=compression, sparsity=sparsity,
+            compression=compression, sparsity=sparsity, bytes_per_pack=bytes_per_pack,
             cross_device_ops=tf.distribute.ReductionToOneDevice())
         self.strategy = tf.distribute.MirroredStrategy(DEVICES[:num_replicas],
                                                        cross_device_ops=self.gfar)
@@ -154,7 +156,7 @@ def test_select_chunks_ranks_nan_and_inf_first():
     (dict(density=0.0), "density"), (dict(density=1.5), "density"),
     (dict(chunk_size=0), "chunk_size"), (dict(chunk_size=2.5), "chunk_size"),
     (dict(warmup_steps=-1), "warmup_steps"), (dict(momentum=1.0), "momentum"),
-    (dict(warmup="linear"), "warmup"),
+    (dict(warmup="linear"), "warmup"), (dict(selection="whole_model"), "selection"),
 ])
 def test_bad_arguments_name_the_argument(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -577,12 +579,14 @@ def test_mixed_float16_with_loss_scaling_trains_through_csc():
     assert all(np.all(np.isfinite(w)) for w in model.get_weights())
 
 
-def test_several_packs_travel_in_two_collectives_per_step():
+@pytest.mark.parametrize("selection, chunk_elements", [("per_pack", 24), ("global", 20)])
+def test_several_packs_travel_in_two_collectives_per_step(selection, chunk_elements):
     """Three packs (bytes_per_pack=16 wire bytes: one tensor each): all chunk norms in one float32
-    all-reduce, all selected chunks in one float16 all-reduce, whatever the number of packs;
-    each pack still selects its own top-k against its own reference."""
+    all-reduce, all selected chunks in one more all-reduce (float32 wire here), whatever the
+    number of packs; per pack each selects its own top-k, global one top-K over all 10 chunks,
+    each against its reference."""
     sizes = [12, 8, 20]
-    csc = gf_tf.ChunkSparsity(density=0.5, chunk_size=4)
+    csc = gf_tf.ChunkSparsity(density=0.5, chunk_size=4, selection=selection)
     gfar = gf_tf.GradientFlowAllReduce(bytes_per_pack=16, sparsity=csc, compression=None,
                                        cross_device_ops=tf.distribute.ReductionToOneDevice())
     strategy = tf.distribute.MirroredStrategy(DEVICES[:2], cross_device_ops=gfar)
@@ -595,24 +599,29 @@ def test_several_packs_travel_in_two_collectives_per_step():
         return strategy.run(fn, args=per_replica)
 
     rng = np.random.default_rng(5)
-    refs = [NumpyCSC(n, 2, 4) for n in sizes]
+    refs, order = [NumpyCSC(n, 2, 4) for n in sizes], [2, 1, 0]   # packs in backprop order
+    ref_global = NumpyGlobalCSC([sizes[i] for i in order], 2, 4)
     for _ in range(3):
         grads = [rng.normal(size=(2, n)).astype(np.float32) for n in sizes]
         values = [strategy.experimental_distribute_values_from_function(
             lambda ctx, g=g: tf.constant(g[ctx.replica_id_in_sync_group])) for g in grads]
         out = step(*values)
-        for k, (ref, g) in enumerate(zip(refs, grads)):
-            want, _ = ref.step(g, 0.5)
+        if selection == "global":
+            wants, _ = ref_global.step([grads[i] for i in order], 0.5)
+            wants = [wants[order.index(k)] for k in range(3)]
+        else:
+            wants = [ref.step(g, 0.5)[0] for ref, g in zip(refs, grads)]
+        for k, want in enumerate(wants):
             for o in strategy.experimental_local_results(out[k]):
                 np.testing.assert_allclose(o.numpy(), want, rtol=1e-6, atol=1e-6)
     (variable_set,) = gfar.states().values()
-    assert len(variable_set.plan) == 3
+    assert [pack.indices for pack in variable_set.plan] == [(i,) for i in order]
     graph = step.get_concrete_function(*values).graph
     vector_sums = sorted((op.get_attr("T").name, op.outputs[0].shape.num_elements())
                          for op in _all_ops(graph) if op.type == "AddN"
                          and op.outputs[0].shape.num_elements() not in (None, 1))
-    # norms: 3 + 2 + 5 chunks; chunks: (2 + 1 + 3) x 4 elements, on the float32 wire here.
-    assert vector_sums == [("float32", 10), ("float32", 24)], vector_sums
+    # norms: 3 + 2 + 5 chunks; chunks: per pack (2 + 1 + 3) x 4 elements, global 5 x 4.
+    assert vector_sums == sorted([("float32", 10), ("float32", chunk_elements)]), vector_sums
 
 
 def _all_ops(graph):
@@ -626,3 +635,200 @@ def _all_ops(graph):
                 continue
             for fn in fns if isinstance(fns, list) else [fns]:
                 yield from _all_ops(graph._get_function(fn.name).graph)  # pylint: disable=protected-access
+
+
+# --- selection="global": one top-K over the chunks of all packs ---------------------------
+
+class NumpyGlobalCSC:
+    """selection="global" in float64: one top K over the chunk norms of all packs,
+    concatenated in pack order; each pack keeps its own residual, velocity and finite check."""
+
+    def __init__(self, sizes, num_replicas, chunk_size, momentum=0.0):
+        self.packs = [NumpyCSC(n, num_replicas, chunk_size, momentum) for n in sizes]
+        self.c = sum(p.c for p in self.packs)
+
+    def step(self, gs, density):
+        """gs[p]: [replicas, n_p] -> (per pack output [n_p], per pack its chunks or None: dense)."""
+        k = selected_chunk_count(self.c, density)
+        if k >= self.c:
+            return [p.step(g, 1.0)[0] for p, g in zip(self.packs, gs)], None
+        us = [p.m * p.velocity + g if p.m else np.asarray(g, np.float64)
+              for p, g in zip(self.packs, gs)]
+        accs = [p.residual + u for p, u in zip(self.packs, us)]
+        norms = [sum(p.chunk_norms(a) for a in acc) for p, acc in zip(self.packs, accs)]
+        key = np.concatenate(norms)
+        key = np.where(np.isnan(key), np.inf, key)
+        idx = np.sort(np.lexsort((np.arange(self.c), -key))[:k])  # largest; ties: lower index
+        outs, shares, offset = [], [], 0
+        for p, u, acc, norm in zip(self.packs, us, accs, norms):
+            share = idx[(idx >= offset) & (idx < offset + p.c)] - offset
+            offset += p.c
+            mask = np.repeat(np.isin(np.arange(p.c), share), p.cs)[:p.n]
+            outs.append(np.where(mask, acc.sum(0), 0.0))
+            shares.append(share)
+            if np.all(np.isfinite(norm)):
+                p.residual = np.where(mask, 0.0, acc)
+                p.velocity = np.where(mask, 0.0, u) if p.m else p.velocity
+        return outs, shares
+
+
+def _pack_states(run):
+    """(tensor index of each pack, its CSC state), in pack order; one tensor per pack."""
+    (variable_set,) = run.gfar.states().values()
+    assert all(len(pack.indices) == 1 for pack in variable_set.plan)
+    return [pack.indices[0] for pack in variable_set.plan], variable_set.packs
+
+
+def test_selection_is_in_the_config_repr_and_cross_worker_fingerprint():
+    per_pack, whole = gf_tf.ChunkSparsity(), gf_tf.ChunkSparsity(selection="global")
+    assert per_pack.selection == "per_pack" and per_pack.get_config()["selection"] == "per_pack"
+    assert whole.get_config()["selection"] == "global" and "selection='global'" in repr(whole)
+    assert _sparsity_fingerprint(per_pack) != _sparsity_fingerprint(whole)
+
+
+@pytest.mark.parametrize("num_replicas", [2, 3])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_global_selection_matches_numpy_model_over_steps(num_replicas, momentum):
+    """Four packs (bytes_per_pack=1: one tensor each) of 1009 = 63 x 16 + 1, 7, 1 and
+    40 = 2 x 16 + 8 elements: 64 + 1 + 1 + 3 = 69 chunks, K = 7 at density 0.1 (per pack it
+    would be 7 + 1 + 1 + 1). Step 0 makes the 1009 pack hold all 7 top chunks (the others send
+    none), step 1 the three small packs 5 of them, later steps are random."""
+    cs, density, sizes = 16, 0.1, [1009, 7, 1, 40]
+    csc = gf_tf.ChunkSparsity(density=density, chunk_size=cs, momentum=momentum,
+                              selection="global")
+    run = Runner(num_replicas, csc, bytes_per_pack=1)
+    chunks = [-(-n // cs) for n in sizes]
+    rng = np.random.default_rng(10 + num_replicas)
+    model, order = None, None
+    for step in range(5):
+        if step == 0:
+            scales = [rng.permutation(np.linspace(10, 20, 64)), [0.01], [0.01], [0.01] * 3]
+        elif step == 1:
+            scales = [np.full(64, 0.1), [1000.0], [3000.0], [500.0, 600.0, 700.0]]
+        else:
+            flat = rng.permutation(np.linspace(0.1, 10.0, 69))
+            scales = np.split(flat, np.cumsum(chunks)[:-1])
+        # |g| in [0.5, 1.5] times a scale per chunk: well separated norms, no near ties.
+        grads = [[(rng.choice([-1, 1], n) * rng.uniform(0.5, 1.5, n)
+                   * np.repeat(sc, cs)[:n]).astype(np.float32) for n, sc in zip(sizes, scales)]
+                 for _ in range(num_replicas)]
+        out = run(grads)
+        if model is None:
+            order, states = _pack_states(run)
+            model = NumpyGlobalCSC([sizes[i] for i in order], num_replicas, cs, momentum)
+        refs, shares = model.step([np.stack([g[i] for g in grads]) for i in order], density)
+        assert sum(len(s) for s in shares) == 7
+        by_tensor = dict(zip(order, shares))
+        if step == 0:
+            assert [len(by_tensor[i]) for i in range(4)] == [7, 0, 0, 0]
+        if step == 1:
+            assert [len(by_tensor[i]) for i in range(4)] == [2, 1, 1, 3]
+        for ref, i in zip(refs, order):
+            for r in range(num_replicas):
+                got = out[r][i].astype(np.float64)
+                np.testing.assert_array_equal(got, out[0][i])     # identical everywhere
+                np.testing.assert_allclose(got, ref, rtol=4e-3, atol=4e-3 * np.abs(ref).max())
+                np.testing.assert_array_equal(np.flatnonzero(~_chunks_zero(got, cs)), by_tensor[i])
+        for p, (state, ref) in enumerate(zip(states, model.packs)):
+            for r in range(num_replicas):
+                residual = state.residuals[r].numpy()
+                np.testing.assert_allclose(residual, ref.residual[r], rtol=1e-5, atol=1e-4)
+                if momentum:
+                    np.testing.assert_allclose(state.velocities[r].numpy(), ref.velocity[r],
+                                               rtol=1e-5, atol=1e-4)
+    totals = run.gfar.stats.totals()
+    assert totals["selected_chunks"] == 5 * 7
+    # Per step: 69 float32 norms + K = 7 chunks of 16 float16 elements (padded as one buffer).
+    assert totals["sent_bytes"] == 5 * (4 * 69 + 2 * 7 * cs)
+
+
+def test_global_selection_ties_go_to_the_first_packs_and_a_pack_may_send_all_or_nothing():
+    """Two packs of 8 elements in chunks of 4 (4 chunks, K = 2 at density 0.5), float32 wire.
+    Equal norms: the 2 chunks of the first pack in pack order; next step, zero gradients:
+    only the second pack's residual is left, and it sends both chunks."""
+    csc = gf_tf.ChunkSparsity(density=0.5, chunk_size=4, selection="global")
+    run = Runner(2, csc, compression=None, bytes_per_pack=1)
+    ones = [np.ones(8, np.float32), np.ones(8, np.float32)]
+    out = run([ones, ones])
+    (first, second), states = _pack_states(run)
+    np.testing.assert_array_equal(out[0][first], np.full(8, 2.0))
+    np.testing.assert_array_equal(out[0][second], np.zeros(8))
+    for r in range(2):
+        np.testing.assert_array_equal(states[0].residuals[r].numpy(), np.zeros(8))
+        np.testing.assert_array_equal(states[1].residuals[r].numpy(), np.ones(8))
+    zeros = [np.zeros(8, np.float32)] * 2
+    out = run([zeros, zeros])
+    for r in range(2):
+        np.testing.assert_array_equal(out[r][first], np.zeros(8))
+        np.testing.assert_array_equal(out[r][second], np.full(8, 2.0))
+        np.testing.assert_array_equal(states[1].residuals[r].numpy(), np.zeros(8))
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_global_selection_sends_a_non_finite_chunk_and_keeps_only_that_packs_state(bad):
+    """Two packs of 4 elements in chunks of 2 (4 chunks, K = 1). The non-finite chunk ranks
+    first, so the other pack's much larger chunks wait; its pack keeps residual and velocity,
+    the other pack commits its step (as per pack: the finite check is the pack's)."""
+    csc = gf_tf.ChunkSparsity(density=0.25, chunk_size=2, momentum=0.5, selection="global")
+    run = Runner(2, csc, compression=None, bytes_per_pack=1)
+    g0 = [np.array([bad, 1.0, 1.0, 1.0], np.float32), np.full(4, 9.0, np.float32)]
+    g1 = [np.ones(4, np.float32), np.full(4, 9.0, np.float32)]
+    out = run([g0, g1])
+    order, states = _pack_states(run)
+    model = NumpyGlobalCSC([4, 4], 2, 2, momentum=0.5)
+    _, shares = model.step([np.stack([g0[i], g1[i]]) for i in order], 0.25)
+    assert not np.isfinite(out[0][0][0]) and not np.isfinite(out[1][0][0])
+    np.testing.assert_array_equal(out[0][0][2:], 0.0)
+    np.testing.assert_array_equal(out[0][1], 0.0)
+    p_bad, p_ok = order.index(0), order.index(1)
+    assert list(shares[p_bad]) == [0] and len(shares[p_ok]) == 0
+    for r, g in enumerate((g0, g1)):
+        np.testing.assert_array_equal(states[p_bad].residuals[r].numpy(), 0.0)
+        np.testing.assert_array_equal(states[p_bad].velocities[r].numpy(), 0.0)
+        np.testing.assert_array_equal(states[p_ok].residuals[r].numpy(), g[1])
+        np.testing.assert_array_equal(states[p_ok].velocities[r].numpy(), g[1])
+    g = [np.array([1.0, 2.0, 3.0, 4.0], np.float32), np.ones(4, np.float32)]
+    out = run([g, g])
+    refs, _ = model.step([np.stack([g[i], g[i]]) for i in order], 0.25)
+    for ref, i in zip(refs, order):
+        np.testing.assert_allclose(out[0][i], ref, rtol=1e-6)
+    for p, ref in enumerate(model.packs):
+        for r in range(2):
+            np.testing.assert_allclose(states[p].residuals[r].numpy(), ref.residual[r], rtol=1e-6)
+            np.testing.assert_allclose(states[p].velocities[r].numpy(), ref.velocity[r], rtol=1e-6)
+
+
+def test_global_selection_after_dense_warmup_sends_k_of_all_chunks():
+    """Packs of 100, 55 and 1 elements in chunks of 10: 10 + 6 + 1 = 17 chunks. After 2 dense
+    steps K = ceil(0.1 x 17) = 2 chunks in all (per pack: 1 + 1 + 1), matching the reference."""
+    csc = gf_tf.ChunkSparsity(density=0.1, chunk_size=10, warmup_steps=2, momentum=0.9,
+                              selection="global")
+    run = Runner(2, csc, bytes_per_pack=1)
+    sizes = [100, 55, 1]
+    rng = np.random.default_rng(4)
+    model, rows, before = None, [], run.gfar.stats.totals()
+    for step in range(5):
+        scale = [np.repeat(rng.permutation(np.linspace(1, 3, 17))[:10], 10),
+                 np.repeat(rng.uniform(1, 3, 6), 10)[:55], [20.0]]
+        grads = [[(rng.uniform(0.5, 1.5, n) * sc).astype(np.float32)
+                  for n, sc in zip(sizes, scale)] for _ in range(2)]
+        out = run(grads)
+        now = run.gfar.stats.totals()
+        rows.append((now["sent_bytes"] - before["sent_bytes"],
+                     now["selected_chunks"] - before["selected_chunks"]))
+        before = now
+        if model is None:
+            order, states = _pack_states(run)
+            model = NumpyGlobalCSC([sizes[i] for i in order], 2, 10, momentum=0.9)
+        refs, shares = model.step([np.stack([g[i] for g in grads]) for i in order],
+                                  csc.density_at(step))
+        assert (shares is None) == (step < 2)
+        for ref, i in zip(refs, order):
+            np.testing.assert_allclose(out[1][i], ref, rtol=4e-3, atol=4e-3 * np.abs(ref).max())
+        for state, ref in zip(states, model.packs):
+            np.testing.assert_allclose(state.residuals[0].numpy(), ref.residual[0],
+                                       rtol=1e-5, atol=1e-4)
+            np.testing.assert_allclose(state.velocities[1].numpy(), ref.velocity[1],
+                                       rtol=1e-5, atol=1e-4)
+    dense, sparse = 4 * 17 + 2 * 156, 4 * 17 + 2 * 2 * 10
+    assert rows == [(dense, 17), (dense, 17), (sparse, 2), (sparse, 2), (sparse, 2)]

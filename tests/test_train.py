@@ -24,6 +24,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (lambda: factory.load_dataset("imagenet21k"), "dataset", "digits, mnist, cifar10"),
     (lambda: factory.build_strategy("tpu"), "strategy", "multi_worker_mirrored, mirrored, one_device"),
     (lambda: factory.build_gradient_flow("int8"), "compression", "fp16, bf16, none"),
+    (lambda: factory.build_gradient_flow(selection="whole"), "selection", "per_pack, global"),
     (lambda: factory.set_precision("float16"), "mixed_precision", "none, mixed_float16, mixed_bfloat16"),
 ])
 def test_unknown_flag_values_list_the_valid_ones(call, flag, valid):
@@ -53,7 +54,9 @@ def test_gradient_flow_follows_the_flags():
     assert dense.compression.name == "bf16" and dense.bytes_per_pack == 1 << 20 and dense.sparsity is None
     sparse = factory.build_gradient_flow("fp16", density=0.05, chunk_size=128, warmup_steps=7, momentum=0.9)
     assert (sparse.sparsity.density, sparse.sparsity.chunk_size, sparse.sparsity.warmup_steps,
-            sparse.sparsity.momentum) == (0.05, 128, 7, 0.9)
+            sparse.sparsity.momentum, sparse.sparsity.selection) == (0.05, 128, 7, 0.9, "per_pack")
+    whole = factory.build_gradient_flow("fp16", density=0.01, selection="global")
+    assert whole.sparsity.selection == "global"
     auto = factory.build_gradient_flow("fp16", density="auto", warmup_steps=3, momentum=0.9)
     assert auto.sparsity.density == "auto" and auto.sparsity.warmup_steps == 3
     assert [factory.parse_density(t) for t in ("auto", "AUTO", "0.5", "1")] == ["auto", "auto", 0.5, 1.0]

@@ -9,13 +9,23 @@
               sparsity=gf_tf.ChunkSparsity(density=0.1 / 0.01 / 0.001, warmup_steps=0))
     csc_auto  the same with ChunkSparsity(density="auto", warmup_steps=0): each step the
               largest density whose communication costs at most 5% of the measured compute
+    csc_1_global / csc_0.1_global
+              the same at density 0.01 / 0.001 with selection="global" (one top-K over
+              the chunks of all packs instead of k per pack); not in the presets' loops
+              over every method: ask for them with --methods
 """
 
 from typing import Dict, Optional, Union
 
-METHODS = ["tf_fp32", "tf_fp16", "gf_fp16", "csc_10", "csc_1", "csc_0.1", "csc_auto"]
+METHODS = ["tf_fp32", "tf_fp16", "gf_fp16", "csc_10", "csc_1", "csc_0.1", "csc_auto",
+           "csc_1_global", "csc_0.1_global"]
 CSC_DENSITY: Dict[str, Union[float, str]] = {"csc_10": 0.10, "csc_1": 0.01, "csc_0.1": 0.001,
-                                             "csc_auto": "auto"}
+                                             "csc_auto": "auto",
+                                             "csc_1_global": 0.01, "csc_0.1_global": 0.001}
+# ChunkSparsity(selection=...) of the CSC methods not selecting per pack.
+CSC_SELECTION: Dict[str, str] = {"csc_1_global": "global", "csc_0.1_global": "global"}
+# The methods the presets loop over when they take "every method".
+PRESET_METHODS = [m for m in METHODS if m not in CSC_SELECTION]
 LABELS = {
     "tf_fp32": "TF default fp32",
     "tf_fp16": "TF default, fp16 by hand",
@@ -24,7 +34,14 @@ LABELS = {
     "csc_1": "GradientFlow CSC 1%",
     "csc_0.1": "GradientFlow CSC 0.1%",
     "csc_auto": "GradientFlow CSC auto",
+    "csc_1_global": "GradientFlow CSC 1% global",
+    "csc_0.1_global": "GradientFlow CSC 0.1% global",
 }
+
+
+def csc_selection(method: str) -> str:
+    """ChunkSparsity(selection=...) of a CSC method: "global" or "per_pack"."""
+    return CSC_SELECTION.get(method, "per_pack")
 
 
 def is_gradient_flow(method: str) -> bool:
@@ -61,7 +78,8 @@ def make_strategy(method: str, timeout_seconds: float, keras_fit: bool = False,
     import gf_tf
     sparsity: Optional[object] = None
     if method in CSC_DENSITY:
-        sparsity = gf_tf.ChunkSparsity(density=CSC_DENSITY[method], warmup_steps=0)
+        sparsity = gf_tf.ChunkSparsity(density=CSC_DENSITY[method], warmup_steps=0,
+                                       selection=csc_selection(method))
     gradient_flow = gf_tf.GradientFlowAllReduce(compression="fp16", sparsity=sparsity)
     if not build_strategy:
         return None, gradient_flow
