@@ -250,8 +250,13 @@ def comparison(params, compute_ms, backward_share) -> str:
         tf64 = project(params, "alexnet", method, OPEN_SOURCE_SPEEDUP["workers"], link, compute_s,
                        backward_share)
         alpha = alpha_for_speedup(params, target, "alexnet", method, n, link, compute_s, backward_share)
-        need = ("unreachable even at alpha = 0 (bytes or local work alone cost too much)" if alpha is None
+        network_only = {**params, **dict.fromkeys(("gamma", "delta_tf", "delta_gf", "delta_csc"), 0.0)}
+        free = alpha_for_speedup(network_only, target, "alexnet", method, n, link, compute_s, backward_share)
+        need = ("unreachable with the fitted local costs even at alpha = 0" if alpha is None
                 else f"needs alpha <= {alpha * 1e6:.2f} us per hop")
+        need += ("; with free reduction and local work (gamma = delta = 0) " +
+                 ("unreachable: the bytes alone cost too much" if free is None
+                  else f"alpha <= {free * 1e6:.2f} us per hop"))
         lines.append(f"- {methods.LABELS[method]}: {p['speedup']:.1f}x on {n} "
                      f"({tf64['speedup']:.1f}x on {OPEN_SOURCE_SPEEDUP['workers']}); "
                      f"all-reduce {p['comm_s'] * 1e3:.1f} ms vs compute {compute_s * 1e3:.1f} ms; "
