@@ -20,7 +20,7 @@ import tensorflow as tf
 import gf_tf
 from gf_tf.sparsity import AUTO_LADDER, choose_rung
 from test_sparsity import (DEVICES, NumpyCSC, NumpyGlobalCSC, Runner, _all_ops, _pack_states,
-                           only_state)
+                           only_state, three_pack_step)
 
 
 class FakeClock:
@@ -209,18 +209,9 @@ def test_auto_travels_in_two_collectives_per_step():
     figures join the chunk norms in the one float32 control all-reduce; each rung's branch
     holds exactly one chunk all-reduce, and one branch runs per step."""
     sizes = [12, 8, 20]     # 3, 2, 5 chunks of 4: k = (1, 1, 2) at 0.25, (1, 1, 1) below
-    csc = gf_tf.ChunkSparsity(density="auto", chunk_size=4, auto_budget=1.0)
-    gfar = gf_tf.GradientFlowAllReduce(bytes_per_pack=16, sparsity=csc, compression=None,
-                                       cross_device_ops=tf.distribute.ReductionToOneDevice())
-    gfar.reducer.clock = FakeClock(compute=[1.0, 1.0], comm=[0.5, 0.5])
-    strategy = tf.distribute.MirroredStrategy(DEVICES[:2], cross_device_ops=gfar)
-    variables = [tf.Variable(np.zeros(n, np.float32)) for n in sizes]
-
-    @tf.function
-    def step(*per_replica):
-        def fn(*grads):
-            return gf_tf.all_reduce_gradients([tf.identity(g) for g in grads], variables)
-        return strategy.run(fn, args=per_replica)
+    gfar, strategy, step = three_pack_step(
+        gf_tf.ChunkSparsity(density="auto", chunk_size=4, auto_budget=1.0), sizes,
+        clock=FakeClock(compute=[1.0, 1.0], comm=[0.5, 0.5]))
 
     rng = np.random.default_rng(5)
     refs = [NumpyCSC(n, 2, 4) for n in sizes]

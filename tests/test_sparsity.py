@@ -579,16 +579,13 @@ def test_mixed_float16_with_loss_scaling_trains_through_csc():
     assert all(np.all(np.isfinite(w)) for w in model.get_weights())
 
 
-@pytest.mark.parametrize("selection, chunk_elements", [("per_pack", 24), ("global", 20)])
-def test_several_packs_travel_in_two_collectives_per_step(selection, chunk_elements):
-    """Three packs (bytes_per_pack=16 wire bytes: one tensor each): all chunk norms in one float32
-    all-reduce, all selected chunks in one more all-reduce (float32 wire here), whatever the
-    number of packs; per pack each selects its own top-k, global one top-K over all 10 chunks,
-    each against its reference."""
-    sizes = [12, 8, 20]
-    csc = gf_tf.ChunkSparsity(density=0.5, chunk_size=4, selection=selection)
+def three_pack_step(csc, sizes, clock=None):
+    """(gfar, strategy, step): 2 replicas, float32 wire, one pack per variable of `sizes`
+    (bytes_per_pack=16); step(*per_replica) all-reduces one gradient per variable."""
     gfar = gf_tf.GradientFlowAllReduce(bytes_per_pack=16, sparsity=csc, compression=None,
                                        cross_device_ops=tf.distribute.ReductionToOneDevice())
+    if clock is not None:
+        gfar.reducer.clock = clock
     strategy = tf.distribute.MirroredStrategy(DEVICES[:2], cross_device_ops=gfar)
     variables = [tf.Variable(np.zeros(n, np.float32)) for n in sizes]
 
@@ -597,7 +594,18 @@ def test_several_packs_travel_in_two_collectives_per_step(selection, chunk_eleme
         def fn(*grads):
             return gf_tf.all_reduce_gradients([tf.identity(g) for g in grads], variables)
         return strategy.run(fn, args=per_replica)
+    return gfar, strategy, step
 
+
+@pytest.mark.parametrize("selection, chunk_elements", [("per_pack", 24), ("global", 20)])
+def test_several_packs_travel_in_two_collectives_per_step(selection, chunk_elements):
+    """Three packs (bytes_per_pack=16 wire bytes: one tensor each): all chunk norms in one float32
+    all-reduce, all selected chunks in one more all-reduce (float32 wire here), whatever the
+    number of packs; per pack each selects its own top-k, global one top-K over all 10 chunks,
+    each against its reference."""
+    sizes = [12, 8, 20]
+    gfar, strategy, step = three_pack_step(
+        gf_tf.ChunkSparsity(density=0.5, chunk_size=4, selection=selection), sizes)
     rng = np.random.default_rng(5)
     refs, order = [NumpyCSC(n, 2, 4) for n in sizes], [2, 1, 0]   # packs in backprop order
     ref_global = NumpyGlobalCSC([sizes[i] for i in order], 2, 4)
