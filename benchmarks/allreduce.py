@@ -348,9 +348,7 @@ def plot(cells: List[Dict], path: str) -> Optional[str]:
         ax.set_title(f"{set_}, N={n} (dotted: ring bound)")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
+    report.save_figure(fig, path, dpi=110)
     return None
 
 

@@ -295,9 +295,7 @@ def plot(points, path: str) -> Optional[str]:
             ax.set_ylabel("speedup")
             ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=100)
+    report.save_figure(fig, path, dpi=100)
     return None
 
 

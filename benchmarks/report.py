@@ -68,6 +68,13 @@ def machine_description(command: str) -> dict:
     }
 
 
+def save_figure(fig, path: str, dpi: int) -> None:
+    """Lays out a matplotlib figure and writes it to `path` as PNG, creating its folder."""
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+
+
 def write_json(path: str, payload: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

@@ -69,6 +69,17 @@ def check_result(method, values, reduced, num_workers):
     return {"max_rel_error": worst}
 
 
+def median_seconds(fn, iters):
+    """Median wall seconds of `iters` calls of `fn`, after one untimed call (the trace)."""
+    fn()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def pack_unpack_seconds(values, num_workers, iters):
     """Local time of gf_tf.ops.pack (fp32 -> fp16, prescale) + unpack (postscale) of the whole list."""
     from gf_tf import ops
@@ -80,13 +91,7 @@ def pack_unpack_seconds(values, num_workers, iters):
         buf = ops.pack([tf.identity(v) for v in values], tf.float16, 1.0 / num_workers)
         return ops.unpack(buf, shapes, dtypes, float(num_workers))
 
-    pack_unpack()
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        pack_unpack()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_seconds(pack_unpack, iters)
 
 
 def chunk_path_seconds(strategy, method, values, iters):
@@ -106,13 +111,7 @@ def chunk_path_seconds(strategy, method, values, iters):
                                      tf.distribute.ReduceOp.SUM, lambda tensors: list(tensors),
                                      lambda indices: [[grads[i]] for i in indices], None)
 
-    local_path()
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        local_path()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_seconds(local_path, iters)
 
 
 def profile_step(step, logdir):
