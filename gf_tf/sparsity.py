@@ -552,15 +552,14 @@ class CSCReducer(Reducer):
         selection="global": the K of the pack's wire group (one top K over the
         chunks of all its packs), None for every pack of a group K covers whole.
         """
+        counts = [self.control_size(pack) for pack in packs]
         if self.sparsity.selection == "global":
-            totals = {}
-            for pack in packs:
-                totals[pack.wire_dtype] = totals.get(pack.wire_dtype, 0) + self.control_size(pack)
-            counts = [totals[pack.wire_dtype] for pack in packs]
-        else:
-            counts = [self.control_size(pack) for pack in packs]
-        return tuple(None if selected_chunk_count(c, density) >= c
-                     else selected_chunk_count(c, density) for c in counts)
+            for members in _wire_groups(packs):
+                total = sum(counts[j] for j in members)
+                for j in members:
+                    counts[j] = total
+        ks = [selected_chunk_count(c, density) for c in counts]
+        return tuple(None if k >= c else k for k, c in zip(ks, counts))
 
     def _step(self, packs, controls, carries, states, comm, ks):
         """One step: every pack sends its k chunks (None: all, a dense warm-up step).
