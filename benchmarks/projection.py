@@ -184,6 +184,33 @@ def measured_cases(path: str, cores: int) -> List[Tuple[Case, float, Dict]]:
     return out
 
 
+_MEASURE_HINT = ("measure them first: `sudo python -m benchmarks.allreduce` (the full preset, about "
+                 "30 minutes; `--quick` is a smoke test of 3 cells, too few to fit) writes "
+                 "benchmarks/results/allreduce.json")
+
+
+def load_cells(paths: Sequence[str], cores: int, need: int = 0) -> List[Tuple[Case, float, Dict]]:
+    """The measured cells of every benchmarks.allreduce JSON in `paths`.
+
+    Raises SystemExit with what to run when a file is missing or unreadable, or
+    when fewer than `need` usable cells (fixed-traffic methods that succeeded) remain.
+    """
+    cells = []
+    for path in paths:
+        try:
+            cells += measured_cases(path, cores)
+        except FileNotFoundError:
+            raise SystemExit(f"benchmarks.projection: no measurements at {path}; {_MEASURE_HINT}") from None
+        except (json.JSONDecodeError, KeyError) as e:
+            raise SystemExit(f"benchmarks.projection: {path} is not a benchmarks.allreduce result "
+                             f"({type(e).__name__}: {e})") from None
+    if len(cells) < need:
+        raise SystemExit(f"benchmarks.projection: {', '.join(paths)} hold {len(cells)} usable cells; "
+                         f"fitting the {need} parameters ({', '.join(PARAMETERS)}) needs at least "
+                         f"{need}; {_MEASURE_HINT}")
+    return cells
+
+
 def validation_table(params, measured) -> Tuple[str, List[float]]:
     rows, errors = [], []
     for case, seconds, cell in measured:
@@ -330,7 +357,7 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", default=os.path.join("benchmarks", "results", "projection.png"))
     args = parser.parse_args(argv)
 
-    fit_cells = [m for path in args.fit for m in measured_cases(path, args.cores)]
+    fit_cells = load_cells(args.fit, args.cores, need=len(PARAMETERS))
     params = fit([c for c, _, _ in fit_cells], [s for _, s, _ in fit_cells])
     print("Fitted on", len(fit_cells), "cells:", ", ".join(f"{k} = {v:.4g}" for k, v in params.items()))
     print(f"  alpha {params['alpha'] * 1e6:.1f} us per hop; kappa {params['kappa']:.3f} wire/payload; "
@@ -338,7 +365,7 @@ def main(argv=None) -> int:
           f"GF FP16 {params['delta_gf'] * 1e9:.2f}, CSC {params['delta_csc'] * 1e9:.2f}\n")
     table, errors = validation_table(params, fit_cells)
     print(f"Fit residuals (median |error| {100 * np.median(np.abs(errors)):.1f}%):\n{table}\n")
-    validate_cells = [m for path in args.validate for m in measured_cases(path, args.cores)]
+    validate_cells = load_cells(args.validate, args.cores)
     if validate_cells:
         table, errors = validation_table(params, validate_cells)
         print(f"Validation on runs not fitted on (median |error| {100 * np.median(np.abs(errors)):.1f}%, "

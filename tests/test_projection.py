@@ -1,5 +1,6 @@
 """benchmarks.projection: the step-time model's arithmetic on hand-computed cases, and its fit."""
 
+import json
 import math
 
 import numpy as np
@@ -94,3 +95,26 @@ def test_alpha_for_speedup_is_the_break_even_latency():
     assert reached["speedup"] == pytest.approx(400.0, rel=1e-6)
     # Dense FP32 cannot reach 400x on 56 Gbit/s whatever the latency: its bytes alone cost too much.
     assert projection.alpha_for_speedup(params, 400.0, "alexnet", "tf_fp32", 512, 56.0, 0.0388, 0.0) is None
+
+
+def test_missing_or_small_calibration_fails_with_what_to_run(tmp_path, capsys):
+    missing = tmp_path / "allreduce.json"
+    with pytest.raises(SystemExit) as exc:
+        projection.main(["--fit", str(missing)])
+    assert f"no measurements at {missing}" in str(exc.value)
+    assert "python -m benchmarks.allreduce" in str(exc.value)
+
+    # What `benchmarks.allreduce --quick` writes: 3 cells, fewer than the 6 parameters.
+    cell = {"set": "resnet20", "workers": 2, "goodput_bps": 9.56e7, "median_s": 0.05,
+            "elements": 270_000}
+    quick = tmp_path / "quick.json"
+    quick.write_text(json.dumps({"cells": [dict(cell, method=m) for m in ("tf_fp32", "gf_fp16", "csc_1")]}))
+    with pytest.raises(SystemExit) as exc:
+        projection.main(["--fit", str(quick)])
+    assert "hold 3 usable cells" in str(exc.value) and "needs at least 6" in str(exc.value)
+
+    broken = tmp_path / "broken.json"
+    broken.write_text("{}")
+    with pytest.raises(SystemExit) as exc:
+        projection.main(["--fit", str(broken)])
+    assert "is not a benchmarks.allreduce result" in str(exc.value)
