@@ -21,7 +21,6 @@ using tensorflow::OpInputList;
 using tensorflow::OpKernel;
 using tensorflow::OpKernelConstruction;
 using tensorflow::OpKernelContext;
-using tensorflow::OpOutputList;
 using tensorflow::PartialTensorShape;
 using tensorflow::Status;
 using tensorflow::Tensor;

@@ -17,13 +17,11 @@
 
 namespace gf_tf {
 
-using tensorflow::DataTypeString;
 using tensorflow::DataTypeVector;
 using tensorflow::OpInputList;
 using tensorflow::OpKernel;
 using tensorflow::OpKernelConstruction;
 using tensorflow::OpKernelContext;
-using tensorflow::OpOutputList;
 using tensorflow::PartialTensorShape;
 using tensorflow::Status;
 using tensorflow::Tensor;

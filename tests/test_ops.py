@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from gf_tf import ops
+from gf_tf import _ops_library, ops
 
 F16, BF16, F32, F64 = tf.float16, tf.bfloat16, tf.float32, tf.float64
 BF16_MAX = float.fromhex("0x1.fep127")
@@ -38,7 +38,7 @@ IMPLEMENTATIONS = {
 
 @pytest.fixture(params=list(IMPLEMENTATIONS))
 def impl(request):
-    if request.param.startswith("compiled") and ops._lib() is None:
+    if request.param.startswith("compiled") and _ops_library.load() is None:
         pytest.skip(f"compiled ops unavailable: {ops.library_status()}")
     return IMPLEMENTATIONS[request.param]
 
@@ -328,7 +328,7 @@ def test_gather_no_indices_sends_nothing(impl):
 
 def test_outputs_larger_than_the_caches_match_reference():
     """Outputs of >= 16 MB take the non-temporal-store path of the compiled vector kernels."""
-    if ops._lib() is None:
+    if _ops_library.load() is None:
         pytest.skip(f"compiled ops unavailable: {ops.library_status()}")
     impl = ops.compiled
     sizes, chunk_size = [3, (16 << 20) // 4 + 1001, 5], 1000
@@ -768,7 +768,7 @@ def _graph_op_types(fn, *args):
 
 
 def test_public_functions_use_the_compiled_ops_on_cpu():
-    if ops._lib() is None:
+    if _ops_library.load() is None:
         pytest.skip(f"compiled ops unavailable: {ops.library_status()}")
     assert ops.library_status().startswith("compiled (")
     x = tf.constant(RNG.normal(size=100), F32)
@@ -830,7 +830,7 @@ def test_public_functions_use_composite_for_gpu_tensors():
 @pytest.fixture
 def fresh_library_state(monkeypatch):
     """A not-yet-loaded library state, restored after the test."""
-    monkeypatch.setattr(ops, "_library", ops._Library())
+    monkeypatch.setattr(_ops_library, "_library", _ops_library._Library())
     return monkeypatch
 
 
@@ -973,7 +973,7 @@ def test_rejects_scales_of_the_wrong_shape_known_only_at_run_time(impl, bad_shap
 
 def test_shape_functions_check_the_scale_rank():
     """The registered ops reject a statically wrong scale while the graph is built."""
-    lib = ops._lib()
+    lib = _ops_library.load()
     if lib is None:
         pytest.skip(f"compiled ops unavailable: {ops.library_status()}")
     bad, indices = tf.ones([2]), tf.constant([0, 2, 4], tf.int32)

@@ -9,7 +9,7 @@ import sys
 import pytest
 import tensorflow as tf
 
-from gf_tf import _build, ops
+from gf_tf import _build, _ops_library, ops
 
 
 def test_the_compiled_library_is_loaded():
@@ -17,14 +17,14 @@ def test_the_compiled_library_is_loaded():
     would only skip. GF_TF_ALLOW_COMPOSITE=1 allows a run of the composite path alone."""
     if os.environ.get("GF_TF_ALLOW_COMPOSITE") == "1":
         pytest.skip("GF_TF_ALLOW_COMPOSITE=1")
-    assert ops._lib() is not None, (
+    assert _ops_library.load() is not None, (
         f"{ops.library_status()}; build it with `pip install -e .` in the checkout "
         f"(or set GF_TF_ALLOW_COMPOSITE=1 to test the composite ops alone)")
 
 
 @pytest.fixture(scope="module")
 def library():
-    if ops._lib() is None:
+    if _ops_library.load() is None:
         pytest.skip(f"compiled ops unavailable: {ops.library_status()}")
     return ops.library_path()
 
@@ -110,10 +110,10 @@ def test_a_library_built_from_other_sources_is_stale(tmp_path):
     library.write_bytes(b"never loaded: the checks come first")
     sidecar = tmp_path / "_gf_tf_ops.tf_version"
     sidecar.write_text(f"{tf.__version__}\nsources 000000000000\n")
-    assert "built from other sources" in ops._mismatch(str(library), src_dir)
+    assert "built from other sources" in _ops_library.mismatch(str(library), src_dir)
     sidecar.write_text(f"{tf.__version__}\nsources {_build.source_hash(src_dir)}\n")
-    assert ops._mismatch(str(library), src_dir) is None
+    assert _ops_library.mismatch(str(library), src_dir) is None
     sidecar.write_text(f"{tf.__version__}\n")
-    assert ops._mismatch(str(library), src_dir) is None
+    assert _ops_library.mismatch(str(library), src_dir) is None
     sidecar.write_text("2.0.0\n")
-    assert "built against TensorFlow 2.0.0" in ops._mismatch(str(library), src_dir)
+    assert "built against TensorFlow 2.0.0" in _ops_library.mismatch(str(library), src_dir)
