@@ -53,6 +53,8 @@ import threading
 
 import tensorflow as tf
 
+from gf_tf import cluster
+
 TESTED_KERAS_VERSIONS = ("3.15",)                          # Keras 3
 TESTED_TF_KERAS_VERSIONS = ("2.18", "2.19", "2.20", "2.21")  # tf-keras, same minor as TensorFlow
 LEGACY_KERAS_ENV = "TF_USE_LEGACY_KERAS"
@@ -110,11 +112,8 @@ def callback_base():
 
 def in_multi_worker_mode(strategy) -> bool:
     """True for a MultiWorkerMirroredStrategy spanning more than one worker."""
-    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
-        return False
-    resolver = strategy.cluster_resolver
-    spec = resolver.cluster_spec().as_dict() if resolver else {}
-    return sum(len(spec.get(job, [])) for job in ("chief", "worker")) > 1
+    return (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+            and cluster.of_strategy(strategy).is_multi_worker)
 
 
 def install() -> None:

@@ -1,7 +1,8 @@
-"""Local multi-worker launcher and TF_CONFIG helpers (`gf-tf-run`).
+"""Local multi-worker launcher (`gf-tf-run`): starts the workers, each with its TF_CONFIG.
 
-TF_CONFIG format: the one `tf.distribute.cluster_resolver.TFConfigClusterResolver`
-reads: {"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": i}}.
+TF_CONFIG's format and checks are `gf_tf.cluster`'s (re-exported here:
+`tf_config`, `validate_tf_config`, `validate_tf_configs`); what runs inside a
+worker (signals, lost-peer messages) is `gf_tf.worker`'s.
 
 Usage:
   gf-tf-run -n 2 -- python -m models.train           # 2 workers on this machine
@@ -18,7 +19,6 @@ trusted network (firewalled from everything else) while a job runs.
 """
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -29,6 +29,9 @@ import sys
 import threading
 import time
 from typing import Dict, List, Optional, Sequence
+
+from gf_tf.cluster import tf_config, validate_tf_config, validate_tf_configs  # noqa: F401 (re-exported)
+from gf_tf.worker import HOST_NETWORK_HINT, PRIVATE_NETWORK_ENV, in_private_network
 
 # Seconds a worker gets to exit after SIGINT/SIGTERM before it is killed.
 GRACE_SECONDS = 5.0
@@ -56,94 +59,6 @@ def local_cluster(num_workers: int, host: str = "127.0.0.1") -> Dict[str, List[s
     return {"worker": [f"{host}:{port}" for port in free_ports(num_workers, host)]}
 
 
-def tf_config(cluster: Dict[str, List[str]], index: int, task_type: str = "worker") -> str:
-    """The TF_CONFIG JSON string for task `task_type`:`index` of `cluster`."""
-    return json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})
-
-
-def _check_address(field: str, address) -> None:
-    """Raises ValueError naming `field` unless `address` is "host:port", port 1-65535."""
-    if not isinstance(address, str):
-        raise ValueError(f"TF_CONFIG {field}: expected a \"host:port\" string, got {address!r}")
-    host, sep, port = address.rpartition(":")
-    if not sep or not host:
-        raise ValueError(f"TF_CONFIG {field}: {address!r} is not \"host:port\"")
-    if host.startswith("[") != host.endswith("]"):
-        raise ValueError(f"TF_CONFIG {field}: {address!r} has an unbalanced IPv6 bracket")
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(f"TF_CONFIG {field}: port {port!r} of {address!r} is not in 1-65535")
-
-
-def validate_tf_config(text: str) -> dict:
-    """Parses and checks one TF_CONFIG string the way a worker will read it.
-
-    Returns the parsed dict. Raises ValueError naming the bad field
-    (e.g. `cluster.worker[1]`, `task.index`) and what was expected: invalid
-    JSON, a missing/empty cluster, a task list that is not host:port strings
-    with port 1-65535, the same address twice, a task type not in the cluster,
-    or an index out of range.
-    """
-    try:
-        config = json.loads(text)
-    except (TypeError, json.JSONDecodeError) as e:
-        raise ValueError(f"TF_CONFIG is not valid JSON ({e}); text: {text!r}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"TF_CONFIG must be a JSON object with \"cluster\" and \"task\", got {text!r}")
-    cluster = config.get("cluster")
-    if not isinstance(cluster, dict) or not cluster:
-        raise ValueError("TF_CONFIG cluster: expected a non-empty object such as "
-                         "{\"worker\": [\"host:port\", ...]}, got " + repr(cluster))
-    seen = {}
-    for task_type, addresses in cluster.items():
-        if not isinstance(addresses, list) or not addresses:
-            raise ValueError(f"TF_CONFIG cluster.{task_type}: expected a non-empty list of "
-                             f"\"host:port\" strings, got {addresses!r}")
-        for i, address in enumerate(addresses):
-            field = f"cluster.{task_type}[{i}]"
-            _check_address(field, address)
-            if address in seen:
-                raise ValueError(f"TF_CONFIG {field}: address {address!r} is also {seen[address]}; "
-                                 "every task needs its own host:port")
-            seen[address] = field
-    task = config.get("task")
-    if not isinstance(task, dict):
-        raise ValueError("TF_CONFIG task: expected an object such as "
-                         "{\"type\": \"worker\", \"index\": 0}, got " + repr(task))
-    task_type = task.get("type")
-    if task_type not in cluster:
-        raise ValueError(f"TF_CONFIG task.type: {task_type!r} is not a task type of the cluster "
-                         f"(valid: {sorted(cluster)})")
-    index = task.get("index")
-    if isinstance(index, bool) or not isinstance(index, int):
-        raise ValueError(f"TF_CONFIG task.index: expected an integer, got {index!r}")
-    if not 0 <= index < len(cluster[task_type]):
-        raise ValueError(f"TF_CONFIG task.index: {index} is out of range for "
-                         f"cluster.{task_type} with {len(cluster[task_type])} tasks "
-                         f"(valid: 0-{len(cluster[task_type]) - 1})")
-    return config
-
-
-def validate_tf_configs(texts: Sequence[str]) -> List[dict]:
-    """Checks the TF_CONFIGs of all tasks of one job against each other.
-
-    Each must pass `validate_tf_config`; all must name the identical cluster;
-    no two may name the same (task.type, task.index). Raises ValueError
-    naming the field and the tasks (by position in `texts`) that disagree.
-    """
-    configs = [validate_tf_config(t) for t in texts]
-    owner = {}
-    for i, config in enumerate(configs):
-        if config["cluster"] != configs[0]["cluster"]:
-            raise ValueError(f"TF_CONFIG cluster: task {i} has {config['cluster']!r} but task 0 has "
-                             f"{configs[0]['cluster']!r}; every task needs the identical cluster")
-        key = (config["task"]["type"], config["task"]["index"])
-        if key in owner:
-            raise ValueError(f"TF_CONFIG task.index: tasks {owner[key]} and {i} are both "
-                             f"{key[0]} {key[1]}; every task needs a unique index")
-        owner[key] = i
-    return configs
-
-
 # TensorFlow's C++ start-up lines, printed by absl before absl::InitializeLog() and so
 # regardless of TF_CPP_MIN_LOG_LEVEL (seen with TF 2.21): its banner, INFO lines, the CPU
 # feature note and its continuation, and the oneDNN DT_HALF note, which is not an error.
@@ -163,94 +78,6 @@ def is_tf_startup_line(line: bytes) -> bool:
     and errors (`W`/`E` lines other than the oneDNN DT_HALF note) are kept.
     """
     return any(p.match(line) for p in _STARTUP_LINES)
-
-
-def exit_on_signals(name: str, signals=(signal.SIGINT, signal.SIGTERM)) -> None:
-    """Makes SIGINT/SIGTERM end this process at once with one line and exit code 128 + signal.
-
-    A TensorFlow worker blocked in C++ (waiting for a peer, in a collective)
-    never returns to Python, so Python's KeyboardInterrupt comes late or never,
-    and TensorFlow's preemption notifier swallows SIGTERM. Here the signals
-    are blocked in every thread and one daemon thread takes them with
-    `sigwait`, prints `<name>: interrupted by SIGINT: stopping` to stderr and
-    calls `os._exit` (no Python clean-up, no traceback).
-
-    While TensorFlow holds the GIL (waiting for a missing peer) that thread
-    cannot run either; a `gf_tf.watchdog` process in the same process group
-    then prints the line and SIGKILLs this process after its grace period.
-
-    Call it from the main thread before TensorFlow starts its threads (they
-    inherit the blocked mask). Used by `python -m models.train`.
-    """
-    from gf_tf import watchdog  # pylint: disable=import-outside-toplevel
-    watchdog.start("signals", name)
-    wanted = set(signals)
-    for sig in wanted:   # a thread started earlier may still take one: no KeyboardInterrupt then
-        signal.signal(sig, lambda *_: None)
-    signal.pthread_sigmask(signal.SIG_BLOCK, wanted)
-
-    def wait():
-        sig = signal.sigwait(wanted)
-        print(f"{name}: interrupted by {signal.Signals(sig).name}: stopping", file=sys.stderr, flush=True)
-        os._exit(128 + sig)
-
-    threading.Thread(target=wait, name="gf_tf.exit_on_signals", daemon=True).start()
-
-
-_TASK_NAME = re.compile(r"/job:(\w+)(?:/replica:\d+)?/task:(\d+)")
-# TensorFlow errors that mean a peer is gone or a collective could not complete.
-_PEER_ERRORS = ("UnavailableError", "DeadlineExceededError", "AbortedError", "CancelledError",
-                "InternalError", "UnknownError")
-
-
-def lost_worker_message(error: BaseException, tf_config_text: Optional[str] = None) -> Optional[str]:
-    """One line naming the worker(s) this task lost, or None if `error` is not about a lost peer.
-
-    `error` is what `model.fit` (or any collective) raised: a TensorFlow
-    UnavailableError, DeadlineExceededError, AbortedError, ... . The peers are
-    the tasks its message (or chained errors') names other than this task
-    (TF_CONFIG's task); a timed-out collective that names none gives a line
-    saying a peer stopped answering.
-    """
-    chain, e = [], error
-    while e is not None and len(chain) < 8:
-        chain.append(e)
-        e = e.__cause__ or e.__context__
-    errors = [e for e in chain if type(e).__module__.startswith("tensorflow")
-              and type(e).__name__ in _PEER_ERRORS]
-    if not errors:
-        return None
-    config = json.loads(tf_config_text or os.environ.get("TF_CONFIG") or "{}")
-    me = (config.get("task", {}).get("type"), str(config.get("task", {}).get("index")))
-    text = " ".join(str(e) for e in errors)
-    peers = sorted({m.groups() for m in _TASK_NAME.finditer(text)} - {me}, key=lambda t: (t[0], int(t[1])))
-    cause = f"{type(errors[0]).__name__}: {_reason(str(errors[0]))[:200]}"
-    leader = _coordination_leader(config.get("cluster", {}))
-    if not peers and "CoordinationService" in text and leader and leader != me:
-        peers = [leader]   # the coordination service (heartbeats, registration) lives on the leader
-    if not peers:
-        return (f"a collective failed, probably because a peer worker stopped or is unreachable ({cause}); "
-                f"restart every worker of the job")
-    names = ", ".join(f"{job} {i}" for job, i in peers)
-    return (f"lost {names}: it stopped or became unreachable ({cause}); the job cannot continue "
-            f"without it: restart every worker (with --model_dir, training resumes from the last epoch)")
-
-
-def _coordination_leader(cluster: dict):
-    """(job, index) of the task hosting TensorFlow's coordination service: the chief, else worker 0."""
-    for job in ("chief", "worker"):
-        if cluster.get(job):
-            return (job, "0")
-    return None
-
-
-def _reason(message: str) -> str:
-    """The informative line of a TensorFlow error message (not "Graph execution error:" or a traceback)."""
-    lines = [l.strip() for l in message.splitlines()
-             if l.strip() and not l.startswith((" ", "\t", "File ")) and not l.strip().startswith(
-                 ("Graph execution error", "Detected at node", "Additional GRPC", ":UNKNOWN", "[["))]
-    return next((l for l in lines if "aborted" in l.lower() or "timed out" in l.lower()
-                 or "deadline" in l.lower() or "heartbeat" in l.lower()), lines[0] if lines else "")
 
 
 def missing_module_error(command: Sequence[str], cwd: Optional[str] = None) -> Optional[str]:
@@ -277,6 +104,27 @@ def missing_module_error(command: Sequence[str], cwd: Optional[str] = None) -> O
             f"not installed), and {cwd} is not one: {where} and run the command again")
 
 
+# What a program prints when it cannot reach the network (DNS lookup, connect), e.g. in gf-tf-run's
+# private network namespace: "[Errno -3] Temporary failure in name resolution".
+_NO_NETWORK = re.compile(rb"\[Errno -?\d+\] (Temporary failure in name resolution|Name or service not known"
+                         rb"|Network is unreachable)")
+
+
+def _say(out, lock, line: str) -> None:
+    """Writes one `[gf-tf-run]` line into the workers' output stream."""
+    with lock:
+        out.write(f"[gf-tf-run] {line}\n".encode())
+        out.flush()
+
+
+def _network_hint(workers, failed) -> Optional[str]:
+    """The --host_network hint for a failed worker of gf-tf-run's private network that could not reach
+    the network (unless a worker's output already gave it)."""
+    if failed.network_error is None or any(w.hinted for w in workers):
+        return None
+    return f"{failed.label} could not reach the network ({failed.network_error}): {HOST_NETWORK_HINT}"
+
+
 class _Worker:
     """One child process in its own process group, its output prefixed line by line."""
 
@@ -286,6 +134,8 @@ class _Worker:
         # and lets us signal the worker together with anything it started.
         self.label = label
         self.hide_tf_startup = hide_tf_startup
+        self.network_error = None   # the first "no network" error in its output, e.g. a failed DNS lookup
+        self.hinted = False         # its output already says --host_network
         self.proc = subprocess.Popen(list(argv), env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True)
@@ -297,6 +147,9 @@ class _Worker:
         for line in iter(self.proc.stdout.readline, b""):
             if self.hide_tf_startup and is_tf_startup_line(line):
                 continue
+            found = _NO_NETWORK.search(line)
+            self.network_error = self.network_error or (found and found.group().decode())
+            self.hinted = self.hinted or b"--host_network" in line
             with lock:
                 out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
                 out.flush()
@@ -365,21 +218,19 @@ def run_tasks(tf_configs: Sequence[str], argv: Sequence[str], env: Optional[Dict
                                    {**base_env, "TF_CONFIG": text}, out, lock, hide_tf_startup))
         while True:
             if received:
-                sig = received[0]
-                with lock:
-                    out.write(f"[gf-tf-run] got {signal.Signals(sig).name}: stopping all tasks\n".encode())
-                    out.flush()
-                _stop(workers, sig)
-                return 128 + sig
+                _say(out, lock, f"got {signal.Signals(received[0]).name}: stopping all tasks")
+                _stop(workers, received[0])
+                return 128 + received[0]
             codes = [w.proc.poll() for w in workers]
             failed = [(w, c) for w, c in zip(workers, codes) if c not in (None, 0)]
             if failed:
                 w, code = failed[0]
-                with lock:
-                    out.write(f"[gf-tf-run] {w.label} exited with code {code}: "
-                              f"stopping the other tasks\n".encode())
-                    out.flush()
+                _say(out, lock, f"{w.label} exited with code {code}: stopping the other tasks")
                 _stop(workers, signal.SIGTERM)
+                w.finish_output()   # its last lines say why it failed
+                hint = _network_hint(workers, w) if in_private_network(base_env) else None
+                if hint:
+                    _say(out, lock, hint)
                 return code if code > 0 else 1
             if all(c == 0 for c in codes):
                 _stop(workers, signal.SIGTERM)  # reaps leftover grandchildren only
@@ -403,10 +254,6 @@ def run_workers(num_workers: int, argv: Sequence[str], env: Optional[Dict[str, s
     """
     cluster = local_cluster(num_workers, host)
     return run_tasks([tf_config(cluster, i) for i in range(num_workers)], argv, env, out, tf_log)
-
-
-# Set in the environment of a launcher already re-started inside its private network namespace.
-_ISOLATED_ENV = "GF_TF_RUN_PRIVATE_NETWORK"
 
 
 def private_network_command() -> Optional[List[str]]:
@@ -437,23 +284,19 @@ def _enter_private_network(argv: Sequence[str]) -> None:
               "namespaces, and `unshare`/`ip`): the workers' ports are open on this host's networks",
               file=sys.stderr, flush=True)
         return
-    os.environ[_ISOLATED_ENV] = "1"
+    os.environ[PRIVATE_NETWORK_ENV] = "1"   # tells the re-started launcher, and its workers
     script = "ip link set lo up && exec \"$0\" \"$@\""
     os.execvp(prefix[0], [*prefix, "sh", "-c", script, sys.executable, "-m", "gf_tf.launch", *argv])
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of `gf-tf-run` and `python -m gf_tf.launch`.
-
-    Only the command line (`argv` None) re-executes itself in a private network
-    namespace for -n: a call from Python with `argv` runs on the host's network
-    (it must not replace the calling process).
-    """
+def _parser() -> argparse.ArgumentParser:
+    """The command line of `gf-tf-run`."""
     parser = argparse.ArgumentParser(
         prog="gf-tf-run",
         description="Run a command as the workers of a TensorFlow multi-worker job, with TF_CONFIG set.",
         epilog="Examples:\n"
                "  gf-tf-run -n 2 -- python -m models.train\n"
+               "  gf-tf-run -n 2 --host_network -- python -m models.train --dataset mnist   # downloads\n"
                "  gf-tf-run --workers 10.0.0.1:2222,10.0.0.2:2222 --index 0 -- python -m models.train\n"
                "  TF_CONFIG='{...}' gf-tf-run -- python -m models.train\n\n"
                "TensorFlow's worker servers listen on ALL interfaces without authentication,\n"
@@ -475,6 +318,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "TF_CPP_MIN_LOG_LEVEL alone does not hide them)")
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="the command each worker runs, after --")
+    return parser
+
+
+def _run_local(parser, args, command: Sequence[str], from_command_line: bool) -> int:
+    """-n N: the local workers, in a private network namespace when run from the command line."""
+    num_workers = 2 if args.num_workers is None else args.num_workers
+    if num_workers < 1:
+        parser.error(f"-n must be >= 1, got {num_workers}")
+    if in_private_network():
+        print(f"gf-tf-run: the {num_workers} workers run in a private network namespace (loopback only; "
+              f"--host_network to turn this off)", file=sys.stderr, flush=True)
+    elif args.host_network:
+        print("gf-tf-run: warning: --host_network: the workers' TensorFlow ports are reachable from this "
+              "machine's networks (they listen on all interfaces, with no authentication): run it only "
+              "behind a firewall that blocks untrusted networks", file=sys.stderr, flush=True)
+    elif from_command_line:
+        _enter_private_network(sys.argv[1:])
+    return run_workers(num_workers, command, tf_log=args.tf_log)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of `gf-tf-run` and `python -m gf_tf.launch`.
+
+    Only the command line (`argv` None) re-executes itself in a private network
+    namespace for -n: a call from Python with `argv` runs on the host's network
+    (it must not replace the calling process).
+    """
+    parser = _parser()
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
@@ -498,15 +369,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 parser.error("TF_CONFIG is set, so this host runs the one task it names; "
                              "unset TF_CONFIG to use -n")
             return run_tasks([os.environ["TF_CONFIG"]], command, tf_log=args.tf_log)
-        num_workers = 2 if args.num_workers is None else args.num_workers
-        if num_workers < 1:
-            parser.error(f"-n must be >= 1, got {num_workers}")
-        if os.environ.get(_ISOLATED_ENV) == "1":
-            print(f"gf-tf-run: the {num_workers} workers run in a private network namespace (loopback only; "
-                  f"--host_network to turn this off)", file=sys.stderr, flush=True)
-        elif not args.host_network and argv is None:   # the command line, not a call from Python
-            _enter_private_network(sys.argv[1:])
-        return run_workers(num_workers, command, tf_log=args.tf_log)
+        return _run_local(parser, args, command, from_command_line=argv is None)
     except ValueError as e:
         print(f"gf-tf-run: error: {e}", file=sys.stderr)
         return 2

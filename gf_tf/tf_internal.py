@@ -19,8 +19,9 @@ pieces used for that:
 - `resource_variable_ops.ResourceVariable` (CSC state outside the strategy's
   variable creator),
 - `control_flow_util.GraphOrParentsInXlaContext` (XLA graphs use the composite ops),
-- `context.context().configure_coordination_service`, `coordination_config_pb2` and
-  `multi_worker_util.coordination_leader` (how long workers wait for a peer that never starts).
+- `context.context().configure_coordination_service` and `coordination_config_pb2`
+  (how long workers wait for a peer that never starts; the leader is `gf_tf.cluster`'s,
+  which mirrors `multi_worker_util.coordination_leader`).
 
 This module imports nothing of gf_tf.
 """
@@ -152,7 +153,7 @@ def in_xla_context() -> bool:
 
 # --- failure detection -------------------------------------------------------
 
-def configure_peer_startup_timeout(cluster_spec: tf.train.ClusterSpec, seconds: float) -> bool:
+def configure_peer_startup_timeout(cluster, seconds: float) -> bool:
     """Makes every worker fail after `seconds` if some peer has not started (joined the cluster) by then.
 
     TF 2.21's MultiWorkerMirroredStrategy starts TensorFlow's coordination
@@ -161,6 +162,7 @@ def configure_peer_startup_timeout(cluster_spec: tf.train.ClusterSpec, seconds: 
     created. This configures the same service (leader: the chief, or worker 0;
     jobs chief and worker) with a finite registration timeout. Heartbeats keep
     TensorFlow's default (a stopped peer was detected in about 7 s here).
+    `cluster` is a `gf_tf.cluster.Cluster` (its jobs and leader).
 
     Call before the strategy is created. Returns False (and changes nothing)
     if a coordination service was already configured in this process.
@@ -170,15 +172,14 @@ def configure_peer_startup_timeout(cluster_spec: tf.train.ClusterSpec, seconds: 
         from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2  # pylint: disable=import-outside-toplevel
     except ImportError:   # TF 2.18
         from tensorflow.tsl.protobuf import coordination_config_pb2  # pylint: disable=import-outside-toplevel
-    from tensorflow.python.distribute import multi_worker_util  # pylint: disable=import-outside-toplevel
     from tensorflow.python.eager import context  # pylint: disable=import-outside-toplevel
     if context.context().coordination_service is not None:
         return False
-    jobs = [coordination_config_pb2.CoordinatedJob(name=job, num_tasks=cluster_spec.num_tasks(job))
-            for job in ("chief", "worker") if job in cluster_spec.jobs]
+    jobs = [coordination_config_pb2.CoordinatedJob(name=job, num_tasks=len(cluster.spec[job]))
+            for job in ("chief", "worker") if job in cluster.spec]
     context.context().configure_coordination_service(
         service_type="standalone",
-        service_leader=multi_worker_util.coordination_leader(cluster_spec),
+        service_leader=cluster.leader_task_name,
         coordinated_jobs=jobs,
         cluster_register_timeout_in_ms=int(seconds * 1000))
     return True

@@ -8,11 +8,14 @@ of TensorFlow) does what the worker cannot:
 
 - `signals` mode: it sits in the worker's process group, so it gets the same
   SIGINT/SIGTERM (Ctrl-C, `gf-tf-run`'s stop, `kill -- -PGID`). It gives the
-  worker GRACE seconds to stop by itself (`gf_tf.launch.exit_on_signals`),
+  worker GRACE seconds to stop by itself (`gf_tf.worker.exit_on_signals`),
   then prints the worker's one line and SIGKILLs it.
-- `deadline` mode: unless stopped first (the cluster formed), after `seconds`
-  it prints a line naming the peers whose host:port does not answer and
-  SIGKILLs the worker. It ignores SIGINT/SIGTERM (the `signals` one handles them).
+- `deadline` mode: unless stopped first (the cluster formed), it says which
+  peers the worker waits for (their host:port does not answer) and until when,
+  after NOTICE_AFTER seconds and then every NOTICE_EVERY seconds (TensorFlow's
+  own "Waiting for 1/2 tasks" is an INFO line that gf-tf-run hides); after
+  `seconds` (None: never) it prints a line naming them and SIGKILLs the worker.
+  It ignores SIGINT/SIGTERM (the `signals` one handles them).
 
 Either exits when the worker exits.
 """
@@ -26,12 +29,21 @@ import sys
 import time
 
 GRACE = 1.5   # seconds the worker gets to stop by itself after a signal
+NOTICE_AFTER, NOTICE_EVERY = 10.0, 30.0   # seconds: when a waiting worker first says so, then how often
 _POLL = 0.1
 
 
-def start(mode: str, name: str, seconds: float = 0.0, peers=()) -> subprocess.Popen:
-    """Starts a watchdog of this process. `peers`: (label, "host:port") pairs to probe in deadline mode."""
-    spec = json.dumps({"mode": mode, "name": name, "seconds": seconds, "peers": list(peers)})
+def start(mode: str, name: str, seconds=0.0, peers=(),
+          notices=(NOTICE_AFTER, NOTICE_EVERY)) -> subprocess.Popen:
+    """Starts a watchdog of this process.
+
+    signals mode: `name` prefixes the interrupt line (e.g. "models.train").
+    deadline mode: `name` is the worker ("worker 0"), `seconds` the deadline
+    (None: none), `peers` the (label, "host:port") pairs to probe, `notices`
+    (first, every) the seconds of its waiting lines.
+    """
+    spec = json.dumps({"mode": mode, "name": name, "seconds": seconds, "peers": list(peers),
+                       "notices": list(notices)})
     return subprocess.Popen([sys.executable, os.path.abspath(__file__), str(os.getpid()), spec],
                             stdin=subprocess.DEVNULL, close_fds=True)
 
@@ -53,6 +65,22 @@ def _kill(parent: int, line: str) -> None:
         pass
 
 
+def _not_started(peers) -> str:
+    missing = [f"{label} ({address})" for label, address in peers if not _answers(address)]
+    return ', '.join(missing) or '(every port answers; a peer is stuck)'
+
+
+def _waiting_line(spec: dict, started: float) -> str:
+    waited = time.monotonic() - started
+    if spec["seconds"] is None:
+        limit = "no time limit (peer_startup_timeout None)"
+    else:
+        end = time.localtime(time.time() + spec["seconds"] - waited)
+        limit = f"gives up at {time.strftime('%H:%M:%S', end)} (peer_startup_timeout {spec['seconds']:g} s)"
+    return (f"gf_tf: {spec['name']}: waiting for peers to start: {_not_started(spec['peers'])}; "
+            f"{waited:.0f} s so far, {limit}")
+
+
 def _watch(parent: int, spec: dict) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # the worker blocks them
     got = []
@@ -62,7 +90,9 @@ def _watch(parent: int, spec: dict) -> None:
     else:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
-    deadline = time.monotonic() + spec["seconds"]
+    started = time.monotonic()
+    deadline = None if spec["seconds"] is None else started + spec["seconds"]
+    notice = started + spec["notices"][0]
     while os.getppid() == parent:
         if got:
             end = time.monotonic() + GRACE
@@ -71,13 +101,15 @@ def _watch(parent: int, spec: dict) -> None:
             if os.getppid() == parent:
                 _kill(parent, f"{spec['name']}: interrupted by {signal.Signals(got[0]).name}: stopping")
             return
-        if spec["mode"] == "deadline" and time.monotonic() >= deadline:
-            missing = [f"{label} ({address})" for label, address in spec["peers"] if not _answers(address)]
-            _kill(parent, f"{spec['name']}: the cluster did not form within {spec['seconds']:g} s "
-                          f"(peer_startup_timeout); not started: "
-                          f"{', '.join(missing) or '(every port answers; a peer is stuck)'}. Start every "
-                          f"worker with the same TF_CONFIG cluster, or raise the timeout.")
+        if spec["mode"] == "deadline" and deadline is not None and time.monotonic() >= deadline:
+            _kill(parent, f"gf_tf: error: {spec['name']}: the cluster did not form within "
+                          f"{spec['seconds']:g} s (peer_startup_timeout); not started: "
+                          f"{_not_started(spec['peers'])}. Start every worker with the same TF_CONFIG "
+                          f"cluster, or raise the timeout.")
             return
+        if spec["mode"] == "deadline" and time.monotonic() >= notice:
+            print(_waiting_line(spec, started), file=sys.stderr, flush=True)
+            notice = time.monotonic() + spec["notices"][1]
         time.sleep(_POLL)
 
 

@@ -32,6 +32,8 @@ from typing import Callable, Dict, Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
+from gf_tf import worker
+
 TRAIN, TEST = "train", "test"
 
 
@@ -169,13 +171,19 @@ class DatasetUnavailable(RuntimeError):
 
 
 def _download(name, load_data):
+    """load_data(); DatasetUnavailable saying what to do if it fails (under gf-tf-run -n: --host_network)."""
     try:
         return load_data()
     except Exception as e:  # URLError, OSError, ... depending on how the network fails
+        if worker.in_private_network():   # "[Errno -3] Temporary failure in name resolution"
+            advice = (f"{worker.HOST_NETWORK_HINT} (gf-tf-run -n 2 --host_network -- python -m models.train "
+                      f"--dataset {name} ...), or download it once outside gf-tf-run: "
+                      f"python -c \"import keras; keras.datasets.{name}.load_data()\"")
+        else:
+            advice = ("It downloads once into ~/.keras/datasets; offline, copy the file there from a "
+                      "machine that has it, or use --dataset digits (bundled with scikit-learn, no download)")
         raise DatasetUnavailable(
-            f"could not load {name} through keras.datasets ({type(e).__name__}: {e}). It downloads "
-            f"once into ~/.keras/datasets; offline, copy the file there from a machine that has it, "
-            f"or use --dataset digits (bundled with scikit-learn, no download).") from e
+            f"could not load {name} through keras.datasets ({type(e).__name__}: {e}). {advice}.") from e
 
 
 def load_mnist(seed: int = 0) -> Source:

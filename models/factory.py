@@ -4,16 +4,13 @@ One table per kind and one `choose` for all of them, so every unknown value
 fails the same way: a ValueError naming the flag and listing the valid values.
 """
 
-import json
-import os
 from typing import Callable, Dict, Mapping, Optional, Tuple, Union
 
 import keras
 import tensorflow as tf
 
 import gf_tf
-from gf_tf import launch
-from gf_tf.sparsity import SELECTIONS
+from gf_tf import cluster
 from models import datasets, networks
 
 # name -> (builder(input_shape, num_classes), default input shape (used by --dataset synthetic))
@@ -88,22 +85,21 @@ def configure_local_devices(num_devices: int) -> None:
 
 
 def parse_density(text: Union[str, float]) -> Union[float, str]:
-    """--density: a fraction in (0, 1] as a float, or "auto" (ChunkSparsity(density="auto"))."""
+    """--density as ChunkSparsity takes it: "auto" (any case), a float, or the text itself if neither.
+
+    Parses only; `gf_tf.ChunkSparsity` checks the value (in `build_gradient_flow`).
+    """
     if isinstance(text, str) and text.strip().lower() == "auto":
         return "auto"
     try:
-        density = float(text)
+        return float(text)
     except ValueError:
-        density = None
-    if density is None or not 0.0 < density <= 1.0:
-        raise ValueError(f"--density must be in (0, 1] (fraction of chunks sent) or \"auto\", "
-                         f"got {text!r}")
-    return density
+        return text
 
 
 def uses_csc(density: Union[float, str]) -> bool:
-    """True if --density asks for CSC (below 1, or "auto")."""
-    return density == "auto" or density < 1.0
+    """True if --density asks for CSC: anything but 1 (ChunkSparsity rejects what is not in (0, 1] or "auto")."""
+    return density != 1.0
 
 
 def build_gradient_flow(compression: str = "fp16", bytes_per_pack: int = 4 << 20,
@@ -111,28 +107,26 @@ def build_gradient_flow(compression: str = "fp16", bytes_per_pack: int = 4 << 20
                         warmup_steps: int = 0, momentum: float = 0.0, selection: str = "per_pack"):
     """A gf_tf.GradientFlowAllReduce for these flags, or None for TF's own all-reduce.
 
-    density 1.0 means dense (no CSC); "auto" means CSC with
-    ChunkSparsity(density="auto"); --compression none with density 1.0 means
-    plain TF (float32, TF's packing). momentum: CSC momentum correction
-    (the optimizer must then run without momentum). selection: CSC's top-k "per_pack" or
-    "global" (gf_tf.ChunkSparsity). Raises ValueError for a density outside (0, 1] (and not
-    "auto"), a non-positive chunk_size, a negative bytes_per_pack or an unknown selection.
+    density: --density as given (text or number), parsed here once; 1 means
+    dense (no CSC); "auto" means CSC with ChunkSparsity(density="auto");
+    --compression none with density 1 means plain TF (float32, TF's packing).
+    momentum: CSC momentum correction (the optimizer must then run without
+    momentum). selection: CSC's top-k "per_pack" or "global". The CSC flags
+    are checked by gf_tf.ChunkSparsity, even for a dense run, and its
+    ValueError names the flag ("--density must be a fraction in (0, 1] ...");
+    also ValueError for a negative bytes_per_pack or an unknown compression.
     """
     wire = choose("compression", compression, COMPRESSIONS)
     density = parse_density(density)
-    if chunk_size < 1:
-        raise ValueError(f"--chunk_size must be >= 1 (elements), got {chunk_size}")
     if bytes_per_pack < 0:
         raise ValueError(f"--bytes_per_pack must be >= 0 (wire bytes; 0 = one pack per dtype), "
                          f"got {bytes_per_pack}")
-    if warmup_steps < 0:
-        raise ValueError(f"--warmup_steps must be >= 0, got {warmup_steps}")
-    choose("selection", selection, {s: s for s in SELECTIONS})
-    sparsity = None
-    if uses_csc(density):
-        sparsity = gf_tf.ChunkSparsity(density=density, chunk_size=chunk_size,
-                                       warmup_steps=warmup_steps, momentum=momentum,
-                                       selection=selection)
+    try:   # every ChunkSparsity argument used here is the flag of the same name
+        settings = gf_tf.ChunkSparsity(density=density, chunk_size=chunk_size, warmup_steps=warmup_steps,
+                                       momentum=momentum if uses_csc(density) else 0.0, selection=selection)
+    except ValueError as e:
+        raise ValueError(f"--{e}") from None
+    sparsity = settings if uses_csc(density) else None
     if wire is None and sparsity is None:
         return None
     return gf_tf.GradientFlowAllReduce(compression=wire, bytes_per_pack=bytes_per_pack,
@@ -145,7 +139,7 @@ def build_strategy(name: str, num_devices: int = 1, gradient_flow=None,
     """The tf.distribute strategy for --strategy, with GradientFlow installed when given.
 
     multi_worker_mirrored: gf_tf.MultiWorkerMirroredStrategy over the cluster in
-      TF_CONFIG (checked first with gf_tf.launch.validate_tf_config; without
+      TF_CONFIG (checked first with gf_tf.cluster.validate_tf_config; without
       TF_CONFIG a one-worker cluster of this process), each worker with
       `num_devices` CPU replicas.
     mirrored: tf.distribute.MirroredStrategy over `num_devices` logical CPUs
@@ -164,8 +158,7 @@ def build_strategy(name: str, num_devices: int = 1, gradient_flow=None,
         return tf.distribute.OneDeviceStrategy("/cpu:0")
     if name == "mirrored":
         return tf.distribute.MirroredStrategy(devices, cross_device_ops=gradient_flow)
-    if "TF_CONFIG" in os.environ:
-        launch.validate_tf_config(os.environ["TF_CONFIG"])
+    cluster.from_tf_config()   # a malformed TF_CONFIG fails here, naming the field
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout_seconds)
     return gf_tf.MultiWorkerMirroredStrategy(communication_options=options,
                                              gradient_flow=gradient_flow,
@@ -176,20 +169,15 @@ def task_info(strategy: tf.distribute.Strategy) -> Tuple[Optional[str], int, boo
     """(task_type, task_id, is_chief) of this process, as in TF's multi-worker guide.
 
     The chief is task "chief", or worker 0 when the cluster has no chief; a
-    process outside any cluster is its own chief.
+    process outside any cluster is its own chief (gf_tf.cluster.Cluster.is_chief).
     """
-    resolver = getattr(strategy, "cluster_resolver", None)
-    if resolver is None or not resolver.task_type:
-        return None, 0, True
-    task_type, task_id = resolver.task_type, resolver.task_id or 0
-    has_chief = "chief" in resolver.cluster_spec().as_dict()
-    is_chief = task_type == "chief" or (task_type == "worker" and task_id == 0 and not has_chief)
-    return task_type, task_id, is_chief
+    this = cluster.of_strategy(strategy)
+    return this.task_type, this.task_index, this.is_chief
 
 
 def tf_config_summary() -> str:
     """One line describing the TF_CONFIG of this process, for logs."""
-    if "TF_CONFIG" not in os.environ:
+    this = cluster.from_tf_config()
+    if this.task_type is None:
         return "TF_CONFIG not set"
-    config = json.loads(os.environ["TF_CONFIG"])
-    return f"task {config['task']['type']}:{config['task']['index']} of {config['cluster']}"
+    return f"task {this.task_type}:{this.task_index} of { {job: list(a) for job, a in this.spec.items()} }"

@@ -144,12 +144,12 @@ def main(argv):
     factory.configure_local_devices(num_devices)
     factory.set_precision(FLAGS.mixed_precision)
     keras.utils.set_random_seed(FLAGS.seed)
-    density = factory.parse_density(FLAGS.density)
     gradient_flow = factory.build_gradient_flow(
-        FLAGS.compression, FLAGS.bytes_per_pack, density, FLAGS.chunk_size, FLAGS.warmup_steps,
+        FLAGS.compression, FLAGS.bytes_per_pack, FLAGS.density, FLAGS.chunk_size, FLAGS.warmup_steps,
         FLAGS.momentum, FLAGS.selection)
     # With CSC the momentum lives in ChunkSparsity (momentum correction), not in the optimizer.
-    optimizer_momentum = 0.0 if factory.uses_csc(density) else FLAGS.momentum
+    csc = gradient_flow is not None and gradient_flow.sparsity is not None
+    optimizer_momentum = 0.0 if csc else FLAGS.momentum
     strategy = factory.build_strategy(strategy_name, num_devices, gradient_flow,
                                       FLAGS.collective_timeout, FLAGS.startup_timeout)
     task_type, task_id, is_chief = factory.task_info(strategy)
@@ -231,11 +231,11 @@ def run():
     """Entry point: errors in flag values or TF_CONFIG, and unavailable datasets, print one line.
 
     SIGINT (Ctrl-C) and SIGTERM end it at once with one line and exit code 130 / 143, even while
-    TensorFlow waits for a peer (gf_tf.launch.exit_on_signals). A lost peer worker ends it with
-    one line naming that worker and exit code 1 (gf_tf.launch.lost_worker_message).
+    TensorFlow waits for a peer (gf_tf.worker.exit_on_signals). A lost peer worker ends it with
+    one line naming that worker and exit code 1 (gf_tf.worker.lost_worker_message).
     """
-    from gf_tf import launch
-    launch.exit_on_signals("models.train")   # before TensorFlow starts any thread
+    from gf_tf import worker
+    worker.exit_on_signals("models.train")   # before TensorFlow starts any thread
     from models.datasets import DatasetUnavailable   # imports TensorFlow
     try:
         app.run(main)
@@ -248,7 +248,7 @@ def run():
             sys.exit(2)
         raise
     except Exception as e:  # pylint: disable=broad-except
-        lost = launch.lost_worker_message(e)
+        lost = worker.lost_worker_message(e)
         if lost is None:
             raise
         sys.stdout.flush()

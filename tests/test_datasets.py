@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from gf_tf import worker
 from models import datasets
 
 
@@ -176,8 +177,28 @@ def test_download_failure_says_what_to_do(monkeypatch, name):
         raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
 
     monkeypatch.setattr(getattr(keras.datasets, name), "load_data", offline)
+    monkeypatch.delenv(worker.PRIVATE_NETWORK_ENV, raising=False)
     with pytest.raises(datasets.DatasetUnavailable, match=r"could not load .*--dataset digits"):
         getattr(datasets, f"load_{name}")()
+
+
+@pytest.mark.parametrize("name", ["mnist", "cifar10"])
+def test_download_failure_in_gf_tf_runs_private_network_says_host_network(monkeypatch, name):
+    import keras
+
+    def no_network():   # what keras.datasets raises there (Keras 3.15)
+        raise Exception(f"URL fetch failure on https://storage.googleapis.com/{name}: None -- "
+                        f"[Errno -3] Temporary failure in name resolution")
+
+    monkeypatch.setattr(getattr(keras.datasets, name), "load_data", no_network)
+    monkeypatch.setenv(worker.PRIVATE_NETWORK_ENV, "1")   # as gf-tf-run -n sets it for its workers
+    with pytest.raises(datasets.DatasetUnavailable) as error:
+        getattr(datasets, f"load_{name}")()
+    message = str(error.value)
+    assert message.startswith(f"could not load {name} through keras.datasets (Exception: URL fetch failure")
+    assert "[Errno -3] Temporary failure in name resolution). gf-tf-run -n runs the workers in a private " \
+           "network namespace with only loopback" in message, message
+    assert f"gf-tf-run -n 2 --host_network -- python -m models.train --dataset {name} ..." in message, message
 
 
 # --- batching ----------------------------------------------------------------------------

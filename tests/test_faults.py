@@ -14,11 +14,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
-from gf_tf import launch
+from gf_tf import launch, watchdog, worker
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WAIT = 240   # seconds: generous bound on any one wait, only to avoid hanging
@@ -105,6 +106,49 @@ def test_a_worker_that_never_starts_makes_the_other_stop_naming_it(tmp_path, abs
     assert (f"gf_tf: error: worker {present}: the cluster did not form within 15 s (peer_startup_timeout); "
             f"not started: worker {absent} ({cluster['worker'][absent]})") in text, text[-3000:]
     assert "Traceback" not in text
+    # Before that (after 10 s) it said whom it waits for, and until when (TF's own line is hidden INFO).
+    assert re.search(rf"^gf_tf: worker {present}: waiting for peers to start: worker {absent} "
+                     rf"\({re.escape(cluster['worker'][absent])}\); \d+ s so far, gives up at \d\d:\d\d:\d\d "
+                     rf"\(peer_startup_timeout 15 s\)$", text, re.M), text[-3000:]
+
+
+def _watched_sleeper(seconds, peers):
+    """A process that sleeps under a deadline watchdog with quick notices; its stderr is piped."""
+    code = ("import time; from gf_tf import watchdog; "
+            f"watchdog.start('deadline', 'worker 0', {seconds!r}, {peers!r}, notices=(0.5, 1.0)); time.sleep(600)")
+    return subprocess.Popen([sys.executable, "-c", code], env=_env(), stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def test_the_startup_watchdog_says_whom_it_waits_for_then_stops_the_worker_at_the_deadline():
+    address = f"127.0.0.1:{launch.free_ports(1)[0]}"
+    proc = _watched_sleeper(3.0, [("worker 1", address)])
+    _, err = proc.communicate(timeout=WAIT)
+    lines = err.decode().splitlines()
+    assert proc.returncode == -signal.SIGKILL, lines
+    assert lines[-1].startswith(f"gf_tf: error: worker 0: the cluster did not form within 3 s "
+                                f"(peer_startup_timeout); not started: worker 1 ({address})"), lines
+    waiting = lines[:-1]
+    assert waiting and all(re.fullmatch(rf"gf_tf: worker 0: waiting for peers to start: worker 1 "
+                                        rf"\({re.escape(address)}\); \d+ s so far, gives up at "
+                                        rf"\d\d:\d\d:\d\d \(peer_startup_timeout 3 s\)", l)
+                           for l in waiting), lines
+
+
+def test_without_a_startup_deadline_the_watchdog_still_says_whom_it_waits_for_again_and_again():
+    address = f"127.0.0.1:{launch.free_ports(1)[0]}"
+    proc = _watched_sleeper(None, [("worker 1", address)])
+    bound = threading.Timer(WAIT, os.killpg, (proc.pid, signal.SIGKILL))   # a missing line fails, not hangs
+    bound.start()
+    try:
+        lines = [proc.stderr.readline().decode().rstrip("\n") for _ in range(2)]
+    finally:
+        bound.cancel()
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    for line in lines:
+        assert re.fullmatch(rf"gf_tf: worker 0: waiting for peers to start: worker 1 \({re.escape(address)}\); "
+                            rf"\d+ s so far, no time limit \(peer_startup_timeout None\)", line), lines
 
 
 # --- interrupts -----------------------------------------------------------------------------
@@ -215,10 +259,10 @@ def test_lost_worker_message_names_peers_other_than_this_task():
         "Collective ops is aborted by: Error reported from /job:worker/task:1: The following tasks are "
         "unhealthy (stopped sending heartbeats):\n/job:worker/replica:0/task:2\n"))
     config = json.dumps({"cluster": {"worker": ["a:1", "b:1", "c:1"]}, "task": {"type": "worker", "index": 1}})
-    line = launch.lost_worker_message(error, config)
+    line = worker.lost_worker_message(error, config)
     assert line.startswith("lost worker 2: it stopped or became unreachable (UnavailableError: Collective ops "
                            "is aborted by"), line
-    assert launch.lost_worker_message(ValueError("/job:worker/task:2"), config) is None
+    assert worker.lost_worker_message(ValueError("/job:worker/task:2"), config) is None
 
 
 # --- jit_compile under a multi-device MirroredStrategy ------------------------------------------
@@ -292,8 +336,29 @@ def test_a_worker_port_is_reachable_from_another_namespace_only_without_isolatio
                 launcher.kill()
             said = "run in a private network namespace (loopback only" in err.decode()
             assert said == isolated, err.decode()
+            warned = ("gf-tf-run: warning: --host_network: the workers' TensorFlow ports are reachable from "
+                      "this machine's networks") in err.decode()
+            assert warned == (not isolated), err.decode()
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         subprocess.run(["ip", "link", "del", host_dev], capture_output=True)
+
+
+@pytest.mark.skipif(launch.private_network_command() is None,
+                    reason="needs a private network namespace (root or unprivileged user namespaces)")
+def test_a_dataset_download_under_gf_tf_run_fails_in_one_line_that_names_host_network(tmp_path):
+    env = {**_env(), "KERAS_HOME": str(tmp_path)}   # nothing cached: keras.datasets must download
+    run = subprocess.run([sys.executable, "-m", "gf_tf.launch", "-n", "1", "--", sys.executable, "-m",
+                          "models.train", "--dataset", "mnist", "--epochs", "1"], cwd=REPO_ROOT, env=env,
+                         capture_output=True, timeout=WAIT)
+    out = run.stdout.decode(errors="replace")
+    assert run.returncode == 1, out[-3000:] + run.stderr.decode()
+    assert ("[worker 0] models.train: error: could not load mnist through keras.datasets (Exception: URL fetch "
+            "failure on ") in out, out[-3000:]
+    assert ("[Errno -3] Temporary failure in name resolution). gf-tf-run -n runs the workers in a private "
+            "network namespace with only loopback") in out, out[-3000:]
+    assert "gf-tf-run -n 2 --host_network -- python -m models.train --dataset mnist ..." in out, out[-3000:]
+    assert "[gf-tf-run] worker 0 could not reach the network" not in out   # the worker said it already
+    assert "Traceback" not in out
 
 
 # --- non-finite steps skipped together ------------------------------------------------------------

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from gf_tf import launch
+from gf_tf import launch, worker
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -239,3 +239,47 @@ def test_a_command_that_cannot_start_is_reported(capsys):
     code = launch.main(["-n", "2", "--", "/nonexistent/gf-tf-train"])
     assert code == 127
     assert "cannot run '/nonexistent/gf-tf-train': No such file or directory" in capsys.readouterr().err
+
+
+# --- the private network and --host_network ----------------------------------------------
+
+def test_host_network_warns_that_the_worker_ports_are_reachable(capsys):
+    code = launch.main(["-n", "2", "--host_network", "--", *_python("pass")])
+    assert code == 0
+    err = capsys.readouterr().err
+    assert ("gf-tf-run: warning: --host_network: the workers' TensorFlow ports are reachable from this "
+            "machine's networks (they listen on all interfaces, with no authentication)") in err, err
+    assert launch.main(["-n", "2", "--", *_python("pass")]) == 0   # from Python: no namespace, no flag, no warning
+    assert "warning" not in capsys.readouterr().err
+
+
+_NO_DNS = "import socket; socket.getaddrinfo('storage.googleapis.com', 443)"
+
+
+@pytest.mark.skipif(launch.private_network_command() is None,
+                    reason="needs a private network namespace (root or unprivileged user namespaces)")
+def test_a_worker_that_cannot_reach_the_network_in_the_private_namespace_is_told_host_network():
+    launcher = _cli(["-n", "1", "--", *_python(_NO_DNS)])
+    out, err = launcher.communicate(timeout=120)
+    text = out.decode()
+    assert launcher.returncode == 1, text + err.decode()
+    assert "socket.gaierror: [Errno -3] Temporary failure in name resolution" in text, text
+    assert text.rstrip().splitlines()[-1] == (
+        "[gf-tf-run] worker 0 could not reach the network ([Errno -3] Temporary failure in name resolution): "
+        "gf-tf-run -n runs the workers in a private network namespace with only loopback, so they cannot "
+        "reach the network: run jobs that need it (downloads) with gf-tf-run -n N --host_network -- ..."), text
+
+
+def test_the_host_network_hint_needs_the_private_network_and_is_given_once():
+    fails = _python("""
+        import sys
+        print("socket.gaierror: [Errno -3] Temporary failure in name resolution")
+        print(sys.argv[1:] and "... add --host_network ..." or "", flush=True)
+        sys.exit(1)
+    """)
+    for env, argv, hint in (({}, fails, False), ({worker.PRIVATE_NETWORK_ENV: "1"}, fails, True),
+                            ({worker.PRIVATE_NETWORK_ENV: "1"}, fails + ["hinted"], False)):
+        out = io.BytesIO()
+        full_env = {k: v for k, v in os.environ.items() if k != worker.PRIVATE_NETWORK_ENV}
+        assert launch.run_workers(1, argv, env={**full_env, **env}, out=out) == 1
+        assert ("[gf-tf-run] worker 0 could not reach the network" in out.getvalue().decode()) == hint, env
