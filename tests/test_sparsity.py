@@ -19,7 +19,7 @@ import pytest
 import tensorflow as tf
 
 import gf_tf
-from gf_tf.cross_device_ops import DEFAULT_BYTES_PER_PACK, _sparsity_fingerprint
+from gf_tf.cross_device_ops import DEFAULT_BYTES_PER_PACK
 from gf_tf.sparsity import select_chunks, selected_chunk_count
 
 
@@ -692,6 +692,13 @@ def test_selection_is_in_the_config_repr_and_cross_worker_fingerprint():
     assert per_pack.selection == "per_pack" and per_pack.get_config()["selection"] == "per_pack"
     assert whole.get_config()["selection"] == "global" and "selection='global'" in repr(whole)
     assert _sparsity_fingerprint(per_pack) != _sparsity_fingerprint(whole)
+
+
+def _sparsity_fingerprint(sparsity):
+    """The CRC32 the cross-worker handshake compares for these sparsity settings."""
+    ((name, number, _),) = [s for s in sparsity.reducer().handshake_settings()
+                            if s[0] == "sparsity settings (CRC32)"]
+    return number
 
 
 @pytest.mark.parametrize("num_replicas", [2, 3])
