@@ -19,6 +19,11 @@ from gf_tf import tf_internal
 Setting = Tuple[str, float, Callable[[float], str]]
 
 
+def hex_text(code) -> str:
+    """How a CRC32 setting is printed: 8 hex digits."""
+    return f"{int(code):08x}"
+
+
 def check_workers_agree(workers, settings: List[Setting], devices: Sequence[str],
                         cross_device_ops: tf.distribute.CrossDeviceOps, options) -> None:
     """Fixed-shape handshake: a float64 [workers x (1 + settings)] SUM all-reduce.

@@ -172,15 +172,7 @@ class GradientFlowCheckpoint(keras_compat.keras_saveable_class(), tf.Module):
         for s, (state, positions) in enumerate(sets):
             meta["sets"].append({"variables": positions, "name": state.set_name,
                                  "packs": [[p.key, p.num_elements] for p in state.plan]})
-            for p, pack in enumerate(state.packs):
-                if pack is None:
-                    continue
-                for r in range(self._self_held.num_local):
-                    arrays[f"s{s}_p{p}_step_r{r}"] = pack.steps[r].numpy()
-                    arrays[f"s{s}_p{p}_residual_r{r}"] = pack.residuals[r].numpy()
-                    if pack.velocities:
-                        arrays[f"s{s}_p{p}_velocity_r{r}"] = pack.velocities[r].numpy()
-                arrays[f"s{s}_p{p}_residual_l1"] = pack.residual_l1.numpy()
+            arrays.update({f"s{s}_{key}": value for key, value in state.to_arrays().items()})
         return meta, arrays
 
     def _iterations(self) -> int:
@@ -252,15 +244,9 @@ class GradientFlowCheckpoint(keras_compat.keras_saveable_class(), tf.Module):
         _check(held.meta["sets"][s]["packs"] == packs,
                f"its pack plan {held.meta['sets'][s]['packs']} differs from this run's {packs} "
                f"(another bytes_per_pack, compression or model). Use the same settings")
-        for p, pack in enumerate(state.packs):
-            if pack is None:
-                continue
-            for r in range(self._self_held.num_local):
-                pack.steps[r].assign(held.arrays[f"s{s}_p{p}_step_r{r}"])
-                pack.residuals[r].assign(held.arrays[f"s{s}_p{p}_residual_r{r}"])
-                if pack.velocities:
-                    pack.velocities[r].assign(held.arrays[f"s{s}_p{p}_velocity_r{r}"])
-            pack.residual_l1.assign(held.arrays[f"s{s}_p{p}_residual_l1"])
+        prefix = f"s{s}_"
+        state.assign_arrays({key[len(prefix):]: value for key, value in held.arrays.items()
+                             if key.startswith(prefix)})
         held.applied.add(s)
         if len(held.applied) == len(held.meta["sets"]):
             held.meta = held.arrays = None

@@ -23,11 +23,22 @@ import tensorflow as tf
 
 from gf_tf import ops
 
-# Wire formats by name: the dtype float32 values travel as, and whether the
-# values must be scaled into its range (see module doc). Adding a format is
-# one entry here (plus the dtype in the op library, gf_tf.ops.WIRE_DTYPES).
-WIRE_FORMATS: Dict[Optional[str], Optional[tf.DType]] = {
-    None: None, "fp16": tf.float16, "bf16": tf.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class WireFormat:
+    """dtype: what float32 values travel as (None: each pack in its own dtype).
+    scaled: values must be scaled into the dtype's range (see module doc)."""
+    dtype: Optional[tf.DType]
+    scaled: bool
+
+
+# Wire formats by name. Adding a format is one entry here (plus the dtype in
+# the op library, gf_tf.ops.WIRE_DTYPES).
+WIRE_FORMATS: Dict[Optional[str], WireFormat] = {
+    None: WireFormat(None, scaled=False),
+    "fp16": WireFormat(tf.float16, scaled=True),
+    "bf16": WireFormat(tf.bfloat16, scaled=False)}
 
 PACKABLE_DTYPES = ops.WIRE_DTYPES   # gradients that can travel packed: the wire dtypes themselves
 
@@ -68,7 +79,7 @@ class Compression:
                              f"{[d.name for d in PACKABLE_DTYPES]}")
         if self.name is None or dtype != tf.float32:
             return dtype
-        return WIRE_FORMATS[self.name]
+        return WIRE_FORMATS[self.name].dtype
 
 
 def as_compression(value: Union[None, str, Compression]) -> Compression:
@@ -77,8 +88,9 @@ def as_compression(value: Union[None, str, Compression]) -> Compression:
 
 
 def needs_scaling(wire_dtype: tf.DType) -> bool:
-    """True for wire dtypes with a narrower range than float32 (float16)."""
-    return tf.as_dtype(wire_dtype) == tf.float16
+    """True for wire dtypes with a narrower range than float32 (float16), as WIRE_FORMATS says."""
+    dtype = tf.as_dtype(wire_dtype)
+    return any(f.scaled and f.dtype == dtype for f in WIRE_FORMATS.values())
 
 
 def power_of_two_scale(bound: tf.Tensor) -> tf.Tensor:

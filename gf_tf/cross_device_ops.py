@@ -1,7 +1,7 @@
 """GradientFlowAllReduce: packed FP16 (and CSC) gradient all-reduce as a tf.distribute.CrossDeviceOps.
 
 Orchestration only: which all-reduces are gradients, the pack plan (`packing`),
-the state per variable set (`state`), the reducers (`reducers`, `sparsity`)
+the state per variable set (`state`), the reducers (`reducers`, `csc`)
 and the collectives of the wrapped TensorFlow cross-device ops.
 """
 
@@ -12,8 +12,9 @@ import numpy as np
 import tensorflow as tf
 
 from gf_tf import agreement, keras_compat, packing, tf_internal
-from gf_tf.compression import PACKABLE_DTYPES, WIRE_FORMATS, as_compression
-from gf_tf.reducers import Communicator, DenseReducer, Sent
+from gf_tf.agreement import hex_text
+from gf_tf.compression import WIRE_FORMATS, as_compression
+from gf_tf.reducers import Communicator, DenseReducer, PackStep, Sent, StepInput
 from gf_tf.state import StateRegistry, VariableSetState
 from gf_tf.stats import CommStats
 
@@ -115,6 +116,17 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
     def states(self):
         """{variable-set name: gf_tf.state.VariableSetState}: plan and per-pack state (read-only use)."""
         return self._states.states()
+
+    @property
+    def workers(self):
+        """The gf_tf.strategy.WorkerInfo (rank, names) set by gf_tf.MultiWorkerMirroredStrategy,
+        or None (one worker, or a MirroredStrategy)."""
+        return self._workers
+
+    @property
+    def state_registry(self) -> StateRegistry:
+        """The StateRegistry of every variable set's state (for checkpoint integration)."""
+        return self._states
 
     def reset_states(self) -> None:
         """Drops every variable set's state (CSC residuals, velocities, step counters)."""
@@ -231,20 +243,21 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         Returns per served replica the reduced list (packs through the
         reducer, the rest through `others`, one batch per dtype).
         """
-        signature = [_packable_signature([g[i] for g in grads]) for i in range(len(grads[0]))]
+        signature = [packing.packable_signature([g[i] for g in grads])
+                     for i in range(len(grads[0]))]
         plan = packing.plan_packs(signature, self.bytes_per_pack, self.compression.wire_dtype)
         devices = list(strategy.extended.worker_devices)
         state = self._states.get(list(variables), signature, plan,
-                                 lambda pack: self.reducer.create_state(pack, devices))
+                                 lambda packs: self.reducer.create_states(packs, devices))
         if replicas[0] == 0 and self._workers is not None:
             agreement.check_workers_agree(self._workers, self._settings(state), devices,
                                           self._cross_ops(), options)
         comm = Communicator(all_reduce_sum, strategy.num_replicas_in_sync,
-                            reduce_op == _MEAN, replicas)
+                            reduce_op == _MEAN, replicas, tuple(devices[r] for r in replicas))
         results = [[None] * len(signature) for _ in grads]
         sent = self._reduce_packs(state, grads, comm, results)
         rest = [i for i, entry in enumerate(signature) if entry is None]
-        for group in _groups_by_dtype(rest, [grads[0][i] for i in rest]):
+        for group in packing.groups_by_dtype(rest, [grads[0][i] for i in rest]):
             for i, reduced in zip(group, others(group)):
                 for r, value in enumerate(reduced):
                     results[r][i] = value
@@ -253,8 +266,9 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         return results
 
     def _reduce_packs(self, state: VariableSetState, grads, comm: Communicator, results) -> Sent:
-        """Runs the reducer on every pack: one control all-reduce, then the packs' collective(s)."""
-        live = [(p, pack) for p, pack in enumerate(state.plan) if pack.num_elements]
+        """Hands the reducer the packs with elements (one record of the step); an empty pack's
+        values are zeros of their shapes."""
+        live = [p for p, pack in enumerate(state.plan) if pack.num_elements]
         for pack in state.plan:
             if not pack.num_elements:
                 for r in range(len(grads)):
@@ -262,29 +276,13 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
                         results[r][i] = tf.zeros(shape, dtype)
         if not live:
             return Sent()
-        pack_grads = {p: [[g[i] for i in pack.indices] for g in grads] for p, pack in live}
-        packs, states = [pack for _, pack in live], [state.packs[p] for p, _ in live]
-        sizes = [self.reducer.step_control_size(packs)]
-        step_control = (self.reducer.step_control(packs, [pack_grads[p] for p, _ in live],
-                                                  states, comm) if sizes[0] else None)
-        controls, carries = {}, {}
-        for p, pack in live:
-            controls[p], carries[p] = self.reducer.control(pack, pack_grads[p], state.packs[p], comm)
-            sizes.append(self.reducer.control_size(pack))
-        if sum(sizes):
-            summed = comm.all_reduce_sum([tf.concat(([step_control[r]] if sizes[0] else [])
-                                                    + [controls[p][r] for p, _ in live], 0)
-                                          for r in range(len(grads))])
-            split = [tf.split(s, sizes) for s in summed]
-            step_control = [split[r][0] for r in range(len(grads))] if sizes[0] else None
-            controls = {p: [split[r][j + 1] for r in range(len(grads))]
-                        for j, (p, _) in enumerate(live)}
-        outputs, sent = self.reducer.reduce_packs(
-            packs, [pack_grads[p] for p, _ in live], [controls[p] for p, _ in live],
-            [carries[p] for p, _ in live], states, comm, step_control=step_control)
-        for (_, pack), per_replica in zip(live, outputs):
+        step = StepInput(tuple(PackStep(state.plan[p], [[g[i] for i in state.plan[p].indices]
+                                                        for g in grads], state.packs[p])
+                               for p in live), state.shared, comm)
+        outputs, sent = self.reducer.reduce(step)
+        for pack, per_replica in zip(step.packs, outputs):
             for r, reduced in enumerate(per_replica):
-                for i, value in zip(pack.indices, reduced):
+                for i, value in zip(pack.spec.indices, reduced):
                     results[r][i] = value
         return sent
 
@@ -297,53 +295,6 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
              lambda c: repr(list(WIRE_FORMATS)[int(c)])),
             ("bytes_per_pack", self.bytes_per_pack, lambda b: str(int(b))),
             ("number of gradients", len(state.signature), lambda n: str(int(n))),
-            ("gradient shapes/dtypes (CRC32)", zlib.crc32(shapes), lambda c: f"{int(c):08x}"),
-            ("sparsity density", _density_code(self.sparsity), _density_text),
-            ("sparsity settings (CRC32)", _sparsity_fingerprint(self.sparsity),
-             lambda c: f"{int(c):08x}"),
-        ]
+            ("gradient shapes/dtypes (CRC32)", zlib.crc32(shapes), hex_text),
+        ] + self.reducer.handshake_settings()
 
-
-def _groups_by_dtype(indices, samples):
-    """Splits `indices` into runs of one dtype (IndexedSlices: one group per dtype too),
-    ordered by first appearance: TF's collective all-reduce concatenates a batch of
-    dense values, which fails for mixed dtypes."""
-    groups = {}
-    for i, sample in zip(indices, samples):
-        kind = (isinstance(sample, tf.IndexedSlices), tf.as_dtype(sample.dtype).name)
-        groups.setdefault(kind, []).append(i)
-    return list(groups.values())
-
-
-def _packable_signature(values):
-    """(shape, dtype) if these per-replica components can be packed, else None."""
-    first = values[0]
-    if not isinstance(first, tf.Tensor) or first.dtype not in PACKABLE_DTYPES:
-        return None
-    if not first.shape.is_fully_defined():
-        return None
-    if any(not isinstance(v, tf.Tensor) or v.shape != first.shape or v.dtype != first.dtype
-           for v in values[1:]):
-        return None
-    return (first.shape, first.dtype)
-
-
-def _density_code(sparsity) -> float:
-    """The sparsity's density as a number for the handshake: -1 for "auto", 0 without CSC."""
-    density = getattr(sparsity, "density", 0.0)
-    return -1.0 if density == "auto" else float(density)
-
-
-def _density_text(code) -> str:
-    return "auto" if code < 0 else f"{code:g}"
-
-
-def _sparsity_fingerprint(sparsity) -> int:
-    if sparsity is None:
-        return 0
-    if hasattr(sparsity, "get_config"):
-        config = sparsity.get_config()
-    else:
-        config = {k: v for k, v in vars(sparsity).items()
-                  if not k.startswith("_") and isinstance(v, (bool, int, float, str, type(None)))}
-    return zlib.crc32(repr((type(sparsity).__name__, sorted(config.items()))).encode())

@@ -3,7 +3,7 @@
 Pure Python over an ordered list of (shape, dtype) pairs, so every worker that
 sees the same variable list derives the same plan (never from `id`, hashing
 or set order). Source: GradientFlow (arXiv 1902.06855), "lazy all-reduce":
-gradients are packed into buffers of at least a threshold size, in backprop
+gradients are packed into buffers of at most a threshold size, in backprop
 order (the reverse of the variable order), so the first pack can be
 all-reduced while backprop still computes the rest.
 """
@@ -11,9 +11,11 @@ all-reduced while backprop still computes the rest.
 import dataclasses
 import functools
 import zlib
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
+
+from gf_tf.compression import PACKABLE_DTYPES
 
 # One entry per value in the caller's list: (shape, dtype) when it can be
 # packed, None when it goes to the wrapped cross-device ops untouched.
@@ -43,6 +45,33 @@ class PackSpec:
     def num_bytes(self) -> int:
         """Bytes of the wire buffer (num_elements x wire dtype size)."""
         return self.num_elements * self.wire_dtype.size
+
+
+def packable_signature(values) -> Optional[Tuple[tf.TensorShape, tf.DType]]:
+    """(shape, dtype) if these per-replica components of one value can be packed, else None.
+
+    Packable: dense tf.Tensors of a PACKABLE_DTYPES dtype with one fully defined
+    shape, equal on every replica."""
+    first = values[0]
+    if not isinstance(first, tf.Tensor) or first.dtype not in PACKABLE_DTYPES:
+        return None
+    if not first.shape.is_fully_defined():
+        return None
+    if any(not isinstance(v, tf.Tensor) or v.shape != first.shape or v.dtype != first.dtype
+           for v in values[1:]):
+        return None
+    return (first.shape, first.dtype)
+
+
+def groups_by_dtype(indices: Sequence[int], samples) -> List[List[int]]:
+    """Splits `indices` into runs of one dtype (IndexedSlices: one group per dtype too),
+    ordered by first appearance: TF's collective all-reduce concatenates a batch of
+    dense values, which fails for mixed dtypes. samples: one value per index."""
+    groups = {}
+    for i, sample in zip(indices, samples):
+        kind = (isinstance(sample, tf.IndexedSlices), tf.as_dtype(sample.dtype).name)
+        groups.setdefault(kind, []).append(i)
+    return list(groups.values())
 
 
 def plan_fingerprint(signature: Signature, bytes_per_pack: int,

@@ -1,33 +1,32 @@
-"""Reducers: how one pack of gradients is all-reduced (dense here; CSC in `gf_tf.sparsity`).
+"""Reducers: how the packs of one step are all-reduced (dense here; CSC in `gf_tf.csc`).
 
 The shape is that of PyTorch DDP communication hooks: a small object that
-takes a pack (bucket) and an explicit state, and returns the reduced tensors
-and what it sent. A step runs in two phases, so that the small side
-information of every pack (FP16 scale bounds, CSC chunk norms) travels in ONE
-float32 all-reduce per step:
+takes the step's packs (buckets) with their explicit state, and returns the
+reduced tensors and what it sent. GradientFlowAllReduce hands a reducer ONE
+record of the step (`StepInput`: the packs, each with its gradients per served
+replica and its state, the set-level state and the `Communicator`) and gets
+back per pack, per served replica, the reduced tensors.
 
-  1. `control`: per pack, per served replica, a local float32 vector of
-     `control_size(pack)` elements (may be 0), plus anything the pack needs
-     later (`carry`); and once per step `step_control` (`step_control_size`
-     elements, usually 0: CSC density="auto" adds its timing figures).
-     GradientFlowAllReduce concatenates the step's and every pack's vectors
-     and all-reduces them (SUM) in one collective.
-  2. `reduce`: per pack, with its all-reduced control vector: the pack's
-     collective and the reduced tensors (`reduce_packs` may fuse the packs'
-     collectives: CSC sends all its chunks in one, and gets the all-reduced
-     step control).
+The small side information of every pack (FP16 scale bounds, CSC chunk norms,
+CSC density="auto" timing figures) travels in ONE float32 SUM all-reduce per
+step: `fuse_controls`, which every reducer uses, concatenates the vectors,
+all-reduces them once and splits them back.
 
 Source: GradientFlow (arXiv 1902.06855), lazy all-reduce and mixed-precision
-communication; PyTorch DDP communication hooks for the interface.
+communication; PyTorch DDP communication hooks for the interface; TF's
+per-replica `CrossDeviceOps._all_reduce(value, replica_id)` for the
+communicator that keeps the replica axis out of the algorithm.
 """
 
 import dataclasses
+import zlib
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
 from gf_tf import compression as compression_lib
 from gf_tf import ops
+from gf_tf.agreement import Setting, hex_text
 from gf_tf.packing import PackSpec
 
 # Per served replica: the pack's gradients, in pack order.
@@ -44,11 +43,48 @@ class Communicator:
     mean: the caller asked for MEAN (divide the SUM by N).
     replicas: indices (among this worker's replicas) of the served replicas:
       all of them on the merge-call path, one on the replica-context path.
+    devices: per served replica, its device (where its per-replica work runs).
     """
     all_reduce_sum: Callable[[List[tf.Tensor]], List[tf.Tensor]]
     num_replicas: int
     mean: bool
     replicas: Tuple[int, ...]
+    devices: Tuple[str, ...]
+
+    @property
+    def postscale(self) -> float:
+        """What a SUM is multiplied by: 1/N for MEAN, else 1."""
+        return 1.0 / self.num_replicas if self.mean else 1.0
+
+    def map(self, fn: Callable, *columns: Sequence) -> list:
+        """[fn(r, column_0[i], column_1[i], ...) on served replica i's device, per served
+        replica i], r its index among this worker's replicas (for its state)."""
+        out = []
+        for i, (r, device) in enumerate(zip(self.replicas, self.devices)):
+            with tf.device(device):
+                out.append(fn(r, *[column[i] for column in columns]))
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class PackStep:
+    """One pack of a step: its spec, its gradients per served replica, its reducer state."""
+    spec: PackSpec
+    grads: PackGrads
+    state: Optional[tf.Module]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInput:
+    """One step of one variable set, for `Reducer.reduce`.
+
+    packs: the packs with elements, in all-reduce order.
+    shared: the reducer's state of the whole set (`Reducer.create_states`), or None.
+    comm: the collectives and the served replicas.
+    """
+    packs: Tuple[PackStep, ...]
+    shared: Optional[tf.Module]
+    comm: Communicator
 
 
 @dataclasses.dataclass
@@ -80,49 +116,77 @@ class Sent:
                     self.density if self.density is not None else other.density)
 
 
+# Per pack, per served replica, the reduced tensors of the pack (in pack order).
+Reduced = List[List[List[tf.Tensor]]]
+
+
 class Reducer:
-    """Interface of a pack reducer. Subclasses override what they need."""
+    """Interface of a reducer: state, handshake settings, and the step."""
 
-    def create_state(self, pack: PackSpec, devices: Sequence[str]) -> Optional[tf.Module]:
-        """The pack's state (variables on this worker's replica `devices`), or None."""
-        return None
+    def create_states(self, packs: Sequence[PackSpec], devices: Sequence[str]
+                      ) -> Tuple[Optional[tf.Module], List[Optional[tf.Module]]]:
+        """(the set's state or None, per pack its state or None), as variables on this
+        worker's replica `devices`. Created eagerly, once per variable set."""
+        return None, [None] * len(packs)
 
-    def control_size(self, pack: PackSpec) -> int:
-        """float32 elements this pack adds to the step's control all-reduce."""
-        return 0
+    def handshake_settings(self) -> List[Setting]:
+        """(name, number, how to print it) that every worker must agree on, beyond the
+        pack plan; the same names and count for every reducer (the handshake has a fixed
+        width). Default: no sparsity."""
+        return sparsity_settings(0.0, None)
 
-    def control(self, pack: PackSpec, grads: PackGrads, state, comm: Communicator
-                ) -> Tuple[List[tf.Tensor], Any]:
-        """(per served replica a float32 [control_size] vector, carry for `reduce`)."""
-        return [tf.zeros([0], tf.float32) for _ in grads], None
-
-    def step_control_size(self, packs: Sequence[PackSpec]) -> int:
-        """float32 elements the step (all packs together) adds to the control all-reduce."""
-        return 0
-
-    def step_control(self, packs: Sequence[PackSpec], grads: Sequence[PackGrads], states,
-                     comm: Communicator) -> List[tf.Tensor]:
-        """Per served replica a float32 [step_control_size] vector (runs before `control`)."""
-        return [tf.zeros([0], tf.float32) for _ in comm.replicas]
-
-    def reduce(self, pack: PackSpec, grads: PackGrads, control: List[tf.Tensor], carry,
-               state, comm: Communicator) -> Tuple[List[List[tf.Tensor]], Sent]:
-        """(per served replica the reduced tensors of the pack, what was sent)."""
+    def reduce(self, step: StepInput) -> Tuple[Reduced, Sent]:
+        """(per pack, per served replica the reduced tensors; what the step sent)."""
         raise NotImplementedError
 
-    def reduce_packs(self, packs: Sequence[PackSpec], grads: Sequence[PackGrads], controls,
-                     carries, states, comm: Communicator, step_control=None
-                     ) -> Tuple[List, Sent]:
-        """All packs of a step (lists, one entry per pack): per pack what `reduce` returns,
-        and the total sent. step_control: per served replica the all-reduced step
-        control vector, or None when `step_control_size` is 0. The default reduces
-        pack by pack; a reducer that fuses the packs' collectives (CSC) overrides it."""
-        outputs, sent = [], Sent()
-        for args in zip(packs, grads, controls, carries, states):
-            reduced, pack_sent = self.reduce(*args, comm)
-            outputs.append(reduced)
-            sent = sent + pack_sent
-        return outputs, sent
+
+def sparsity_settings(density, config) -> List[Setting]:
+    """The handshake's two sparsity columns: the density (-1 for "auto", 0 without
+    sparsity) and a CRC32 of `config` (any repr-able value; None: 0)."""
+    code = -1.0 if density == "auto" else float(density)
+    fingerprint = 0 if config is None else zlib.crc32(repr(config).encode())
+    return [("sparsity density", code, density_text),
+            ("sparsity settings (CRC32)", fingerprint, hex_text)]
+
+
+def density_text(code) -> str:
+    """How the handshake prints a density code: "auto" for -1, else the fraction."""
+    return "auto" if code < 0 else f"{code:g}"
+
+
+def fuse_controls(comm: Communicator, parts: Sequence[Sequence[tf.Tensor]]
+                  ) -> List[List[tf.Tensor]]:
+    """Every part's control vector in ONE float32 SUM all-reduce.
+
+    Args:
+      parts: per part (the step, a pack, ...), per served replica a float32
+        [size] vector, the size static and equal on every replica (may be 0).
+
+    Returns:
+      per part, per served replica its all-reduced vector (the parts as given,
+      without any collective, when every size is 0).
+    """
+    sizes = [int(part[0].shape[0]) for part in parts]
+    if not sum(sizes):
+        return [list(part) for part in parts]
+    summed = comm.all_reduce_sum([tf.concat([part[i] for part, size in zip(parts, sizes) if size],
+                                            0) for i in range(len(comm.replicas))])
+    split = [tf.split(s, sizes) for s in summed]
+    return [[split[i][j] for i in range(len(comm.replicas))] for j in range(len(parts))]
+
+
+def no_control(comm: Communicator) -> List[tf.Tensor]:
+    """Per served replica an empty control vector (float32 [0])."""
+    return [tf.zeros([0], tf.float32) for _ in comm.replicas]
+
+
+def wire_scales(wire_dtype: tf.DType, comm: Communicator, bound: Callable[[], tf.Tensor]):
+    """(prescale, postscale) onto and off a wire: powers of two from the all-reduced
+    magnitude `bound()` on a scaled wire (gf_tf.compression), else (1, the postscale)."""
+    if not compression_lib.needs_scaling(wire_dtype):
+        return 1.0, comm.postscale
+    prescale = compression_lib.power_of_two_scale(bound())
+    return prescale, comm.postscale / prescale
 
 
 class DenseReducer(Reducer):
@@ -134,39 +198,32 @@ class DenseReducer(Reducer):
     overflows and small gradients keep full FP16 precision at any N.
     """
 
-    def control_size(self, pack):
-        return len(pack.shapes) if compression_lib.needs_scaling(pack.wire_dtype) else 0
-
-    def control(self, pack, grads, state, comm):
-        if not self.control_size(pack):
-            return super().control(pack, grads, state, comm)
-        vectors = []
-        for g in grads:
-            with tf.device(g[0].device):
-                vectors.append(ops.abs_max(g))
-        return vectors, None
-
-    def reduce(self, pack, grads, control, carry, state, comm):
-        buffers, postscales = [], []
-        for g, bound in zip(grads, control):
-            with tf.device(g[0].device):
-                prescale, postscale = _scales(pack, bound, comm)
-                buffers.append(ops.pack(g, pack.wire_dtype, prescale))
-                postscales.append(postscale)
-        buffers = comm.all_reduce_sum(buffers)
-        outputs = []
-        for g, buffer, postscale in zip(grads, buffers, postscales):
-            with tf.device(g[0].device):
-                outputs.append(ops.unpack(buffer, pack.shapes, pack.dtypes, postscale))
-        sent = Sent(dense_bytes=4 * pack.num_elements,
-                    sent_bytes=pack.num_bytes + 4 * self.control_size(pack))
+    def reduce(self, step):
+        comm = step.comm
+        bounds = fuse_controls(comm, [self._bounds(pack, comm) for pack in step.packs])
+        outputs, sent = [], Sent()
+        for pack, bound in zip(step.packs, bounds):
+            reduced, pack_sent = self._reduce_pack(pack.spec, pack.grads, bound, comm)
+            outputs.append(reduced)
+            sent = sent + pack_sent
         return outputs, sent
 
+    @staticmethod
+    def _bounds(pack: PackStep, comm: Communicator) -> List[tf.Tensor]:
+        """Per served replica float32 [tensors]: each tensor's max |g| (scaled wires only)."""
+        if not compression_lib.needs_scaling(pack.spec.wire_dtype):
+            return no_control(comm)
+        return comm.map(lambda r, g: ops.abs_max(g), pack.grads)
 
-def _scales(pack: PackSpec, bound: tf.Tensor, comm: Communicator):
-    """(prescale, postscale) of a dense pack: per tensor on a scaled wire, else scalars."""
-    mean = 1.0 / comm.num_replicas if comm.mean else 1.0
-    if not compression_lib.needs_scaling(pack.wire_dtype):
-        return 1.0, mean
-    prescale = compression_lib.power_of_two_scale(bound)
-    return prescale, mean / prescale
+    @staticmethod
+    def _reduce_pack(spec: PackSpec, grads, bounds, comm: Communicator):
+        def to_wire(r, g, bound):
+            prescale, postscale = wire_scales(spec.wire_dtype, comm, lambda: bound)
+            return ops.pack(g, spec.wire_dtype, prescale), postscale
+        buffers, postscales = zip(*comm.map(to_wire, grads, bounds))
+        buffers = comm.all_reduce_sum(list(buffers))
+        outputs = comm.map(lambda r, buffer, postscale: ops.unpack(
+            buffer, spec.shapes, spec.dtypes, postscale), buffers, postscales)
+        control_bytes = 4 * len(spec.shapes) if compression_lib.needs_scaling(spec.wire_dtype) else 0
+        return outputs, Sent(dense_bytes=4 * spec.num_elements,
+                             sent_bytes=spec.num_bytes + control_bytes)

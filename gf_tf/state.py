@@ -1,4 +1,4 @@
-"""GradientFlow state per variable set: the pack plan and each pack's reducer state.
+"""GradientFlow state per variable set: the pack plan and the reducer's state of the set and its packs.
 
 The state of compressed gradients (CSC residuals, velocities, step counters)
 belongs to the variables whose gradients it holds. `StateRegistry` keys it by
@@ -13,6 +13,7 @@ import threading
 import weakref
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import tensorflow as tf
 
 from gf_tf.packing import PackSpec
@@ -25,15 +26,18 @@ class VariableSetState(tf.Module):
 
     name: human-readable, e.g. "3 variables: dense/kernel, dense/bias, out/kernel".
     plan: the PackSpecs of this set's gradients.
-    packs: per pack, the reducer's state (e.g. `gf_tf.sparsity.CSCState`) or None.
+    shared: the reducer's state of the whole set (e.g. `gf_tf.csc.CSCSetState`: the
+      step counters) or None.
+    packs: per pack, the reducer's state (e.g. `gf_tf.csc.CSCState`) or None.
     """
 
     def __init__(self, name: str, variables: Sequence, signature, plan: Tuple[PackSpec, ...],
-                 packs: List[Optional[tf.Module]]):
+                 shared: Optional[tf.Module], packs: List[Optional[tf.Module]]):
         super().__init__(name=None)
         self.set_name = name
         self.signature = tuple(signature)
         self.plan = plan
+        self.shared = shared
         self.packs = packs
         self._refs = [_weak(v) for v in variables]
 
@@ -52,7 +56,39 @@ class VariableSetState(tf.Module):
 
     @property
     def has_state(self) -> bool:
-        return any(p is not None for p in self.packs)
+        return self.shared is not None or any(p is not None for p in self.packs)
+
+    def _part_arrays(self) -> List[Tuple[str, tf.Module, Dict[str, np.ndarray]]]:
+        """(key prefix, state, its arrays) of the set's state (prefix "") and of each
+        pack p's ("p{p}_")."""
+        parts = [("", self.shared)] + [(f"p{p}_", pack) for p, pack in enumerate(self.packs)]
+        return [(prefix, part, part.to_arrays()) for prefix, part in parts if part is not None]
+
+    def to_arrays(self) -> Dict[str, np.ndarray]:
+        """The set's reducer state as arrays (eager), by stable string keys: the set
+        state's own keys, then each pack p's keys prefixed "p{p}_" (CSC: "p0_step_r0",
+        "p0_residual_r0", ...). {} without state."""
+        return {prefix + key: value for prefix, _, arrays in self._part_arrays()
+                for key, value in arrays.items()}
+
+    def assign_arrays(self, arrays: Dict[str, np.ndarray]) -> None:
+        """Assigns what `to_arrays` gave (eager).
+
+        Raises:
+          ValueError naming the missing or extra keys, or a key whose shape differs.
+        """
+        parts = self._part_arrays()
+        expected = {prefix + key: value for prefix, _, own in parts for key, value in own.items()}
+        missing, extra = sorted(set(expected) - set(arrays)), sorted(set(arrays) - set(expected))
+        if missing or extra:
+            raise ValueError(f"gf_tf: the state of variable set [{self.set_name}] has other "
+                             f"arrays: missing {missing}, extra {extra}")
+        for key, value in expected.items():
+            if np.shape(arrays[key]) != np.shape(value):
+                raise ValueError(f"gf_tf: array {key!r} of variable set [{self.set_name}] has "
+                                 f"shape {np.shape(arrays[key])}, the state has {np.shape(value)}")
+        for prefix, part, own in parts:
+            part.assign_arrays({key: arrays[prefix + key] for key in own})
 
 
 class StateRegistry:
@@ -73,8 +109,13 @@ class StateRegistry:
         self._listeners.append(weakref.WeakMethod(listener))
 
     def get(self, variables: Sequence, signature, plan: Tuple[PackSpec, ...],
-            create_pack_state: Callable[[PackSpec], Optional[tf.Module]]) -> VariableSetState:
+            create_states: Callable[[Tuple[PackSpec, ...]],
+                                    Tuple[Optional[tf.Module], List[Optional[tf.Module]]]]
+            ) -> VariableSetState:
         """The state of `variables`, created (eagerly, outside any scope) on first use.
+
+        create_states(plan) -> (the set's reducer state, per pack its state), as
+        `gf_tf.reducers.Reducer.create_states`.
 
         A set whose gradient signature changed, or an older set that shares
         variables with a new one (e.g. a layer frozen between `fit` calls),
@@ -94,8 +135,9 @@ class StateRegistry:
                             "compression state (residuals, momentum, step counter) starts again "
                             "from zero with a fresh warm-up.", old.set_name, describe(variables))
             with tf.init_scope():
-                packs = [create_pack_state(pack) for pack in plan]
-            state = VariableSetState(describe(variables), variables, signature, plan, packs)
+                shared, packs = create_states(plan)
+            state = VariableSetState(describe(variables), variables, signature, plan, shared,
+                                     list(packs))
             with tf.init_scope():
                 for ref in list(self._listeners):
                     if ref() is not None:

@@ -179,8 +179,8 @@ def test_replicas_with_different_figures_pick_the_rung_of_the_mean_and_match_num
     assert ks == [1, 3, 10, 10]
     stats = run.gfar.stats.result()
     assert stats["density"] == pytest.approx((0.001 + 0.03 + 0.1 + 0.1) / 4)
-    state = only_state(run.gfar)
-    assert [float(v.numpy()) for v in state.sent] == [_bytes(10)] * 2
+    (variable_set,) = run.gfar.states().values()
+    assert [float(v.numpy()) for v in variable_set.shared.auto.sent] == [_bytes(10)] * 2
 
 
 def test_first_sparse_step_after_a_dense_warmup_uses_the_warmup_measurement():
@@ -245,10 +245,14 @@ def _vector_sums(operations):
 
 
 def test_settings_handshake_names_auto():
-    from gf_tf.cross_device_ops import _density_code, _density_text
-    assert _density_text(_density_code(gf_tf.ChunkSparsity(density="auto"))) == "auto"
-    assert _density_text(_density_code(gf_tf.ChunkSparsity(density=0.01))) == "0.01"
-    assert _density_code(None) == 0.0
+    from gf_tf.reducers import DenseReducer
+
+    def density(reducer):
+        ((_, code, show),) = [s for s in reducer.handshake_settings() if s[0] == "sparsity density"]
+        return code, show(code)
+    assert density(gf_tf.ChunkSparsity(density="auto").reducer())[1] == "auto"
+    assert density(gf_tf.ChunkSparsity(density=0.01).reducer())[1] == "0.01"
+    assert density(DenseReducer())[0] == 0.0
 
 
 def _keras_auto(clock):

@@ -19,7 +19,7 @@ import pytest
 import tensorflow as tf
 
 import gf_tf
-from gf_tf.cross_device_ops import DEFAULT_BYTES_PER_PACK, _sparsity_fingerprint
+from gf_tf.cross_device_ops import DEFAULT_BYTES_PER_PACK
 from gf_tf.sparsity import select_chunks, selected_chunk_count
 
 
@@ -408,6 +408,33 @@ def test_a_changed_variable_list_resets_only_its_own_state_with_one_warning(capl
     assert int(run.state().step.numpy()) == 1
 
 
+def test_variable_set_state_turns_into_arrays_and_back_and_names_what_does_not_fit():
+    """Two packs (bytes_per_pack=1), momentum on, 2 replicas: one step counter per set and
+    replica, recorded by every pack; residuals and velocities per pack and replica."""
+    csc = gf_tf.ChunkSparsity(density=0.5, chunk_size=2, momentum=0.9)
+    run = Runner(2, csc, bytes_per_pack=1)
+    rng = np.random.default_rng(3)
+    run([[rng.normal(size=6).astype(np.float32), rng.normal(size=4).astype(np.float32)]
+         for _ in range(2)])
+    (variable_set,) = run.gfar.states().values()
+    arrays = variable_set.to_arrays()
+    assert sorted(arrays) == sorted([f"p{p}_{what}_r{r}" for p in range(2) for r in range(2)
+                                     for what in ("step", "residual", "velocity")]
+                                    + ["p0_residual_l1", "p1_residual_l1"])
+    assert variable_set.packs[0].steps is variable_set.packs[1].steps is variable_set.shared.steps
+    assert all(int(arrays[f"p{p}_step_r{r}"]) == 1 for p in range(2) for r in range(2))
+    saved = {k: np.array(v) for k, v in arrays.items()}
+    run([[np.ones(6, np.float32), np.ones(4, np.float32)]] * 2)
+    variable_set.assign_arrays(saved)
+    for key, value in variable_set.to_arrays().items():
+        np.testing.assert_array_equal(value, saved[key])
+    with pytest.raises(ValueError, match=r"missing \['p1_velocity_r0'\], extra \['p9_x'\]"):
+        variable_set.assign_arrays({**{k: v for k, v in saved.items() if k != "p1_velocity_r0"},
+                                    "p9_x": np.zeros(1)})
+    with pytest.raises(ValueError, match=r"'p0_residual_r1' .* shape \(5,\), the state has \(4,\)"):
+        variable_set.assign_arrays({**saved, "p0_residual_r1": np.zeros(5, np.float32)})
+
+
 def test_state_variables_are_plain_local_variables_on_each_replica_device():
     csc = gf_tf.ChunkSparsity(density=0.5, chunk_size=2, momentum=0.9)
     run = Runner(3, csc)
@@ -692,6 +719,13 @@ def test_selection_is_in_the_config_repr_and_cross_worker_fingerprint():
     assert per_pack.selection == "per_pack" and per_pack.get_config()["selection"] == "per_pack"
     assert whole.get_config()["selection"] == "global" and "selection='global'" in repr(whole)
     assert _sparsity_fingerprint(per_pack) != _sparsity_fingerprint(whole)
+
+
+def _sparsity_fingerprint(sparsity):
+    """The CRC32 the cross-worker handshake compares for these sparsity settings."""
+    ((name, number, _),) = [s for s in sparsity.reducer().handshake_settings()
+                            if s[0] == "sparsity settings (CRC32)"]
+    return number
 
 
 @pytest.mark.parametrize("num_replicas", [2, 3])

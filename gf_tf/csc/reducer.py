@@ -1,0 +1,293 @@
+"""The CSC step: the reducer of `gf_tf.reducers` for `ChunkSparsity` (algorithm: `gf_tf.csc`)."""
+
+import dataclasses
+from typing import Any, List, NamedTuple, Optional, Tuple
+
+import tensorflow as tf
+
+from gf_tf import ops
+from gf_tf import reducers
+from gf_tf.csc import auto, selection
+from gf_tf.csc.state import CSCSetState, CSCState
+from gf_tf.reducers import Communicator, PackStep, Reducer, Sent, StepInput
+
+
+@dataclasses.dataclass(frozen=True)
+class Accumulated:
+    """A pack's accumulator, per served replica: acc = residual + (u or g) float32 [n], its
+    local chunk L1 norms float32 [C] (before the all-reduce), the new velocity u (or None)."""
+    accs: List[tf.Tensor]
+    norms: List[tf.Tensor]
+    new_us: List[Optional[tf.Tensor]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaSend:
+    """What one served replica sends of one pack, and what it commits once the step is finite.
+
+    buffer: the selected chunks on the wire (padded to the static length unless its
+      indices came from a group's top K); size: its length (int, or int32 scalar);
+    idx: int32 selected chunk indices, ascending; finite: bool scalar, the
+      all-reduced norms are finite; postscale: undoes the prescale (and MEAN);
+    updates: (variable, new value) pairs: residual, velocity.
+    """
+    buffer: tf.Tensor
+    size: Any
+    idx: tf.Tensor
+    finite: tf.Tensor
+    postscale: Any
+    updates: Tuple[Tuple[tf.Variable, tf.Tensor], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PackSend:
+    """One pack's sends per served replica, and its residual L1 norm after the step."""
+    replicas: List[ReplicaSend]
+    residual_l1: tf.Tensor
+
+
+class Branch(NamedTuple):
+    """What one candidate's branch of the step returns (a nest for tf.switch_case).
+
+    outputs: the reduced tensors, pack by pack, served replica by replica;
+    sent_bytes, selected_chunks: int64 scalars of the plan; residual_l1: float32;
+    started, done: per served replica the auto clocks (empty without auto).
+    """
+    outputs: List[tf.Tensor]
+    sent_bytes: tf.Tensor
+    selected_chunks: tf.Tensor
+    residual_l1: tf.Tensor
+    started: List[tf.Tensor]
+    done: List[tf.Tensor]
+
+
+class CSCReducer(Reducer):
+    """Top-k chunks of residual + gradient, all packs of a set in one collective per wire dtype.
+
+    clock: density="auto"'s clock, clock(replica, event) -> float64 scalar
+      seconds, event "ready" (the replica's gradients are ready), "send" (its
+      chunk all-reduce can start) or "done" (it ended); tf.timestamp() by default.
+      Tests replace it (before the first trace) to feed known figures.
+    """
+
+    TIMING_FIGURES = auto.TIMING_FIGURES
+
+    def __init__(self, sparsity):
+        self.sparsity = sparsity
+        self.selection = selection.POLICIES[sparsity.selection]
+        self.clock = auto.timestamp
+
+    def create_states(self, packs, devices):
+        if not packs:
+            return None, []
+        shared = CSCSetState(packs[0].key.replace("/", "_"), len(devices), self.sparsity.auto)
+        return shared, [CSCState(pack.key.replace("/", "_"), pack.num_elements, devices,
+                                 self.sparsity.momentum > 0.0, shared.steps) for pack in packs]
+
+    def handshake_settings(self):
+        config = (type(self.sparsity).__name__, sorted(self.sparsity.get_config().items()))
+        return reducers.sparsity_settings(self.sparsity.density, config)
+
+    def reduce(self, step: StepInput):
+        """The packs share the schedule and step counter, so one `tf.switch_case` over
+        the candidates' plans (schedule stages; with density="auto" the warm-up
+        stages and the rungs) picks every pack's k at once."""
+        comm, cs = step.comm, self.sparsity.chunk_size
+        specs = [pack.spec for pack in step.packs]
+        counts = [ops.num_chunks(spec.num_elements, cs) for spec in specs]
+        timing = (auto.figures(step.shared.auto, self.clock, [p.grads for p in step.packs], comm)
+                  if self.sparsity.auto else reducers.no_control(comm))
+        accumulated = [self._accumulate(pack, comm) for pack in step.packs]
+        timing, *norms = reducers.fuse_controls(comm, [timing] + [a.norms for a in accumulated])
+        groups = selection.wire_groups(specs)
+        control_bytes = 4 * int(timing[0].shape[0])
+        plans = [selection.plan_step(specs, counts, groups, cs, self.selection, first, density,
+                                     control_bytes)
+                 for first, density in self.sparsity.candidates()]
+        index = self._plan_index(plans, step, timing)
+        branches = list(dict.fromkeys(plan.ks for plan in plans))
+        first_plan = {ks: next(p for p in plans if p.ks == ks) for ks in branches}
+
+        def branch(plan):
+            return lambda: self._step(step, counts, accumulated, norms, plan)
+
+        if len(branches) == 1:
+            result = branch(plans[0])()
+        else:
+            with tf.device("/cpu:0"):
+                which = tf.gather([branches.index(plan.ks) for plan in plans], index)
+            result = tf.switch_case(which, [branch(first_plan[ks]) for ks in branches])
+        with tf.device("/cpu:0"):
+            density = tf.gather(tf.constant([plan.density for plan in plans], tf.float64), index)
+            for r in comm.replicas:
+                step.shared.steps[r].assign_add(1)
+            if self.sparsity.auto:
+                auto.record(step.shared.auto, comm, result.started, result.done,
+                            result.sent_bytes)
+        sent = Sent(dense_bytes=4 * sum(spec.num_elements for spec in specs),
+                    sent_bytes=result.sent_bytes, selected_chunks=result.selected_chunks,
+                    total_chunks=sum(counts), residual_norm=result.residual_l1, density=density)
+        return _per_pack(result.outputs, specs, len(comm.replicas)), sent
+
+    def _plan_index(self, plans, step: StepInput, timing):
+        """int32 index into `plans` for this step (a Python 0 when there is one)."""
+        if len(plans) == 1:
+            return 0
+        staged = [plan.first_step for plan in plans if plan.first_step is not None]
+        with tf.device("/cpu:0"):
+            current = step.shared.steps[step.comm.replicas[0]].read_value()
+            stage = tf.reduce_sum(tf.cast(current >= tf.constant(staged, tf.int64), tf.int32)) - 1
+            if not self.sparsity.auto:
+                return stage
+            rung = auto.rung(timing[0], step.comm.num_replicas,
+                             [plan.sent_bytes for plan in plans if plan.first_step is None],
+                             self.sparsity.auto_budget)
+            return tf.where(current >= self.sparsity.warmup_steps, len(staged) + rung, stage)
+
+    def _accumulate(self, pack: PackStep, comm: Communicator) -> Accumulated:
+        state = pack.state
+
+        def accumulate(r, g):
+            u = state.velocities[r] if state.velocities else None
+            return ops.accumulate(state.residuals[r], g, self.sparsity.chunk_size, u,
+                                  self.sparsity.momentum)
+
+        accs, norms, new_us = zip(*comm.map(accumulate, pack.grads))
+        return Accumulated(list(accs), list(norms), list(new_us))
+
+    def _step(self, step: StepInput, counts, accumulated, norms, plan) -> Branch:
+        """One step at `plan`: every pack sends its k chunks (None: all, a dense step), or
+        its share of its wire group's top K (`selection.group_shares`)."""
+        comm = step.comm
+        picks = [None] * len(step.packs)
+        for group in plan.groups:
+            if group.top_k is not None:
+                shares = selection.group_shares([counts[j] for j in group.members],
+                                                [norms[j] for j in group.members],
+                                                group.top_k, comm)
+                for j, share in zip(group.members, shares):
+                    picks[j] = share
+        sends = [self._gather(*args, comm)
+                 for args in zip(step.packs, accumulated, norms, plan.ks, picks)]
+        received, started, done = self._exchange(plan, sends, comm)
+        outputs, residual_l1 = [], 0.0
+        for pack, send, parts, k in zip(step.packs, sends, received, plan.ks):
+            outputs.extend(self._scatter(pack, send, parts, k, comm))
+            residual_l1 += send.residual_l1
+        return Branch(outputs, tf.constant(plan.sent_bytes, tf.int64),
+                      tf.constant(plan.selected_chunks, tf.int64), residual_l1, started, done)
+
+    def _exchange(self, plan, sends: List[PackSend], comm: Communicator):
+        """The chunk all-reduce of each wire group: (per pack, per served replica its
+        received chunks; the auto "send" and "done" clocks per served replica, or [])."""
+        received = [[None] * len(comm.replicas) for _ in sends]
+        reduced, started = [[] for _ in comm.replicas], []
+        for group in plan.groups:
+            buffers = [_pad_to(tf.concat([sends[j].replicas[i].buffer for j in group.members], 0),
+                               group.length) for i in range(len(comm.replicas))]
+            if self.sparsity.auto and not started:   # the start of this step's chunk all-reduce
+                buffers, started = auto.clocked(buffers, self.clock, comm)
+            fused = comm.all_reduce_sum(buffers)
+            for i, buffer in enumerate(fused):
+                reduced[i].append(buffer)
+                with tf.device(buffer.device):
+                    sizes = [sends[j].replicas[i].size for j in group.members]
+                    for j, part in zip(group.members, tf.split(buffer, sizes + [-1])):
+                        received[j][i] = part
+        done = auto.done_clocks(reduced, self.clock, comm) if self.sparsity.auto else []
+        return received, started, done
+
+    def _gather(self, pack: PackStep, accumulated: Accumulated, norms, k, picks,
+                comm: Communicator) -> PackSend:
+        """The pack's chunks to send, per served replica: idx from `picks` (per replica, a
+        group's top K: unpadded, run-time sizes) or its own top k (padded to the static
+        length k*chunk_size; k None: every chunk)."""
+        spec, state, cs = pack.spec, pack.state, self.sparsity.chunk_size
+        length = spec.num_elements if k is None else k * cs
+
+        def send(r, acc, norm, new_u, pick):
+            finite = tf.reduce_all(tf.math.is_finite(norm))
+            if pick is not None:
+                idx = pick
+            elif k is None:
+                idx = tf.range(ops.num_chunks(spec.num_elements, cs), dtype=tf.int32)
+            else:
+                idx = selection.select_chunks(norm, k)
+            prescale, postscale = reducers.wire_scales(spec.wire_dtype, comm,
+                                                       lambda: tf.gather(norm, idx))
+            selected, new_residual, masked_u = ops.gather_chunks(
+                acc, idx, cs, spec.wire_dtype, prescale, new_u if k is not None else None)
+            if pick is None:
+                # Static wire shape on every step: pad a selected partial last chunk.
+                selected = _pad_to(selected, length)
+            updates = [(state.residuals[r], new_residual)]
+            if state.velocities:
+                updates.append((state.velocities[r], new_u if k is None else masked_u))
+            return ReplicaSend(selected, length if pick is None else tf.size(selected), idx,
+                               finite, postscale, tuple(updates))
+
+        replicas = comm.map(send, accumulated.accs, norms, accumulated.new_us,
+                            picks if picks is not None else [None] * len(comm.replicas))
+        return PackSend(replicas, self._residual_l1(state, accumulated, replicas[0], comm))
+
+    @staticmethod
+    def _residual_l1(state: CSCState, accumulated: Accumulated, first: ReplicaSend,
+                     comm: Communicator) -> tf.Tensor:
+        """L1 norm of the first served replica's residual after the step (kept if not finite)."""
+        with tf.device("/cpu:0"):
+            sent_chunks = tf.reshape(first.idx, [-1, 1])
+            new_l1 = tf.reduce_sum(tf.tensor_scatter_nd_update(
+                accumulated.norms[0], sent_chunks, tf.zeros(tf.shape(first.idx), tf.float32)))
+            residual_l1 = tf.where(first.finite, new_l1, state.residual_l1.read_value())
+            if comm.replicas[0] == 0:
+                state.residual_l1.assign(residual_l1)
+        return residual_l1
+
+    def _scatter(self, pack: PackStep, send: PackSend, parts, k, comm) -> List[tf.Tensor]:
+        """The pack's tensors from its received chunks, served replica by replica (flat);
+        commits the state where the step is finite."""
+        spec, cs = pack.spec, self.sparsity.chunk_size
+
+        def scatter(r, part, sent: ReplicaSend):
+            m = spec.num_elements if k is None else _selected_length(spec.num_elements, cs,
+                                                                      sent.idx)
+            out = ops.scatter_chunks(part[:m], sent.idx, cs, spec.shapes, spec.dtypes,
+                                     sent.postscale)
+            _assign_if(sent.finite, sent.updates)
+            return out
+
+        return [t for tensors in comm.map(scatter, parts, send.replicas) for t in tensors]
+
+
+def _selected_length(n, chunk_size, idx):
+    """Elements in the (sorted) chunks idx of a pack of n elements: the last chunk may be partial."""
+    c = ops.num_chunks(n, chunk_size)
+    short = c * chunk_size - n
+    has_last = tf.reduce_any(tf.equal(idx, c - 1))     # idx may be empty (selection="global")
+    return tf.size(idx) * chunk_size - short * tf.cast(has_last, tf.int32)
+
+
+def _pad_to(buffer, length):
+    """1-D `buffer` zero-padded at the end to the static `length` (>= its length)."""
+    if buffer.shape[0] == length:
+        return buffer
+    return tf.ensure_shape(tf.pad(buffer, [[0, length - tf.shape(buffer)[0]]]), [length])
+
+
+def _assign_if(condition, pairs):
+    """variable.assign(value) for each pair when `condition` (scalar bool) holds."""
+    def assign():
+        for variable, value in pairs:
+            variable.assign(value)
+        return tf.constant(True)
+    tf.cond(condition, assign, lambda: tf.constant(False))
+
+
+def _per_pack(flat, specs, num_replicas):
+    """The flat outputs (pack by pack, replica by replica) -> per pack, per replica a list."""
+    out, i = [], 0
+    for spec in specs:
+        size = len(spec.shapes)
+        out.append([list(flat[i + r * size:i + (r + 1) * size]) for r in range(num_replicas)])
+        i += size * num_replicas
+    return out

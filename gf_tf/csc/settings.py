@@ -1,0 +1,242 @@
+"""CSC settings: `ChunkSparsity`, its defaults, the warm-up schedule and the auto rungs.
+
+Source: GradientFlow (arXiv 1902.06855), "coarse-grained sparse
+communication"; momentum correction and warm-up as in Deep Gradient
+Compression (Lin et al., arXiv 1712.01887, sections 3.2 and 3.4). The
+algorithm of one step is described in `gf_tf.csc` (package doc).
+"""
+
+import math
+from typing import Optional, Tuple, Union
+
+from gf_tf.csc.reducer import CSCReducer
+from gf_tf.csc.selection import POLICIES
+
+# Chosen with benchmarks/csc_defaults.py and benchmarks/convergence.py: at
+# 1024 elements the norms cost 0.1% of the float32 bytes (15% of what a 1%
+# step sends; 43% at 256), the 0.54M-parameter digits CNN still has 533 chunks,
+# the selected chunks carry about as much of the accumulator's L1 mass per
+# step as 16-256 element chunks (2.2% vs 2.3-2.8% at density 1%), and density
+# 1% (151x fewer bytes) trains the digits CNN as well as dense float32.
+DEFAULT_CHUNK_SIZE = 1024
+DEFAULT_DENSITY = 0.01
+
+# density="auto" (see ChunkSparsity): the densities it may choose (static k per pack per
+# rung, so every rung's wire shape is static), its default floor and communication budget.
+AUTO = "auto"
+AUTO_LADDER = (0.25, 0.1, 0.03, 0.01, 0.003, 0.001)
+# benchmarks/convergence.py (digits CNN, 10 epochs, 2 workers, momentum correction 0.9,
+# 50 dense warm-up steps): dense float32 96.94%, CSC 10% 96.94%, 1% 97.22%, 0.1% 97.22%.
+DEFAULT_MIN_DENSITY = 0.001
+DEFAULT_AUTO_BUDGET = 0.05
+
+WARMUP_MODES = ("dense", "exponential")
+SELECTIONS = tuple(POLICIES)     # "per_pack", "global"
+
+
+class ChunkSparsity:
+    """CSC configuration and state, for `GradientFlowAllReduce(sparsity=...)`.
+
+    Args:
+      density: target fraction of chunks sent per step, in (0, 1]. k =
+        max(1, ceil(density * num_chunks)) chunks of each pack are sent.
+        1.0 means dense. Or "auto": the density follows the measured link
+        (below).
+      chunk_size: elements per chunk (>= 1). The chunk norms add 4 bytes per
+        chunk_size elements to each step (1/chunk_size of the float32 bytes).
+      warmup_steps: number of all-reduce steps (optimizer steps) at the start
+        that use the warm-up schedule instead of `density`.
+      momentum: momentum correction factor m in [0, 1). With m > 0 this object
+        keeps the momentum u = m*u + g per replica and sends from
+        residual + u, so the optimizer must be plain SGD WITHOUT momentum
+        (e.g. keras.optimizers.SGD(learning_rate, momentum=0.0)) set to the
+        learning rate you would use with momentum m (for a constant rate the
+        dense steps then equal Keras's SGD with momentum m). With m = 0 it is
+        plain error feedback and any optimizer can be used (momentum
+        optimizers converge worse at low density: see DGC).
+      warmup: the schedule during the first `warmup_steps` steps:
+        "dense": every pack is all-reduced densely (wire dtype of the pack);
+        "exponential": the warm-up is cut into equal stages of density
+          0.25, 0.25/4, 0.25/16, ... (those above `density`), as in DGC's
+          25% -> 6.25% -> 1.5625% -> 0.4% ramp.
+        See `schedule()` and `density_at(step)`. Momentum correction needs
+        a warm-up: on the digits CNN at density 1% (benchmarks/convergence.py)
+        it diverged without one and with the exponential ramp from step 0,
+        and matched dense float32 after 50 dense steps; plain error feedback
+        (momentum=0) converged without warm-up.
+      min_density: density="auto" only: the floor, in (0, 1]. The default
+        0.001 comes from benchmarks/convergence.py (digits CNN, 10 epochs, 2
+        workers, momentum correction 0.9, 50 dense warm-up steps): dense
+        float32 96.94% test accuracy, dense FP16 97.78%, CSC 10% 96.94%,
+        1% 97.22%, 0.1% 97.22%: no loss down to 0.1%. Raise it for models
+        that lose accuracy there.
+      auto_budget: density="auto" only: communication seconds allowed per
+        second of compute, > 0 (default 0.05).
+
+    density="auto": after the warm-up, each step picks one rung of
+    `rungs()` (AUTO_LADDER = 0.25, 0.1, 0.03, 0.01, 0.003, 0.001 above
+    `min_density`, then `min_density`); every rung has its own static k per
+    pack, so wire shapes stay static and the rungs are branches of one
+    `tf.switch_case`. Each step measures, per replica, with `tf.timestamp()`:
+    t_c, the compute seconds (gradients ready minus the end of the previous
+    step's communication) and t_m, the seconds of the chunk all-reduce (the
+    local chunk path, which costs the same at every rung, is left out), with
+    b, the bytes that step sent. The figures ride in the
+    step's control all-reduce (3 float32 more, no extra collective), so every
+    replica on every worker decides from the same sums with the same float32
+    arithmetic and picks the same rung (`choose_rung`): predicting
+    t(d) = t_m * bytes(d) / b, the largest d with t(d) <= auto_budget * t_c,
+    else the floor; the floor when nothing was measured yet (the first step;
+    dense warm-up steps measure too, so the first sparse step after a warm-up
+    already decides on a measurement). CSC's collectives run after the last
+    gradient of the step is ready (the norms decide which chunks to send), so
+    they cannot hide behind backprop: "hides behind compute" is implemented as
+    "costs at most auto_budget of the compute time", which keeps throughput
+    within a factor 1 / (1 + auto_budget) (95% at 0.05) of a step without
+    communication, hence of the fastest fixed density, while sending the most
+    chunks the link affords. The decision follows the previous step's
+    figures; a slow step (an evaluation between epochs) may give one step at a
+    higher density. The chosen density is `GradientFlowStats`' `gf_density`.
+      selection: which chunks compete for the k places:
+        "per_pack": each pack sends its own top k = max(1, ceil(density *
+          C_p)) of its C_p chunks (every pack is represented every step);
+        "global": one top K = max(1, ceil(density * C)) over the C chunks of
+          all packs of one wire dtype (the whole model in practice), the
+          whole-model importance of GradientFlow's CSC; a pack may send none
+          or all of its chunks on a step. Same bytes on the wire, same two
+          collectives per step; ties go to the lower chunk index, counting
+          through the packs in their all-reduce order.
+
+    Raises:
+      ValueError naming the argument when one is out of range.
+
+    This object holds settings only. The state (`CSCState`: residuals,
+    velocities, step counters) belongs to the variables whose gradients it
+    holds: GradientFlowAllReduce keeps one per variable set (see
+    `GradientFlowAllReduce.states()`), so two models or two optimizers under
+    one strategy never share it. The state is saved with the optimizer's
+    checkpoint (`gf_tf.checkpoint`: `model.save_weights`, `ModelCheckpoint`,
+    `BackupAndRestore`), each worker its own; use
+    `gf_tf.checkpoint.BackupAndRestore` with several workers.
+    """
+
+    def __init__(self, density: Union[float, str] = DEFAULT_DENSITY,
+                 chunk_size: int = DEFAULT_CHUNK_SIZE, warmup_steps: int = 0,
+                 momentum: float = 0.0, warmup: str = "dense", selection: str = "per_pack",
+                 min_density: float = DEFAULT_MIN_DENSITY,
+                 auto_budget: float = DEFAULT_AUTO_BUDGET):
+        if isinstance(density, str):
+            if density != AUTO:
+                raise ValueError(f"density must be a fraction in (0, 1] or \"auto\", got {density!r}")
+        elif isinstance(density, bool) or not (isinstance(density, (int, float))
+                                               and 0.0 < density <= 1.0):
+            raise ValueError(f"density must be a fraction in (0, 1] or \"auto\", got {density!r}")
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be an int >= 1 (elements), got {chunk_size!r}")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+        if not (isinstance(momentum, (int, float)) and 0.0 <= momentum < 1.0):
+            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+        if warmup not in WARMUP_MODES:
+            raise ValueError(f"warmup must be one of {WARMUP_MODES}, got {warmup!r}")
+        if selection not in SELECTIONS:
+            raise ValueError(f"selection must be one of {SELECTIONS} (top-k per pack or over "
+                             f"the whole model), got {selection!r}")
+        if isinstance(min_density, bool) or not (isinstance(min_density, (int, float))
+                                                 and 0.0 < min_density <= 1.0):
+            raise ValueError(f"min_density must be a fraction in (0, 1] (the floor of "
+                             f"density=\"auto\"), got {min_density!r}")
+        if isinstance(auto_budget, bool) or not (isinstance(auto_budget, (int, float))
+                                                 and 0.0 < auto_budget < math.inf):
+            raise ValueError(f"auto_budget must be a number > 0 (communication seconds per "
+                             f"compute second), got {auto_budget!r}")
+        self.density = AUTO if density == AUTO else float(density)
+        self.chunk_size = chunk_size
+        self.warmup_steps = warmup_steps
+        self.momentum = float(momentum)
+        self.warmup = warmup
+        self.selection = selection
+        self.min_density = float(min_density)
+        self.auto_budget = float(auto_budget)
+
+    @property
+    def auto(self) -> bool:
+        """True for density="auto"."""
+        return self.density == AUTO
+
+    def rungs(self) -> Tuple[float, ...]:
+        """The densities density="auto" chooses from, largest first.
+
+        AUTO_LADDER's entries above `min_density`, then `min_density` (the
+        floor, always the last rung). For a numeric density: (density,).
+        """
+        if not self.auto:
+            return (self.density,)
+        return tuple(d for d in AUTO_LADDER if d > self.min_density) + (self.min_density,)
+
+    def __repr__(self):
+        auto = (f", min_density={self.min_density}, auto_budget={self.auto_budget}"
+                if self.auto else "")
+        return (f"ChunkSparsity(density={self.density!r}, chunk_size={self.chunk_size}, "
+                f"warmup_steps={self.warmup_steps}, momentum={self.momentum}, "
+                f"warmup={self.warmup!r}, selection={self.selection!r}{auto})")
+
+    # -- schedule ----------------------------------------------------------
+
+    def schedule(self) -> Tuple[Tuple[int, Union[float, str]], ...]:
+        """The density schedule as ((first_step, density), ...).
+
+        first_step ascending from 0, density non-increasing; a stage lasts
+        until the next one's first_step, the last one forever; density 1.0
+        is a dense step. Examples (density=0.001, warmup_steps=400):
+        "dense": ((0, 1.0), (400, 0.001));
+        "exponential": ((0, 0.25), (100, 0.0625), (200, 0.015625),
+        (300, 0.00390625), (400, 0.001)).
+        With density="auto" the last stage's density is "auto" (chosen each
+        step among `rungs()`), and the exponential ramp stops above
+        `min_density`.
+        """
+        if self.warmup_steps == 0:
+            return ((0, self.density),)
+        target = self.min_density if self.auto else self.density
+        if self.warmup == "dense":
+            ramp = [1.0] if target < 1.0 else []
+        else:
+            ramp = []
+            d = 0.25
+            while d > target:
+                ramp.append(d)
+                d /= 4
+        stages = [(i * self.warmup_steps // len(ramp), d) for i, d in enumerate(ramp)]
+        stages.append((self.warmup_steps, self.density))
+        # Stages shorter than one step (warmup_steps < len(ramp)) vanish.
+        return tuple(s for s, nxt in zip(stages, stages[1:] + [None])
+                     if nxt is None or nxt[0] > s[0])
+
+    def density_at(self, step: int) -> Union[float, str]:
+        """Density of all-reduce step `step` (0-based) under `schedule()` ("auto" after an auto warm-up)."""
+        current = self.density
+        for first_step, density in self.schedule():
+            if step >= first_step:
+                current = density
+        return current
+
+    def candidates(self) -> Tuple[Tuple[Optional[int], float], ...]:
+        """The densities a step may run at, as ((first_step or None, density), ...):
+        the numeric stages of `schedule()`, then (density="auto") every rung with
+        first_step None."""
+        stages = [(s, d) for s, d in self.schedule() if d != AUTO]
+        return tuple(stages + ([(None, d) for d in self.rungs()] if self.auto else []))
+
+    def reducer(self) -> CSCReducer:
+        """The reducer GradientFlowAllReduce runs each variable set's packs through."""
+        return CSCReducer(self)
+
+    def get_config(self) -> dict:
+        """The constructor arguments (also compared across workers by GradientFlowAllReduce)."""
+        config = {"density": self.density, "chunk_size": self.chunk_size,
+                  "warmup_steps": self.warmup_steps, "momentum": self.momentum,
+                  "warmup": self.warmup, "selection": self.selection}
+        if self.auto:
+            config.update(min_density=self.min_density, auto_budget=self.auto_budget)
+        return config
