@@ -11,7 +11,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from gf_tf import agreement, keras_compat, packing, tf_internal
+from gf_tf import agreement, integrations, packing, tf_internal
 from gf_tf.compression import PACKABLE_DTYPES, WIRE_FORMATS, as_compression
 from gf_tf.reducers import Communicator, DenseReducer, Sent
 from gf_tf.state import StateRegistry, VariableSetState
@@ -98,8 +98,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         self._states = StateRegistry()
         # Keras's gradient all-reduce comes here; Keras's fit fixes (multi-step loop, replicas
         # skipping non-finite steps together) for MirroredStrategy users too.
-        keras_compat.install_gradient_hook()
-        keras_compat.install()
+        integrations.install_all()
 
     def __repr__(self):
         return (f"GradientFlowAllReduce(compression={self.compression.name!r}, "
@@ -115,6 +114,16 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
     def states(self):
         """{variable-set name: gf_tf.state.VariableSetState}: plan and per-pack state (read-only use)."""
         return self._states.states()
+
+    @property
+    def workers(self):
+        """gf_tf.strategy.WorkerInfo (rank, names), set by gf_tf.MultiWorkerMirroredStrategy; else None."""
+        return self._workers
+
+    @property
+    def state_registry(self) -> StateRegistry:
+        """The gf_tf.state.StateRegistry of this object's variable sets (all_states, add_listener)."""
+        return self._states
 
     def reset_states(self) -> None:
         """Drops every variable set's state (CSC residuals, velocities, step counters)."""
