@@ -6,10 +6,11 @@ figures in the `fit` logs (hence `History` and TensorBoard), is in the Keras
 wing (gf_tf.keras.callbacks); `gf_tf.stats.GradientFlowStats` still names it.
 """
 
-import importlib
 from typing import Dict, Optional
 
 import tensorflow as tf
+
+from gf_tf import integrations
 
 # Per-step figures reported by CommStats.result and GradientFlowStats.
 FIGURES = ("dense_bytes_per_step", "sent_bytes_per_step", "compression_ratio",
@@ -98,9 +99,7 @@ class CommStats:
 
 
 
+
 def __getattr__(name):
-    # The callback moved to the Keras wing; it is imported only when asked for by this name,
-    # so importing gf_tf.stats (the core) loads no Keras.
-    if name == "GradientFlowStats":
-        return importlib.import_module("gf_tf.keras.callbacks").GradientFlowStats
-    raise AttributeError(f"module 'gf_tf.stats' has no attribute {name!r}")
+    # GradientFlowStats moved to the Keras wing; gf_tf/__init__.py lends it here.
+    return integrations.lent(__name__, name)
