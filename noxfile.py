@@ -39,7 +39,7 @@ def _install(session, tf_version: str, flavour: str) -> dict:
            "TF_USE_LEGACY_KERAS": "1" if flavour == "tf_keras" else "0"}
     if flavour == "tf_keras":
         session.install("--no-deps", f"tf-keras=={tf_version}.*")
-    session.run("python", "-c", "import tensorflow as tf, gf_tf.keras_compat as k; "
+    session.run("python", "-c", "import tensorflow as tf, gf_tf.keras.flavour as k; "
                 "print('cell: TensorFlow', tf.__version__, k.flavour(), k.keras_module().__version__); "
                 "k.check_keras_version()", env=env)
     return env

@@ -7,13 +7,16 @@ Public API:
   GradientFlowStats  Keras callback: bytes sent, compression ratio, chunks, residual norm
   all_reduce_gradients  a custom loop's gradient all-reduce, compressed by GradientFlow
   checkpoint  CSC state in checkpoints; BackupAndRestore for multi-worker GradientFlow jobs
-  keras_compat  the Keras fixes for multi-worker fit (install()) and the gradient hook
+  keras_compat  the Keras fixes for multi-worker fit and the gradient hook (install())
+  keras    the Keras wing holding those (`import gf_tf.keras`); the core imports no Keras
   ops      pack/unpack, abs_max and the chunk ops (compiled, with a composite-TF fallback)
   launch   local multi-worker launcher and TF_CONFIG helpers (gf-tf-run)
 
 Names are imported on first use, so `gf-tf-run` (gf_tf.launch) starts without
 importing TensorFlow. gf_tf does not install TensorFlow: importing it without one
-raises ImportError naming the `cpu` extra.
+raises ImportError naming the `cpu` extra. This module wires the Keras wing to
+the core: it registers the wing's installer with gf_tf.integrations, which
+GradientFlowAllReduce runs when created.
 """
 
 import importlib
@@ -36,11 +39,25 @@ def _require_tensorflow() -> None:
 
 _require_tensorflow()
 
+from gf_tf import integrations  # noqa: E402  (imports nothing, so gf-tf-run stays light)
+
+
+def _install_keras_wing() -> None:
+    """gf_tf.keras.install(), importing the Keras wing only now, and only if a Keras is installed."""
+    if importlib.util.find_spec("keras") is None and importlib.util.find_spec("tf_keras") is None:
+        return
+    importlib.import_module("gf_tf.keras").install()
+
+
+integrations.register(_install_keras_wing)
+integrations.lend("gf_tf.stats", "GradientFlowStats",
+                  lambda: importlib.import_module("gf_tf.keras.callbacks").GradientFlowStats)
+
 _EXPORTS = {
     "GradientFlowAllReduce": "gf_tf.cross_device_ops",
     "MultiWorkerMirroredStrategy": "gf_tf.strategy",
     "ChunkSparsity": "gf_tf.sparsity",
-    "GradientFlowStats": "gf_tf.stats",
+    "GradientFlowStats": "gf_tf.keras.callbacks",
     "all_reduce_gradients": "gf_tf.gradients",
 }
 _SUBMODULES = ("checkpoint", "keras_compat", "launch", "ops")

@@ -11,7 +11,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from gf_tf import agreement, keras_compat, packing, tf_internal
+from gf_tf import agreement, integrations, packing, tf_internal
 from gf_tf.agreement import hex_text
 from gf_tf.compression import WIRE_FORMATS, as_compression
 from gf_tf.reducers import Communicator, DenseReducer, PackStep, Sent, StepInput
@@ -99,8 +99,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         self._states = StateRegistry()
         # Keras's gradient all-reduce comes here; Keras's fit fixes (multi-step loop, replicas
         # skipping non-finite steps together) for MirroredStrategy users too.
-        keras_compat.install_gradient_hook()
-        keras_compat.install()
+        integrations.install_all()
 
     def __repr__(self):
         return (f"GradientFlowAllReduce(compression={self.compression.name!r}, "

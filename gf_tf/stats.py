@@ -1,19 +1,29 @@
 """Communication statistics of a GradientFlowAllReduce (bytes, chunks, residual).
 
 `CommStats` holds running totals as tf.Variables updated inside the traced
-step; `GradientFlowStats` is the Keras callback that turns them into per-step
-figures in the `fit` logs (hence `History` and TensorBoard).
+step; `GradientFlowStats`, the Keras callback that turns them into per-step
+figures in the `fit` logs (hence `History` and TensorBoard), is in the Keras
+wing (gf_tf.keras.callbacks); `gf_tf.stats.GradientFlowStats` still names it.
 """
 
 from typing import Dict, Optional
 
 import tensorflow as tf
 
-from gf_tf import keras_compat
+from gf_tf import integrations
 
 # Per-step figures reported by CommStats.result and GradientFlowStats.
 FIGURES = ("dense_bytes_per_step", "sent_bytes_per_step", "compression_ratio",
            "selected_chunks_per_step", "total_chunks_per_step", "residual_norm", "density")
+
+# CommStats's running totals: (attribute and key of `totals()`, dtype, tf.Variable name).
+_TOTALS = (("steps", tf.int64, "gf_steps"),
+           ("dense_bytes", tf.float64, "gf_dense_equivalent_bytes"),
+           ("sent_bytes", tf.float64, "gf_sent_bytes"),
+           ("selected_chunks", tf.float64, "gf_selected_chunks"),
+           ("total_chunks", tf.float64, "gf_total_chunks"),
+           ("residual_norm", tf.float32, "gf_residual_norm"),
+           ("densities", tf.float64, "gf_densities"))
 
 
 class CommStats:
@@ -27,19 +37,8 @@ class CommStats:
 
     def __init__(self):
         with tf.device("/cpu:0"):
-            self.steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="gf_steps")
-            self.dense_bytes = tf.Variable(0.0, dtype=tf.float64, trainable=False,
-                                           name="gf_dense_equivalent_bytes")
-            self.sent_bytes = tf.Variable(0.0, dtype=tf.float64, trainable=False,
-                                          name="gf_sent_bytes")
-            self.selected_chunks = tf.Variable(0.0, dtype=tf.float64, trainable=False,
-                                               name="gf_selected_chunks")
-            self.total_chunks = tf.Variable(0.0, dtype=tf.float64, trainable=False,
-                                            name="gf_total_chunks")
-            self.residual_norm = tf.Variable(0.0, dtype=tf.float32, trainable=False,
-                                             name="gf_residual_norm")
-            self.densities = tf.Variable(0.0, dtype=tf.float64, trainable=False,
-                                         name="gf_densities")
+            for attribute, dtype, name in _TOTALS:
+                setattr(self, attribute, tf.Variable(0, dtype=dtype, trainable=False, name=name))
 
     def update(self, dense_bytes, sent_bytes, selected_chunks=0, total_chunks=0,
                residual_norm=None, density=None):
@@ -69,15 +68,8 @@ class CommStats:
     def totals(self) -> Dict[str, float]:
         """The running totals since creation (eager): steps, bytes, chunks, last residual norm,
         sum of the steps' densities."""
-        return {
-            "steps": int(self.steps.numpy()),
-            "dense_bytes": float(self.dense_bytes.numpy()),
-            "sent_bytes": float(self.sent_bytes.numpy()),
-            "selected_chunks": float(self.selected_chunks.numpy()),
-            "total_chunks": float(self.total_chunks.numpy()),
-            "residual_norm": float(self.residual_norm.numpy()),
-            "densities": float(self.densities.numpy()),
-        }
+        return {attribute: (int if dtype.is_integer else float)(getattr(self, attribute).numpy())
+                for attribute, dtype, _ in _TOTALS}
 
     def result(self, since: Optional[Dict[str, float]] = None) -> dict:
         """Per-step means since creation, or since an earlier `totals()` snapshot.
@@ -106,46 +98,8 @@ class CommStats:
         }
 
 
-class GradientFlowStats(keras_compat.callback_base()):
-    """Keras callback: GradientFlow's communication figures in the `fit` logs.
 
-    A Keras 3 callback, or a tf-keras one when TF_USE_LEGACY_KERAS=1 (the Keras `tf.keras` is).
 
-    At the end of every epoch it adds, per all-reduce step of that epoch,
-    `gf_dense_bytes_per_step` (float32 dense-equivalent bytes),
-    `gf_sent_bytes_per_step` (bytes put into the collectives),
-    `gf_compression_ratio`, `gf_selected_chunks_per_step`,
-    `gf_total_chunks_per_step`, `gf_residual_norm` (L1 norm of the CSC
-    residual at the end of the epoch) and `gf_density` (mean CSC density per
-    step; with ChunkSparsity(density="auto") what it chose) to the epoch logs. `History`
-    (model.fit's return value) records them; a `keras.callbacks.TensorBoard`
-    listed AFTER this callback writes them as epoch scalars.
-
-    Args:
-      gradient_flow: the `gf_tf.GradientFlowAllReduce` (or its `CommStats`)
-        that carries the model's gradients.
-      prefix: prefix of the log keys.
-
-    Raises:
-      TypeError if `gradient_flow` has no statistics.
-    """
-
-    def __init__(self, gradient_flow, prefix: str = "gf_"):
-        super().__init__()
-        stats = getattr(gradient_flow, "stats", gradient_flow)
-        if not isinstance(stats, CommStats):
-            raise TypeError(f"GradientFlowStats needs a gf_tf.GradientFlowAllReduce or its "
-                            f"CommStats, got {type(gradient_flow).__name__}")
-        self.stats = stats
-        self.prefix = prefix
-        self._epoch_start = None
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._epoch_start = self.stats.totals()
-
-    def on_epoch_end(self, epoch, logs=None):
-        if logs is None:
-            return
-        figures = self.stats.result(since=self._epoch_start)
-        for name in FIGURES:
-            logs[self.prefix + name] = figures[name]
+def __getattr__(name):
+    # GradientFlowStats moved to the Keras wing; gf_tf/__init__.py lends it here.
+    return integrations.lent(__name__, name)

@@ -217,7 +217,7 @@ def test_backup_and_restore_resumes_csc_state(tmp_path):
     restored = {}
     recorder = _Recorder(restored)
     model_c.optimizer.build(model_c.trainable_variables)   # attaches the checkpoint's listener
-    gfar_c._states.add_listener(recorder.record)  # pylint: disable=protected-access
+    gfar_c.state_registry.add_listener(recorder.record)
     history = model_c.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0,
                           callbacks=[checkpoint.BackupAndRestore(backup),
                                      gf_tf.GradientFlowStats(gfar_c)])

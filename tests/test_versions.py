@@ -1,9 +1,19 @@
-"""The supported matrix is written once (tf_internal, keras_compat) and enforced with clear errors."""
+"""The supported matrix is written once (tf_internal, keras_compat) and enforced with clear errors;
+the Keras wing (gf_tf/keras/) is the one place that knows Keras, and the core imports none of it."""
+
+import importlib
+import os
+import subprocess
+import sys
 
 import pytest
 import tensorflow as tf
 
+import gf_tf
 from gf_tf import keras_compat, tf_internal
+from gf_tf.keras import flavour, patches
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SUPPORTED_TF = ("2.18", "2.19", "2.20", "2.21")
 
@@ -53,3 +63,68 @@ def test_flavour_follows_tf_use_legacy_keras(monkeypatch):
     assert not keras_compat.uses_tf_keras() and keras_compat.flavour() == "keras"
     monkeypatch.delenv("TF_USE_LEGACY_KERAS")
     assert keras_compat.flavour() == "keras"
+
+
+# --- the Keras wing and the core ---------------------------------------------------------
+
+KERAS_FREE_CORE = """
+import sys
+sys.modules["keras"] = sys.modules["tf_keras"] = None   # no Keras here: importing one fails
+import gf_tf.cross_device_ops, gf_tf.reducers, gf_tf.ops, gf_tf.stats, gf_tf.sparsity
+loaded = [m for m, module in sys.modules.items() if module is not None and (
+    m == "keras" or m.startswith(("keras.", "tf_keras", "gf_tf.keras")))]
+print("keras modules:", loaded)
+print(gf_tf.GradientFlowAllReduce(compression="bf16"))
+"""
+
+
+def test_the_core_imports_and_runs_without_keras():
+    """TensorFlow imports Keras by itself when one is installed, so the core is tried with none."""
+    out = subprocess.run([sys.executable, "-c", KERAS_FREE_CORE], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3"),
+                         check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "keras modules: []" in out.stdout, out.stdout
+    assert "GradientFlowAllReduce(compression='bf16'" in out.stdout, out.stdout
+
+
+def _target(module, attribute):
+    owner = importlib.import_module(module)
+    *path, name = attribute.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return getattr(owner, name)
+
+
+def test_a_gradient_flow_all_reduce_installs_every_patch_of_the_running_keras_once():
+    gf_tf.GradientFlowAllReduce()
+    gf_tf.GradientFlowAllReduce()   # installing again wraps nothing twice
+    active = [p for p in patches.PATCHES if flavour.patched_flavours().intersection(p.flavours)]
+    assert (flavour.flavour(),) in {p.flavours for p in active}
+    for patch in active:
+        installed = _target(patch.module, patch.attribute)
+        assert getattr(installed, "_gf_tf_patch", False), patch
+        assert not getattr(installed.__wrapped__, "_gf_tf_patch", False), patch
+
+
+def test_the_private_keras_names_gf_tf_overrides_exist_and_are_overridden():
+    from gf_tf.keras import checkpoint  # pylint: disable=import-outside-toplevel
+    for override in patches.OVERRIDES:
+        keras_name = _target(override.module, override.attribute)   # still a Keras name
+        ours = getattr(checkpoint, override.by)
+        if "." in override.attribute:
+            assert override.attribute.split(".")[-1] in vars(ours), override
+        else:
+            assert issubclass(ours, keras_name), override
+
+
+def test_the_old_module_names_are_the_keras_wing():
+    from gf_tf import checkpoint, stats  # pylint: disable=import-outside-toplevel
+    from gf_tf.keras import callbacks, checkpoint as wing_checkpoint  # pylint: disable=import-outside-toplevel
+    assert keras_compat.install is patches.install and keras_compat.flavour is flavour.flavour
+    assert keras_compat.in_multi_worker_mode is patches.in_multi_worker_mode
+    assert checkpoint.BackupAndRestore is wing_checkpoint.BackupAndRestore
+    assert checkpoint.attach is wing_checkpoint.attach and checkpoint.of is wing_checkpoint.of
+    assert stats.GradientFlowStats is gf_tf.GradientFlowStats is callbacks.GradientFlowStats
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        stats.nothing  # pylint: disable=pointless-statement

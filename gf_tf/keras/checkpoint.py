@@ -7,7 +7,7 @@ model's checkpoint:
 
 - `GradientFlowCheckpoint` is attached to every Keras optimizer built under a
   strategy whose cross-device ops are a `gf_tf.GradientFlowAllReduce`
-  (keras_compat.install_checkpoint_hook), as the attribute `_gf_tf_checkpoint`.
+  (the `TFOptimizer.build` patch of gf_tf.keras.patches), as the attribute `_gf_tf_checkpoint`.
   So it is part of the optimizer's checkpoint: `model.save_weights` /
   `load_weights` (Keras walks the optimizer's KerasSaveable attributes; the
   state is under `optimizer/_gf_tf_checkpoint`), `ModelCheckpoint`,
@@ -46,12 +46,13 @@ import numpy as np
 import keras
 import tensorflow as tf
 
-from gf_tf import gradients, keras_compat, tf_internal
+from gf_tf import gradients, tf_internal
+from gf_tf.keras.flavour import check_keras_version
 
 FORMAT = 1
 ATTRIBUTE = "_gf_tf_checkpoint"
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("gf_tf.checkpoint")   # its name before the move to gf_tf.keras
 
 
 class _Held:
@@ -69,7 +70,17 @@ class _Held:
         self.iterations = None      # the optimizer's step counter
 
 
-class GradientFlowCheckpoint(keras_compat.keras_saveable_class(), tf.Module):
+def _keras_saveable_class():
+    """`keras.src.saving.keras_saveable.KerasSaveable`, the base Keras's weight saving walks.
+
+    A private Keras name, listed in gf_tf.keras.patches.OVERRIDES. RuntimeError on an untested Keras.
+    """
+    check_keras_version()
+    from keras.src.saving.keras_saveable import KerasSaveable  # pylint: disable=import-outside-toplevel
+    return KerasSaveable
+
+
+class GradientFlowCheckpoint(_keras_saveable_class(), tf.Module):
     """The CSC state of one optimizer's variable sets, as a Keras and TF checkpoint dependency.
 
     Keras format (`save_own_variables`): "meta" (uint8 JSON: format, worker,
@@ -86,7 +97,7 @@ class GradientFlowCheckpoint(keras_compat.keras_saveable_class(), tf.Module):
         self._self_held.gf = weakref.ref(gradient_flow)
         self._self_held.variables = [weakref.ref(v) for v in variables]
         self._self_held.num_local = len(strategy.extended.worker_devices)
-        gradient_flow._states.add_listener(self._on_new_state)  # pylint: disable=protected-access
+        gradient_flow.state_registry.add_listener(self._on_new_state)
 
     # --- Keras -----------------------------------------------------------------
 
@@ -137,7 +148,7 @@ class GradientFlowCheckpoint(keras_compat.keras_saveable_class(), tf.Module):
         return self._self_held.gf()
 
     def _worker(self):
-        workers = getattr(self._gf, "_workers", None)
+        workers = getattr(self._gf, "workers", None)
         return (0, 1) if workers is None else (workers.rank, workers.num_workers)
 
     def _positions(self, state) -> Optional[List[int]]:
@@ -151,7 +162,7 @@ class GradientFlowCheckpoint(keras_compat.keras_saveable_class(), tf.Module):
         return None if any(p is None for p in positions) else positions
 
     def _my_sets(self):
-        return [(s, self._positions(s)) for s in self._gf._states.all_states()  # pylint: disable=protected-access
+        return [(s, self._positions(s)) for s in self._gf.state_registry.all_states()
                 if s.has_state and self._positions(s) is not None]
 
     def _momentum(self) -> bool:
@@ -219,7 +230,7 @@ class GradientFlowCheckpoint(keras_compat.keras_saveable_class(), tf.Module):
                f"momentum correction was {'on' if meta['momentum'] else 'off'} when it was saved "
                f"and is {'on' if self._momentum() else 'off'} now")
         held.meta, held.arrays, held.applied = meta, arrays, set()
-        for state in self._gf._states.all_states():  # pylint: disable=protected-access
+        for state in self._gf.state_registry.all_states():
             self._apply(state)
 
     def _on_new_state(self, state) -> None:
@@ -339,7 +350,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         checkpoints from (`strategy.extended.should_checkpoint`), 1 elsewhere (such
         workers have no CSC state to write and only restore)."""
         strategy = self.model.distribute_strategy
-        workers = getattr(tf_internal.strategy_cross_device_ops(strategy), "_workers", None)
+        workers = getattr(tf_internal.strategy_cross_device_ops(strategy), "workers", None)
         if workers is not None:
             return workers.rank
         return 0 if strategy.extended.should_checkpoint else 1

@@ -1,8 +1,13 @@
-"""The Keras side of gf_tf: which Keras runs, its version check, and minimal version-guarded patches.
+"""Every private Keras name gf_tf touches, in one table, installed by one function.
 
-Two Keras flavours are supported (README "Supported versions"):
-- Keras 3 (`keras`, 3.15): its TensorFlow trainer fails under
-  `tf.distribute.MultiWorkerMirroredStrategy` (public report keras-team/keras#20585):
+`PATCHES` lists the Keras functions gf_tf wraps: target module, attribute, the
+Keras flavours it applies to (gf_tf.keras.flavour) and the reason. Each wrapper
+delegates to Keras's own code outside the case it fixes. `install()` applies
+those the running Keras needs, once. `OVERRIDES` lists the private Keras names
+that gf_tf's own subclasses define or derive from (gf_tf/keras/checkpoint.py).
+
+Keras 3 (`keras`, 3.15): its TensorFlow trainer fails under
+`tf.distribute.MultiWorkerMirroredStrategy` (public report keras-team/keras#20585):
   1. `TensorFlowTrainer._maybe_symbolic_build` calls
      `strategy.reduce("MEAN", <tuple of PerReplica>)` on a data batch:
      "Attempt to convert a value (PerReplica:{...}) to a Tensor". The build only
@@ -19,202 +24,87 @@ Two Keras flavours are supported (README "Supported versions"):
      while defining a new graph"): the all-reduce sits in a `tf.cond`. We raise a clear
      ValueError at fit time instead.
   Patches 1-2 are active only for a MultiWorkerMirroredStrategy in multi-worker
-  mode, 3-4 for MirroredStrategy and MultiWorkerMirroredStrategy; all delegate to Keras's
-  own code otherwise (private names:
-  keras.src.backend.tensorflow.trainer: TensorFlowTrainer._maybe_symbolic_build,
-  TensorFlowTrainer._make_function, reduce_per_replica).
-- tf-keras (`tf_keras`, Keras 2, selected by TF_USE_LEGACY_KERAS=1 as TensorFlow
-  selects it for `tf.keras`), of the same minor version as TensorFlow: its multi-worker
-  `fit` needs none of the Keras 3 fixes.
+  mode, 3-4 for MirroredStrategy and MultiWorkerMirroredStrategy.
+tf-keras (`tf_keras`, Keras 2): its multi-worker `fit` needs none of these fixes.
 
-Gradients reach GradientFlow through one hook per flavour (`install_gradient_hook`,
-installed by GradientFlowAllReduce), each calling `gf_tf.all_reduce_gradients` when the
-strategy's cross-device ops are a GradientFlowAllReduce, and Keras's own code otherwise:
-- Keras 3: `TFOptimizer._all_reduce_sum_gradients` (keras.src.backend.tensorflow.optimizer),
-  the optimizer's one gradient all-reduce;
-- tf-keras: `Optimizer.aggregate_gradients` (tf_keras.src.optimizers.optimizer) and
-  `OptimizerV2._aggregate_gradients` (tf_keras.src.optimizers.legacy.optimizer_v2), which
+Gradients reach GradientFlow through one hook per flavour, each calling
+`gf_tf.all_reduce_gradients` when the strategy's cross-device ops are a
+GradientFlowAllReduce, and Keras's own code otherwise:
+- Keras 3: `TFOptimizer._all_reduce_sum_gradients`, the optimizer's one gradient all-reduce;
+- tf-keras: `Optimizer.aggregate_gradients` and `OptimizerV2._aggregate_gradients`, which
   otherwise call `optimizer_utils.all_reduce_sum_gradients` (`all_reduce(SUM)` or
   `batch_reduce_to(SUM, grads_and_vars)`); its LossScaleOptimizers delegate to them.
-
-Two more Keras 3 hooks: `install_checkpoint_hook` (TFOptimizer.build,
-TFOptimizer._distribution_strategy, keras.src.saving.keras_saveable.KerasSaveable:
-CSC state in the optimizer's checkpoint) and `install_loss_scale_agreement`
-(LossScaleOptimizer._tf_apply: replicas skip non-finite steps together).
-
-`install()` and `install_gradient_hook()` apply only what the running flavour needs, after
-`check_keras_version`. These are the only private Keras attributes gf_tf touches.
+Two more Keras 3 patches: `TFOptimizer.build` (CSC state in the optimizer's checkpoint,
+gf_tf.keras.checkpoint.attach) and `LossScaleOptimizer._tf_apply` (replicas skip
+non-finite steps together).
 """
 
+import dataclasses
 import functools
 import importlib
-import os
 import threading
+from typing import Callable, Tuple
 
 import tensorflow as tf
 
 from gf_tf import cluster
+from gf_tf.keras.flavour import KERAS3, TF_KERAS, keras_module, patched_flavours
 
-TESTED_KERAS_VERSIONS = ("3.15",)                          # Keras 3
-TESTED_TF_KERAS_VERSIONS = ("2.18", "2.19", "2.20", "2.21")  # tf-keras, same minor as TensorFlow
-LEGACY_KERAS_ENV = "TF_USE_LEGACY_KERAS"
 _MAKE_FUNCTION_LOCK = threading.Lock()
+_MARK = "_gf_tf_patch"   # set on each installed wrapper: install() is idempotent
 
 
-def uses_tf_keras() -> bool:
-    """True if `tf.keras` is tf-keras here: TF_USE_LEGACY_KERAS is 1/true, TensorFlow's own rule."""
-    return os.environ.get(LEGACY_KERAS_ENV, "") in ("1", "true", "True")
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """`module`.`attribute` ("Class.method", or a module's function) replaced by `wrap(original)`."""
+    module: str
+    attribute: str
+    flavours: Tuple[str, ...]           # gf_tf.keras.flavour.KERAS3 / TF_KERAS
+    wrap: Callable[[Callable], Callable]
+    reason: str
 
 
-def keras_module():
-    """The Keras package `tf.keras` stands for: `tf_keras` (tf-keras) or `keras` (Keras 3)."""
-    return importlib.import_module("tf_keras" if uses_tf_keras() else "keras")
+@dataclasses.dataclass(frozen=True)
+class Override:
+    """A private Keras name that a gf_tf class defines or derives from (not patched in place)."""
+    module: str
+    attribute: str
+    by: str        # the gf_tf class that overrides it
+    reason: str
 
 
-def flavour() -> str:
-    """"tf-keras" or "keras" (Keras 3): the Keras that models built with `tf.keras` use."""
-    return "tf-keras" if uses_tf_keras() else "keras"
+def install() -> None:
+    """Installs every patch of PATCHES the running Keras needs, once (idempotent).
 
-
-def _minor(version: str) -> str:
-    return ".".join(version.split(".")[:2])
-
-
-def check_keras_version(version: str = None, tf_keras: bool = None) -> None:
-    """Raises RuntimeError unless the running Keras flavour and version were tested with gf_tf.
-
-    Keras 3: TESTED_KERAS_VERSIONS. tf-keras: TESTED_TF_KERAS_VERSIONS, and the same minor
-    version as TensorFlow (tf-keras X.Y is built for TensorFlow X.Y).
+    Called through gf_tf.integrations by GradientFlowAllReduce (so before Keras traces
+    a step with it) and by gf_tf.MultiWorkerMirroredStrategy (the fit fixes serve it
+    without GradientFlow too). The running flavour's patches; Keras 3 models (`import
+    keras`) may also run in a tf-keras process, so a tested Keras 3 is patched there too.
+    Raises RuntimeError on an untested Keras.
     """
-    tf_keras = uses_tf_keras() if tf_keras is None else tf_keras
-    if tf_keras:
-        version = version or keras_module().__version__
-        if _minor(version) not in TESTED_TF_KERAS_VERSIONS or _minor(version) != _minor(tf.__version__):
-            raise RuntimeError(
-                f"gf_tf was tested with tf-keras {', '.join(TESTED_TF_KERAS_VERSIONS)} "
-                f"(TF_USE_LEGACY_KERAS=1), each with the TensorFlow of the same minor version; found "
-                f"tf-keras {version} with TensorFlow {tf.__version__}. Install "
-                f"tf-keras=={_minor(tf.__version__)}.* (or unset TF_USE_LEGACY_KERAS for Keras 3).")
+    flavours = patched_flavours()
+    for patch in PATCHES:
+        if flavours.intersection(patch.flavours):
+            _apply(patch)
+
+
+def _apply(patch: Patch) -> None:
+    owner = importlib.import_module(patch.module)
+    *path, name = patch.attribute.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    original = getattr(owner, name)
+    if getattr(original, _MARK, False):
         return
-    version = version or keras_module().__version__
-    if _minor(version) not in TESTED_KERAS_VERSIONS:
-        raise RuntimeError(
-            f"gf_tf patches Keras's TensorFlow trainer for multi-worker fit "
-            f"(keras-team/keras#20585) and was tested with Keras "
-            f"{', '.join(TESTED_KERAS_VERSIONS)}.x only; found Keras {version}. "
-            f"Install keras=={TESTED_KERAS_VERSIONS[-1]}.* or port gf_tf/keras_compat.py.")
-
-
-def callback_base():
-    """The Callback class of the running Keras flavour (GradientFlowStats derives from it)."""
-    return keras_module().callbacks.Callback
+    replacement = patch.wrap(original)
+    setattr(replacement, _MARK, True)
+    setattr(owner, name, replacement)
 
 
 def in_multi_worker_mode(strategy) -> bool:
     """True for a MultiWorkerMirroredStrategy spanning more than one worker."""
     return (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
             and cluster.of_strategy(strategy).is_multi_worker)
-
-
-def install() -> None:
-    """Installs the `fit` fixes the running Keras needs, once (idempotent).
-
-    Called by gf_tf.MultiWorkerMirroredStrategy and GradientFlowAllReduce. tf-keras needs
-    none; Keras 3 models (`import keras`) may also run in a tf-keras process, so a tested
-    Keras 3 is fixed there too. Raises RuntimeError on an untested Keras.
-    """
-    check_keras_version()
-    if not uses_tf_keras() or _tested_keras3_present():
-        _install_keras3_multi_worker_fixes()
-
-
-def _tested_keras3_present() -> bool:
-    try:
-        check_keras_version(importlib.import_module("keras").__version__, tf_keras=False)
-    except (ImportError, RuntimeError):
-        return False
-    return True
-
-
-def _install_keras3_multi_worker_fixes() -> None:
-    from keras.src.backend.tensorflow import trainer as tf_trainer  # pylint: disable=import-outside-toplevel
-    cls = tf_trainer.TensorFlowTrainer
-    if getattr(cls, "_gf_tf_patched", False):
-        return
-    cls._maybe_symbolic_build = _patched_symbolic_build(cls._maybe_symbolic_build)
-    cls._make_function = _patched_make_function(cls._make_function)
-    tf_trainer.reduce_per_replica = _patched_reduce_per_replica(tf_trainer.reduce_per_replica)
-    cls._gf_tf_patched = True
-    install_loss_scale_agreement()
-
-
-def install_gradient_hook() -> None:
-    """Routes the Keras optimizer's gradient all-reduce to gf_tf.all_reduce_gradients (idempotent).
-
-    Only where the strategy carries a GradientFlowAllReduce; elsewhere Keras's
-    own code runs unchanged. Hooks the running flavour (and a tested Keras 3 next to
-    tf-keras). Raises RuntimeError on an untested Keras version.
-    """
-    check_keras_version()
-    if uses_tf_keras():
-        _install_tf_keras_gradient_hook()
-    if not uses_tf_keras() or _tested_keras3_present():
-        _install_keras3_gradient_hook()
-
-
-def _install_keras3_gradient_hook() -> None:
-    from keras.src.backend.tensorflow import optimizer as tf_optimizer  # pylint: disable=import-outside-toplevel
-    cls = tf_optimizer.TFOptimizer
-    if getattr(cls, "_gf_tf_gradient_hook", False):
-        return
-    cls._all_reduce_sum_gradients = _patched_all_reduce_sum_gradients(
-        cls._all_reduce_sum_gradients)
-    cls._gf_tf_gradient_hook = True
-    install_checkpoint_hook()
-
-
-def install_checkpoint_hook() -> None:
-    """Attaches gf_tf.checkpoint's CSC state to each Keras optimizer built under GradientFlow (idempotent).
-
-    Patches `TFOptimizer.build` (keras.src.backend.tensorflow.optimizer; every
-    optimizer's `build` reaches it through `super().build`): after Keras's
-    build, `gf_tf.checkpoint.attach(optimizer, optimizer._distribution_strategy,
-    variables)`. BackupAndRestore builds the optimizer before it loads, so the
-    state's checkpoint object exists before any restore. Raises RuntimeError
-    on an untested Keras version.
-    """
-    check_keras_version()
-    from keras.src.backend.tensorflow import optimizer as tf_optimizer  # pylint: disable=import-outside-toplevel
-    cls = tf_optimizer.TFOptimizer
-    if getattr(cls, "_gf_tf_checkpoint_hook", False):
-        return
-    original = cls.build
-
-    @functools.wraps(original)
-    def build(self, variables):
-        original(self, variables)
-        from gf_tf import checkpoint  # pylint: disable=import-outside-toplevel
-        checkpoint.attach(self, self._distribution_strategy, variables)  # pylint: disable=protected-access
-
-    cls.build = build
-    cls._gf_tf_checkpoint_hook = True
-
-
-def keras_saveable_class():
-    """`keras.src.saving.keras_saveable.KerasSaveable`: the base Keras's weight saving walks."""
-    check_keras_version()
-    from keras.src.saving.keras_saveable import KerasSaveable  # pylint: disable=import-outside-toplevel
-    return KerasSaveable
-
-
-def _install_tf_keras_gradient_hook() -> None:
-    from tf_keras.src.optimizers import optimizer as tfk_optimizer  # pylint: disable=import-outside-toplevel
-    from tf_keras.src.optimizers.legacy import optimizer_v2  # pylint: disable=import-outside-toplevel
-    for cls, name in ((tfk_optimizer.Optimizer, "aggregate_gradients"),
-                      (optimizer_v2.OptimizerV2, "_aggregate_gradients")):
-        if not getattr(cls, "_gf_tf_gradient_hook", False):
-            setattr(cls, name, _patched_tf_keras_aggregate_gradients(getattr(cls, name)))
-            cls._gf_tf_gradient_hook = True
 
 
 def _patched_tf_keras_aggregate_gradients(original):
@@ -343,10 +233,8 @@ def _patched_reduce_per_replica(original):
     return reduce_per_replica
 
 
-# --- LossScaleOptimizer: every replica of every worker takes the same finite/non-finite branch ---
-
-def install_loss_scale_agreement() -> None:
-    """Patches Keras 3.15's `LossScaleOptimizer._tf_apply` so all replicas agree on "gradients finite".
+def _patched_tf_apply(original):
+    """Keras 3.15's `LossScaleOptimizer._tf_apply`, where all replicas agree on "gradients finite".
 
     Keras checks each replica's *local* gradients and, under `merge_call`, uses
     the first local replica's answer: an inf on replica 1 only is applied, and
@@ -356,18 +244,7 @@ def install_loss_scale_agreement() -> None:
     (`strategy.reduce(SUM)`, a float32 all-reduce through the strategy's own
     collectives) before the branch, so every replica skips the step and halves
     the loss scale together. Paths without `merge_call` keep Keras's code.
-    Idempotent; RuntimeError on an untested Keras version.
     """
-    check_keras_version()
-    from keras.src.optimizers import loss_scale_optimizer as lso  # pylint: disable=import-outside-toplevel
-    cls = lso.LossScaleOptimizer
-    if getattr(cls, "_gf_tf_agreement", False):
-        return
-    cls._tf_apply = _patched_tf_apply(cls._tf_apply)
-    cls._gf_tf_agreement = True
-
-
-def _patched_tf_apply(original):
     @functools.wraps(original)
     def _tf_apply(self, grads, trainable_variables=None):
         if (tf.distribute.in_cross_replica_context()
@@ -388,3 +265,53 @@ def _patched_tf_apply(original):
         tf.distribute.get_replica_context().merge_call(
             handle_cross_replica, args=(grads, trainable_variables))
     return _tf_apply
+
+
+def _patched_build(original):
+    """After Keras's build, the optimizer gets its gf_tf.keras.checkpoint state under GradientFlow.
+
+    Every optimizer's `build` reaches `TFOptimizer.build` through `super().build`.
+    BackupAndRestore builds the optimizer before it loads, so the state's
+    checkpoint object exists before any restore.
+    """
+    @functools.wraps(original)
+    def build(self, variables):
+        original(self, variables)
+        from gf_tf.keras import checkpoint  # pylint: disable=import-outside-toplevel
+        checkpoint.attach(self, self._distribution_strategy, variables)  # pylint: disable=protected-access
+    return build
+
+
+_TRAINER = "keras.src.backend.tensorflow.trainer"
+_TF_OPTIMIZER = "keras.src.backend.tensorflow.optimizer"
+_ISSUE_20585 = "keras-team/keras#20585: Keras 3 multi-worker fit"
+
+PATCHES = (
+    Patch(_TRAINER, "TensorFlowTrainer._maybe_symbolic_build", (KERAS3,), _patched_symbolic_build,
+          f"{_ISSUE_20585}: strategy.reduce on a batch of PerReplica; build from replica 0's batch"),
+    Patch(_TRAINER, "reduce_per_replica", (KERAS3,), _patched_reduce_per_replica,
+          f"{_ISSUE_20585}: scalar logs reduced with axis=0; reduce them with axis=None"),
+    Patch(_TRAINER, "TensorFlowTrainer._make_function", (KERAS3,), _patched_make_function,
+          "steps_per_execution > 1 under Mirrored strategies: inline the one step in the loop; "
+          "gradient_accumulation_steps > 1 there: a clear ValueError"),
+    Patch("keras.src.optimizers.loss_scale_optimizer", "LossScaleOptimizer._tf_apply", (KERAS3,),
+          _patched_tf_apply, "every replica of every worker skips a non-finite step together"),
+    Patch(_TF_OPTIMIZER, "TFOptimizer._all_reduce_sum_gradients", (KERAS3,),
+          _patched_all_reduce_sum_gradients, "the gradient hook: gf_tf.all_reduce_gradients"),
+    Patch(_TF_OPTIMIZER, "TFOptimizer.build", (KERAS3,), _patched_build,
+          "CSC state in the optimizer's checkpoint (reads TFOptimizer._distribution_strategy)"),
+    Patch("tf_keras.src.optimizers.optimizer", "Optimizer.aggregate_gradients", (TF_KERAS,),
+          _patched_tf_keras_aggregate_gradients, "the gradient hook: gf_tf.all_reduce_gradients"),
+    Patch("tf_keras.src.optimizers.legacy.optimizer_v2", "OptimizerV2._aggregate_gradients",
+          (TF_KERAS,), _patched_tf_keras_aggregate_gradients,
+          "the gradient hook of legacy optimizers: gf_tf.all_reduce_gradients"),
+)
+
+OVERRIDES = (
+    Override("keras.src.saving.keras_saveable", "KerasSaveable", "GradientFlowCheckpoint",
+             "its base: Keras's weight saving walks the optimizer's KerasSaveable attributes"),
+    Override("keras.src.saving.keras_saveable", "KerasSaveable._obj_type", "GradientFlowCheckpoint",
+             "'Loss', a type saving_lib.get_attr_skipset accepts and whose skip list hides nothing"),
+    Override("keras.callbacks", "BackupAndRestore._save_model", "BackupAndRestore",
+             "the chief writes Keras's backup, every other worker only its CSC state"),
+)

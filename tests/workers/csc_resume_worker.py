@@ -72,7 +72,7 @@ class Recorder:
 
 model.optimizer.build(model.trainable_variables)   # attaches gf_tf.checkpoint's listener first
 recorder = Recorder()
-gradient_flow._states.add_listener(recorder.record)  # pylint: disable=protected-access
+gradient_flow.state_registry.add_listener(recorder.record)
 dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.global_batch)
 history = model.fit(dataset, epochs=args.epochs, verbose=0, shuffle=False,
                     callbacks=[checkpoint.BackupAndRestore(args.backup_dir), AtEpochEnd(),

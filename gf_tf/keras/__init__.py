@@ -1,0 +1,11 @@
+"""gf_tf's Keras wing: every module that knows Keras (the core, gf_tf/*.py, imports none of them).
+
+  flavour     which Keras runs (Keras 3 or tf-keras) and the versions gf_tf was tested with
+  patches     the one table of private Keras names gf_tf touches; install() applies them
+  checkpoint  CSC state in Keras checkpoints; BackupAndRestore for multi-worker jobs
+  callbacks   GradientFlowStats, the Keras callback of a GradientFlowAllReduce's CommStats
+
+gf_tf/__init__.py registers `install` with gf_tf.integrations, which GradientFlowAllReduce runs.
+"""
+
+from gf_tf.keras.patches import install  # noqa: F401

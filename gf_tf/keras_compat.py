@@ -1,0 +1,13 @@
+"""The Keras side of gf_tf, now the Keras wing gf_tf/keras/; this name keeps working.
+
+`install()` applies every patch the running Keras needs (gf_tf.keras.patches.PATCHES);
+the hooks among them delegate to Keras's own code outside GradientFlow.
+"""
+
+from gf_tf.keras.flavour import (  # noqa: F401
+    LEGACY_KERAS_ENV, TESTED_KERAS_VERSIONS, TESTED_TF_KERAS_VERSIONS, callback_base,
+    check_keras_version, flavour, keras_module, uses_tf_keras)
+from gf_tf.keras.patches import OVERRIDES, PATCHES, in_multi_worker_mode, install  # noqa: F401
+
+# Once separate installers of parts of the table; one install() serves them all now.
+install_gradient_hook = install_checkpoint_hook = install_loss_scale_agreement = install
