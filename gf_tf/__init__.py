@@ -50,8 +50,6 @@ def _install_keras_wing() -> None:
 
 
 integrations.register(_install_keras_wing)
-integrations.lend("gf_tf.stats", "GradientFlowStats",
-                  lambda: importlib.import_module("gf_tf.keras.callbacks").GradientFlowStats)
 
 _EXPORTS = {
     "GradientFlowAllReduce": "gf_tf.cross_device_ops",

@@ -3,14 +3,13 @@
 `CommStats` holds running totals as tf.Variables updated inside the traced
 step; `GradientFlowStats`, the Keras callback that turns them into per-step
 figures in the `fit` logs (hence `History` and TensorBoard), is in the Keras
-wing (gf_tf.keras.callbacks); `gf_tf.stats.GradientFlowStats` still names it.
+wing (`gf_tf.keras.callbacks`, exported as `gf_tf.GradientFlowStats`).
 """
 
 from typing import Dict, Optional
 
 import tensorflow as tf
 
-from gf_tf import integrations
 
 # Per-step figures reported by CommStats.result and GradientFlowStats.
 FIGURES = ("dense_bytes_per_step", "sent_bytes_per_step", "compression_ratio",
@@ -96,10 +95,3 @@ class CommStats:
             "residual_norm": now["residual_norm"],
             "density": now["densities"] / steps if now["steps"] else 0.0,
         }
-
-
-
-
-def __getattr__(name):
-    # GradientFlowStats moved to the Keras wing; gf_tf/__init__.py lends it here.
-    return integrations.lent(__name__, name)

@@ -6,7 +6,7 @@ The private TensorFlow wiring it needs is in `gf_tf.tf_internal`.
 import tensorflow as tf
 
 from gf_tf import cluster as cluster_lib
-from gf_tf import cross_device_ops, keras_compat, tf_internal, watchdog
+from gf_tf import cross_device_ops, integrations, tf_internal, watchdog
 from gf_tf.cluster import WorkerInfo  # noqa: F401 (re-exported: where it was before gf_tf.cluster)
 
 _DEFAULT = object()
@@ -37,8 +37,8 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         later is detected by TensorFlow's coordination-service heartbeats (a
         killed worker within a second here, a frozen one in about 7 s).
 
-    Also installs the Keras 3 multi-worker `model.fit` fixes of
-    `gf_tf.keras_compat` (keras-team/keras#20585), with or without GradientFlow.
+    Also installs the Keras 3 multi-worker `model.fit` fixes of the Keras wing
+    (`gf_tf.keras.patches`, keras-team/keras#20585), with or without GradientFlow.
 
     Raises:
       RuntimeError: untested TensorFlow or Keras version.
@@ -64,7 +64,7 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             if guard is not None:
                 guard.kill()
                 guard.wait()
-        keras_compat.install()
+        integrations.install_all()   # the Keras fixes, with or without GradientFlow
         if gradient_flow is _DEFAULT:
             # Created after the strategy: its variables then live on this worker's job.
             gradient_flow = cross_device_ops.GradientFlowAllReduce()
