@@ -1155,3 +1155,26 @@ def test_chunk_kernels_with_a_chunk_larger_than_the_buffer_see_one_chunk(kernels
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=r"gather_chunks: indices\[0\] = 1 is out of range \[0, 1\)"):
         kernels.gather_chunks(acc, tf.constant([1]), chunk_size, F16, 1.0, None)
+
+
+def test_under_asan_the_kernels_outputs_end_at_a_redzone(kernels):
+    """nox -s asan is only a check if TensorFlow hands each output its own heap block: then
+    the byte after a kernel's output is poisoned, and an overrun of one element is reported.
+    A pooling allocator would make the ASan run vacuous; this notices. Skipped without ASan."""
+    import ctypes  # pylint: disable=import-outside-toplevel
+    try:
+        is_poisoned = ctypes.CDLL(None).__asan_address_is_poisoned
+    except AttributeError:
+        pytest.skip("not running under AddressSanitizer (nox -s asan)")
+    is_poisoned.argtypes, is_poisoned.restype = [ctypes.c_void_p], ctypes.c_int
+    capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+    capsule_pointer.argtypes, capsule_pointer.restype = [ctypes.py_object, ctypes.c_char_p], ctypes.c_void_p
+    acc = tf.constant(RNG.normal(size=100001), F32)
+    selected, residual, _ = kernels.gather_chunks(acc, tf.constant([3, 1000]), 100, F16, 1.0, None)
+    outputs = [selected, residual, kernels.pack([acc], F16, 1.0)]
+    outputs += kernels.scatter_chunks(selected, tf.constant([3, 1000]), 100, [[100000], [1]], [F32, F16], 1.0)
+    for t in outputs:
+        capsule = tf.experimental.dlpack.to_dlpack(t)
+        data = ctypes.c_void_p.from_address(capsule_pointer(capsule, b"dltensor")).value
+        end = data + t.shape.num_elements() * t.dtype.size
+        assert not is_poisoned(end - 1) and is_poisoned(end), (t.dtype, t.shape)
