@@ -15,7 +15,15 @@ the cell's own cache), the op tests on that library, the fast tests (`-m "not sl
 MirroredStrategy and 2 workers (tests/test_multistep.py). gf_tf runs from this checkout (PYTHONPATH),
 with GF_TF_OPS_LIBRARY naming the cell's library, so cells never share a build. Wheels come from
 pip's cache after the first run.
+
+    nox -s asan                             # the op library under AddressSanitizer (README "Memory safety")
+
+The `asan` session is not a cell: TensorFlow 2.21 with Keras 3, the op library built with
+-fsanitize=address (.ci/asan_build.py, into the session's venv), then the op tests and a 2-worker
+CSC fit with the ASan runtime preloaded. An out-of-bounds access in a kernel fails the run.
 """
+
+import importlib.util
 
 import os
 
@@ -29,6 +37,8 @@ TF_VERSIONS = ("2.18", "2.19", "2.20", "2.21")
 FLAVOURS = ("keras3", "tf_keras")
 TEST_DEPENDENCIES = ("pytest", "scikit-learn", "tensorboard", "absl-py", "numpy")
 OP_TESTS = ("tests/test_ops.py", "tests/test_ops_build.py")
+ASAN_MULTIWORKER_TEST = ("tests/test_sparsity_multiworker.py::"
+                         "test_fit_with_csc_identical_weights_and_chunk_sized_collectives")
 
 
 def _install(session, tf_version: str, flavour: str) -> dict:
@@ -66,3 +76,26 @@ def _register(tf_version: str, flavour: str) -> None:
 for _tf in TF_VERSIONS:
     for _flavour in FLAVOURS:
         _register(_tf, _flavour)
+
+
+def _asan_build_module():
+    spec = importlib.util.spec_from_file_location("asan_build", os.path.join(REPO, ".ci", "asan_build.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@nox.session(name="asan", reuse_venv=True)
+def asan(session):
+    """The op library under AddressSanitizer: op tests and a 2-worker CSC fit."""
+    env = _install(session, TF_VERSIONS[-1], "keras3")
+    asan_build = _asan_build_module()
+    output = session.run("python", asan_build.__file__,
+                         os.path.join(session.virtualenv.location, "asan"), env=env, silent=True)
+    env["GF_TF_OPS_LIBRARY"] = output.strip().splitlines()[-1]
+    env.update(asan_build.runtime_env())
+    session.log(f"op library: {env['GF_TF_OPS_LIBRARY']}; " +
+                " ".join(f"{k}={env[k]}" for k in ("LD_PRELOAD", "ASAN_OPTIONS")))
+    pytest = ("python", "-m", "pytest", "-q", "-p", "no:cacheprovider")
+    session.run(*pytest, "tests/test_ops.py", env=env)
+    session.run(*pytest, ASAN_MULTIWORKER_TEST, env=env)

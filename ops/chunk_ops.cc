@@ -205,7 +205,7 @@ class GfAccumulateOp : public OpKernel {
     // A fresh acc is written without reading it first; in place, it was just read.
     const bool stream = simd_ && a != r && StreamOutput(n * sizeof(float));
 
-    ParallelFor(ctx, num_chunks, 4 * chunk_size_, [&](int64_t first, int64_t last) {
+    ParallelFor(ctx, num_chunks, 4 * ChunkLength(n, chunk_size_), [&](int64_t first, int64_t last) {
       for (int64_t c = first; c < last; ++c) {
         const int64_t begin = c * chunk_size_;
         const int64_t end = std::min(n, begin + chunk_size_);
@@ -316,7 +316,7 @@ class GfGatherChunksOp : public OpKernel {
     const int wire_bytes = tensorflow::DataTypeSize(wire_dtype_);
     const bool stream = simd_ && StreamOutput(n * sizeof(float));
 
-    ParallelFor(ctx, rank.size(), 2 * chunk_size_, [&](int64_t first, int64_t last) {
+    ParallelFor(ctx, rank.size(), 2 * ChunkLength(n, chunk_size_), [&](int64_t first, int64_t last) {
       for (int64_t c = first; c < last; ++c) {
         const int64_t begin = c * chunk_size_;
         const int64_t bytes = std::min(chunk_size_, n - begin) * sizeof(float);
@@ -420,7 +420,7 @@ class GfScatterChunksOp : public OpKernel {
     const int wire_bytes = tensorflow::DataTypeSize(wire_dtype_);
     const bool stream = simd_ && StreamOutput(n * sizeof(float));
 
-    ParallelFor(ctx, rank.size(), 2 * chunk_size_, [&](int64_t first, int64_t last) {
+    ParallelFor(ctx, rank.size(), 2 * ChunkLength(n, chunk_size_), [&](int64_t first, int64_t last) {
       for (int64_t c = first; c < last; ++c) {
         const int64_t begin = c * chunk_size_;
         const int64_t end = std::min(n, begin + chunk_size_);

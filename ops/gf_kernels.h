@@ -5,6 +5,7 @@
 #ifndef GF_TF_OPS_GF_KERNELS_H_
 #define GF_TF_OPS_GF_KERNELS_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <vector>
@@ -114,8 +115,16 @@ tensorflow::Status CheckScaleShape(tensorflow::shape_inference::InferenceContext
                                    tensorflow::shape_inference::DimensionHandle count,
                                    const char* items);
 
+// ceil(n / chunk_size) for n >= 0, chunk_size >= 1, without forming n + chunk_size
+// (which overflows for a chunk_size near 2^63 and gave 0 chunks).
 inline int64_t NumChunks(int64_t n, int64_t chunk_size) {
-  return (n + chunk_size - 1) / chunk_size;
+  return n <= 0 ? 0 : 1 + (n - 1) / chunk_size;
+}
+
+// Elements in one full chunk of a buffer of n: the cost of a chunk for ParallelFor
+// (chunk_size itself can be near 2^63, and a multiple of it overflows).
+inline int64_t ChunkLength(int64_t n, int64_t chunk_size) {
+  return std::min(n, chunk_size);
 }
 
 // The wire, input and output dtype sets the ops accept (see REGISTER_OP).

@@ -950,7 +950,7 @@ def test_rejects_scales_of_the_wrong_shape(impl, bad_shape):
         impl.scatter_chunks(tf.zeros([30], F16), indices, 10, [[50]], [F32], scale)
 
 
-@pytest.mark.parametrize("bad_shape", [[2], [1, 3]], ids=["short", "matrix"])
+@pytest.mark.parametrize("bad_shape", [[2], [4], [0], [1, 3]], ids=["short", "long", "empty", "matrix"])
 def test_rejects_scales_of_the_wrong_shape_known_only_at_run_time(impl, bad_shape):
     any_scale = tf.TensorSpec(None, F32)
     tensors = [tf.zeros([2]), tf.zeros([1]), tf.zeros([0])]
@@ -998,3 +998,183 @@ def test_rejects_scale_tensors_not_float32(impl):
         impl.pack([tf.zeros([2])], F16, tf.constant(0.5, F64))
     with pytest.raises(TypeError, match="scale must be float32, got int32"):
         impl.scatter_chunks(tf.zeros([10], F16), tf.constant([0]), 10, [[10]], [F32], tf.constant([2]))
+
+
+# ---------------------------------------------------------------------------
+# Indices and lengths read from tensors: the kernels validate them before
+# touching a buffer (issue 20). Run under AddressSanitizer (nox -s asan), a
+# missing check is an out-of-bounds access, not just a wrong message. Traced
+# with unknown shapes where gf_tf.ops would check a static shape first, so the
+# kernel's OP_REQUIRES is what answers.
+# ---------------------------------------------------------------------------
+
+@pytest.fixture(params=["compiled", "compiled_scalar"])
+def kernels(request):
+    if ops._lib() is None:
+        pytest.skip(f"compiled ops unavailable: {ops.library_status()}")
+    return IMPLEMENTATIONS[request.param]
+
+
+def _run_time(fn, *specs):
+    """fn traced with inputs of unknown length (tf.TensorSpec([None], dtype) per dtype)."""
+    return tf.function(fn, input_signature=[tf.TensorSpec([None], d) for d in specs])
+
+
+BAD_INDICES = {   # 1001 elements in chunks of 100: chunks 0..10
+    "past_end": ([0, 11], r"indices\[1\] = 11 is out of range \[0, 11\)"),
+    "far_past_end": ([3, 2 ** 31 - 1], r"indices\[1\] = 2147483647 is out of range \[0, 11\)"),
+    "negative": ([-1, 2], r"indices\[0\] = -1 is out of range \[0, 11\)"),
+    "most_negative": ([-2 ** 31], r"indices\[0\] = -2147483648 is out of range \[0, 11\)"),
+}
+
+
+@pytest.mark.parametrize("index_dtype", [tf.int32, tf.int64], ids=["int32", "int64"])
+@pytest.mark.parametrize("case", list(BAD_INDICES), ids=list(BAD_INDICES))
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "run_time_length"])
+def test_chunk_kernels_reject_out_of_range_indices_naming_the_value(kernels, index_dtype, case, traced):
+    indices, message = BAD_INDICES[case]
+    acc, velocity = tf.zeros([1001]), tf.zeros([1001])
+
+    def gather(idx):
+        return kernels.gather_chunks(acc, idx, 100, F16, 1.0, velocity)[0]
+
+    def scatter(idx):
+        return kernels.scatter_chunks(tf.zeros([200], F16), idx, 100, [[1000], [1]], [F32, F16], 1.0)
+
+    for op, fn in (("gather_chunks", gather), ("scatter_chunks", scatter)):
+        call = _run_time(fn, index_dtype) if traced else fn
+        with pytest.raises(tf.errors.InvalidArgumentError, match=f"{op}: {message}"):
+            call(tf.constant(indices, index_dtype))
+
+
+def test_chunk_kernels_check_int64_indices_without_truncating_them(kernels):
+    """2^32 is chunk 0 if cut to 32 bits: the int64 kernels must see the whole value."""
+    acc = tf.zeros([1001])
+    for index in (2 ** 32, 2 ** 32 + 3, -2 ** 32, 2 ** 63 - 1):
+        message = rf"indices\[0\] = {index} is out of range \[0, 11\)"
+        with pytest.raises(tf.errors.InvalidArgumentError, match=f"gather_chunks: {message}"):
+            kernels.gather_chunks(acc, tf.constant([index], tf.int64), 100, F16, 1.0, None)
+        with pytest.raises(tf.errors.InvalidArgumentError, match=f"scatter_chunks: {message}"):
+            kernels.scatter_chunks(tf.zeros([100], F16), tf.constant([index], tf.int64), 100,
+                                   [[1001]], [F32], 1.0)
+
+
+def test_chunk_kernels_on_an_empty_buffer_reject_every_index_and_accept_none(kernels):
+    empty = tf.zeros([0])
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"gather_chunks: indices\[0\] = 0 is out of range \[0, 0\)"):
+        kernels.gather_chunks(empty, tf.constant([0]), 8, F16, 1.0, empty)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"scatter_chunks: indices\[0\] = 0 is out of range \[0, 0\)"):
+        kernels.scatter_chunks(tf.zeros([0], F16), tf.constant([0]), 8, [[0], [0, 3]], [F32, F64], 1.0)
+    none = tf.zeros([0], tf.int64)
+    selected, residual, velocity = kernels.gather_chunks(empty, none, 8, BF16, tf.zeros([0]), empty)
+    assert selected.dtype == BF16 and selected.shape == (0,)
+    assert residual.shape == (0,) and velocity.shape == (0,)
+    outputs = kernels.scatter_chunks(selected, none, 8, [[0], [0, 3]], [F32, F64], tf.zeros([0]))
+    assert [o.shape for o in outputs] == [(0,), (0, 3)]
+    acc, norms, _ = kernels.accumulate(empty, [tf.zeros([0, 2], F16)], 8, None, 0.0)
+    assert acc.shape == (0,) and norms.shape == (0,)
+
+
+@pytest.mark.parametrize("indices", [[], [4], [0, 10]], ids=["none", "one", "with_partial_last"])
+def test_scatter_kernel_rejects_selected_of_the_wrong_run_time_length(kernels, indices):
+    """1001 elements in chunks of 100: chunk 10 holds 1 element."""
+    covered = sum(min(100, 1001 - 100 * c) for c in indices)
+    scatter = _run_time(lambda sel, idx: kernels.scatter_chunks(sel, idx, 100, [[1001]], [F32], 1.0),
+                        F16, tf.int32)
+    for wrong in sorted({0, covered - 1, covered + 1, covered + 100} - {covered, -1}):
+        message = (rf"scatter_chunks: selected has {wrong} elements but the chunks in indices "
+                   rf"cover {covered}; they must match")
+        with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+            scatter(tf.zeros([wrong], F16), tf.constant(indices, tf.int32))
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_chunk_kernels_reject_per_chunk_scales_of_the_wrong_run_time_length(kernels, k):
+    indices = tf.constant([0, 2, 4][:k], tf.int32)
+    gather = _run_time(lambda s, idx: kernels.gather_chunks(tf.zeros([50]), idx, 10, F16, s, None)[0],
+                       F32, tf.int32)
+    scatter = _run_time(lambda s, idx: kernels.scatter_chunks(tf.zeros([10 * k], F16), idx, 10,
+                                                              [[50]], [F32], s), F32, tf.int32)
+    for op, fn in (("GfGatherChunks", gather), ("GfScatterChunks", scatter)):
+        for wrong in {0, k - 1, k + 1} - {k, -1}:
+            message = (rf"{op}: scale must have shape \[\] or \[{k}\] \(one scale per selected "
+                       rf"chunk, k = len\(indices\)\), got \[{wrong}\]")
+            with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+                fn(tf.ones([wrong]), indices)
+
+
+def test_chunk_kernels_reject_a_velocity_or_residual_of_the_wrong_length(kernels):
+    tensors = [tf.zeros([600]), tf.zeros([401], F16)]          # 1001 elements
+    for wrong in (0, 1000, 1002):
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=rf"accumulate: the tensors hold 1001 elements in total but "
+                                 rf"residual has {wrong}; they must match"):
+            kernels.accumulate(tf.zeros([wrong]), tensors, 100, None, 0.0)
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=rf"accumulate: velocity has shape \[{wrong}\] but residual has \[1001\]"):
+            kernels.accumulate(tf.zeros([1001]), tensors, 100, tf.zeros([wrong]), 0.9)
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=rf"gather_chunks: velocity has shape \[{wrong}\] but acc has \[1001\]"):
+            kernels.gather_chunks(tf.zeros([1001]), tf.constant([10]), 100, F16, 1.0, tf.zeros([wrong]))
+
+
+def test_unpack_kernel_rejects_a_packed_buffer_of_the_wrong_run_time_length(kernels):
+    unpack = _run_time(lambda b: kernels.unpack(b, [[2, 3], [0], [1]], [F32, F16, F64], 1.0), BF16)
+    for wrong in (0, 6, 8, 700):
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=rf"GfUnpack: the packed buffer has {wrong} elements but the "
+                                 rf"shapes hold 7; they must match"):
+            unpack(tf.zeros([wrong], BF16))
+
+
+@pytest.mark.parametrize("chunk_size", [2 ** 31, 2 ** 62, 2 ** 63 - 1], ids=["2^31", "2^62", "2^63-1"])
+def test_chunk_kernels_with_a_chunk_larger_than_the_buffer_see_one_chunk(kernels, chunk_size):
+    """ceil(n / chunk_size) must not overflow: n + chunk_size - 1 wrapped for chunk_size near
+    2^63, giving 0 chunks, norms [] and an accumulator never written (issue 20)."""
+    sizes = [7, 0, 5]
+    tensors, grad = random_tensors(sizes, (F32, F64, F16), spread=1.0)
+    n = sum(sizes)
+    residual = round_to(RNG.normal(size=n), F32)
+    acc, norms, _ = kernels.accumulate(tf.constant(residual, F32), tensors, chunk_size, None, 0.0)
+    expected_acc = round_to(residual + round_to(grad, F32), F32)
+    assert_same(acc, expected_acc)
+    assert norms.shape == (1,)
+    np.testing.assert_allclose(as_f64(norms), [np.abs(expected_acc).sum()], rtol=2e-6)
+
+    traced = tf.function(lambda r: kernels.accumulate(r, tensors, chunk_size, None, 0.0)[1])
+    assert traced.get_concrete_function(tf.TensorSpec([n], F32)).output_shapes == [1]
+
+    selected, new_residual, _ = kernels.gather_chunks(acc, tf.constant([0], tf.int64),
+                                                      chunk_size, F32, 1.0, None)
+    assert_same(selected, expected_acc)
+    assert_same(new_residual, np.zeros(n))
+    (out,) = kernels.scatter_chunks(selected, tf.constant([0]), chunk_size, [[n]], [F64], 1.0)
+    assert_same(out, expected_acc)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"gather_chunks: indices\[0\] = 1 is out of range \[0, 1\)"):
+        kernels.gather_chunks(acc, tf.constant([1]), chunk_size, F16, 1.0, None)
+
+
+def test_under_asan_the_kernels_outputs_end_at_a_redzone(kernels):
+    """nox -s asan is only a check if TensorFlow hands each output its own heap block: then
+    the byte after a kernel's output is poisoned, and an overrun of one element is reported.
+    A pooling allocator would make the ASan run vacuous; this notices. Skipped without ASan."""
+    import ctypes  # pylint: disable=import-outside-toplevel
+    try:
+        is_poisoned = ctypes.CDLL(None).__asan_address_is_poisoned
+    except AttributeError:
+        pytest.skip("not running under AddressSanitizer (nox -s asan)")
+    is_poisoned.argtypes, is_poisoned.restype = [ctypes.c_void_p], ctypes.c_int
+    capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+    capsule_pointer.argtypes, capsule_pointer.restype = [ctypes.py_object, ctypes.c_char_p], ctypes.c_void_p
+    acc = tf.constant(RNG.normal(size=100001), F32)
+    selected, residual, _ = kernels.gather_chunks(acc, tf.constant([3, 1000]), 100, F16, 1.0, None)
+    outputs = [selected, residual, kernels.pack([acc], F16, 1.0)]
+    outputs += kernels.scatter_chunks(selected, tf.constant([3, 1000]), 100, [[100000], [1]], [F32, F16], 1.0)
+    for t in outputs:
+        capsule = tf.experimental.dlpack.to_dlpack(t)
+        data = ctypes.c_void_p.from_address(capsule_pointer(capsule, b"dltensor")).value
+        end = data + t.shape.num_elements() * t.dtype.size
+        assert not is_poisoned(end - 1) and is_poisoned(end), (t.dtype, t.shape)
