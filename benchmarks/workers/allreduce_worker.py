@@ -231,8 +231,11 @@ def main():
             entry["dense_payload_bytes_per_iter"] = (after_stats["dense_bytes"] - before_stats["dense_bytes"]) / args.iters
         local = [strategy.experimental_local_results(r)[0] for r in out]
         entry.update(check_result(args.method, values, local, num_workers))
-        if args.profile:
+        if args.profile and task == 0:
             entry["profile"] = profile_step(step, os.path.join(args.profile, f"{name}_w{task}"))
+        elif args.profile:
+            step()   # the same collectives as worker 0's profiled step, without a profiler of its own:
+            #          TF's profiler stop() crashed worker 1 in 3 of 15 profiled runs (issue 20)
         if args.pack_overhead:
             entry["pack_unpack_s"] = pack_unpack_seconds(values, num_workers, max(args.iters, 3))
         if args.chunk_path and args.method in methods.CSC_DENSITY:
