@@ -113,7 +113,9 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         return self._stats
 
     def states(self):
-        """{variable-set name: gf_tf.state.VariableSetState}: plan and per-pack state (read-only use)."""
+        """{variable-set name: gf_tf.state.VariableSetState}: plan and per-pack state (read-only use).
+
+        Oldest first; a set whose name an older one has gets " (#2)", " (#3)", ... appended."""
         return self._states.states()
 
     @property

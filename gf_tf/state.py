@@ -151,9 +151,17 @@ class StateRegistry:
             return list(self._sets.values())
 
     def states(self) -> Dict[str, VariableSetState]:
-        """The live variable-set states by name."""
+        """The live variable-set states by name, oldest first; a set whose name an older one
+        already has (variables of the same names in two models) is "NAME (#2)", "NAME (#3)", ..."""
         with self._lock:
-            return {s.set_name: s for s in self._sets.values()}
+            named = {}
+            for state in self._sets.values():
+                name, count = state.set_name, 1
+                while name in named:
+                    count += 1
+                    name = f"{state.set_name} (#{count})"
+                named[name] = state
+            return named
 
     def clear(self) -> None:
         with self._lock:
