@@ -57,7 +57,9 @@ def test_bad_auto_arguments_name_the_argument(kwargs, message):
 
 def test_rungs_are_the_ladder_above_the_floor_then_the_floor():
     assert AUTO_LADDER == (0.25, 0.1, 0.03, 0.01, 0.003, 0.001)
-    assert gf_tf.ChunkSparsity(density="auto").rungs() == AUTO_LADDER
+    # The default floor is DEFAULT_DENSITY (0.01): the ladder's rungs below it are left out.
+    assert gf_tf.ChunkSparsity(density="auto").rungs() == (0.25, 0.1, 0.03, 0.01)
+    assert gf_tf.ChunkSparsity(density="auto", min_density=0.001).rungs() == AUTO_LADDER
     assert gf_tf.ChunkSparsity(density="auto", min_density=0.01).rungs() == (0.25, 0.1, 0.03, 0.01)
     assert gf_tf.ChunkSparsity(density="auto", min_density=0.005).rungs() == \
         (0.25, 0.1, 0.03, 0.01, 0.005)
@@ -89,6 +91,17 @@ def test_auto_schedules_keep_the_warmup_and_end_in_auto():
                                warmup="exponential")
     assert expo.schedule() == ((0, 0.25), (10, 0.0625), (20, 0.015625), (30, "auto"))
     assert gf_tf.ChunkSparsity(density="auto").schedule() == ((0, "auto"),)
+
+
+def test_default_floor_is_the_fixed_default_density():
+    auto = gf_tf.ChunkSparsity(density="auto")
+    assert auto.min_density == gf_tf.ChunkSparsity().density == 0.01
+    assert auto.rungs()[-1] == 0.01
+    assert auto.get_config()["min_density"] == 0.01 and "min_density=0.01" in repr(auto)
+    # A dense warm-up still ramps to the floor with the exponential schedule: 25%, 6.25%,
+    # 1.5625% (above 1%), then auto.
+    expo = gf_tf.ChunkSparsity(density="auto", warmup_steps=30, warmup="exponential")
+    assert expo.schedule() == ((0, 0.25), (10, 0.0625), (20, 0.015625), (30, "auto"))
 
 
 # --- the rule ---------------------------------------------------------------------
@@ -154,7 +167,7 @@ def test_replicas_with_different_figures_pick_the_rung_of_the_mean_and_match_num
       step 2: 0.2 s at 460 B -> 25: 0.353 s, 10: 0.249 s fits -> k=10
       step 3: 0.2 s at 572 B -> 25: 0.284 s, 10: 0.2 s fits -> k=10
     and the reduced gradients equal a float64 CSC reference at that k."""
-    csc = gf_tf.ChunkSparsity(density="auto", chunk_size=CS, auto_budget=0.25)
+    csc = gf_tf.ChunkSparsity(density="auto", chunk_size=CS, auto_budget=0.25, min_density=0.001)
     run = Runner(2, csc, compression=None)
     run.gfar.reducer.clock = FakeClock(compute=[1.0, 1.0], comm=[0.05, 0.35])
     model = NumpyCSC(N, 2, CS)
@@ -190,7 +203,7 @@ def test_first_sparse_step_after_a_dense_warmup_uses_the_warmup_measurement():
     0.5 x 812 / 2012 = 0.2 s, fits."""
     for budget, sparse_k in ((0.05, 1), (0.5, 25)):
         csc = gf_tf.ChunkSparsity(density="auto", chunk_size=CS, warmup_steps=2,
-                                  auto_budget=budget)
+                                  auto_budget=budget, min_density=0.001)
         run = Runner(2, csc, compression=None)
         run.gfar.reducer.clock = FakeClock(compute=[1.0, 1.0], comm=[0.5, 0.5])
         ks, before = [], run.gfar.stats.totals()
@@ -202,6 +215,43 @@ def test_first_sparse_step_after_a_dense_warmup_uses_the_warmup_measurement():
         assert ks == [C, C, sparse_k], budget
         assert run.gfar.stats.result()["density"] == \
             pytest.approx((2 * 1.0 + (0.001 if sparse_k == 1 else 0.25)) / 3)
+
+
+@pytest.mark.parametrize("min_density, k, visit_steps", [
+    (None, 3, 84),     # the default floor 0.01: k = ceil(2.5) = 3, ceil(250 / 3) = 84 <= 100
+    (0.03, 8, 32),     # k = ceil(7.5) = 8, ceil(250 / 8) = 32 <= 1 / 0.03
+])
+def test_at_the_floor_every_chunk_is_sent_within_one_over_min_density_steps(
+        min_density, k, visit_steps):
+    """1000 float32 elements in 250 chunks of 4, every element's gradient 1 on both replicas;
+    10 s of communication per 1 s of compute: nothing fits, every step takes the floor.
+    Error feedback then sends the chunks in turn (ties to the lower index): chunk i first at
+    step i // k, carrying 2 x (step + 1) per element (2 replicas' residuals), so all 250
+    have been sent after ceil(250 / k) steps and not one step earlier."""
+    n = 1000
+    kwargs = {} if min_density is None else {"min_density": min_density}
+    csc = gf_tf.ChunkSparsity(density="auto", chunk_size=CS, **kwargs)
+    floor = csc.rungs()[-1]
+    run = Runner(2, csc, compression=None)
+    run.gfar.reducer.clock = FakeClock(compute=[1.0, 1.0], comm=[10.0, 10.0])
+    model = NumpyCSC(n, 2, CS)
+    ones = np.ones(n, np.float32)
+    first_sent = np.full(250, -1)
+    for step in range(visit_steps):
+        out = run([[ones], [ones]])
+        ref, idx = model.step(np.array([ones, ones], np.float64), floor)
+        assert len(idx) == k
+        np.testing.assert_array_equal(out[0][0], ref)
+        sent = np.flatnonzero(out[0][0].reshape(250, CS).any(axis=1))
+        np.testing.assert_array_equal(sent, idx)
+        new = sent[first_sent[sent] < 0]
+        np.testing.assert_array_equal(out[0][0].reshape(250, CS)[new], 2.0 * (step + 1))
+        first_sent[new] = step
+        if step == visit_steps - 2:
+            assert np.sum(first_sent < 0) > 0
+    np.testing.assert_array_equal(first_sent, np.arange(250) // k)
+    assert visit_steps <= 1 / floor
+    assert run.gfar.stats.result()["density"] == pytest.approx(floor)
 
 
 def test_auto_travels_in_two_collectives_per_step():
@@ -257,7 +307,8 @@ def test_settings_handshake_names_auto():
 
 def _keras_auto(clock):
     import keras
-    csc = gf_tf.ChunkSparsity(density="auto", chunk_size=8, warmup_steps=2, auto_budget=1.0)
+    csc = gf_tf.ChunkSparsity(density="auto", chunk_size=8, warmup_steps=2, auto_budget=1.0,
+                              min_density=0.001)
     gfar = gf_tf.GradientFlowAllReduce(sparsity=csc,
                                        cross_device_ops=tf.distribute.ReductionToOneDevice())
     gfar.reducer.clock = clock
@@ -309,7 +360,8 @@ def test_auto_with_global_selection_prices_rungs_by_one_top_k_over_all_packs():
       step 3: 0.2 s at 852 B -> 0.25: 0.286 s, 0.1: 0.2 s fits -> K=15
     and the outputs equal the float64 global-selection reference at that density."""
     sizes = [400, 200]
-    csc = gf_tf.ChunkSparsity(density="auto", chunk_size=CS, auto_budget=0.25, selection="global")
+    csc = gf_tf.ChunkSparsity(density="auto", chunk_size=CS, auto_budget=0.25, selection="global",
+                              min_density=0.001)
     run = Runner(2, csc, compression=None, bytes_per_pack=1)
     run.gfar.reducer.clock = FakeClock(compute=[1.0, 1.0], comm=[0.2, 0.2])
     rng = np.random.default_rng(5)

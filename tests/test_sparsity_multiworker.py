@@ -76,7 +76,7 @@ def test_auto_density_decides_on_all_reduced_figures_of_both_workers():
     cs, steps, c = 4, 5, math.ceil(PARAMS / 4)
     results = run_workers("csc_fit_worker.py", num_workers=2, timeout=90, comm_timeout=30,
                           args=["--density=auto", f"--chunk_size={cs}", f"--steps={steps}",
-                                "--auto_budget=0.25"],
+                                "--auto_budget=0.25", "--min_density=0.001"],
                           per_worker_args=[["--fake_clock=1.0,0.03"], ["--fake_clock=1.0,0.35"]])
     assert all(r.ok and r.result is not None for r in results), describe(results)
     a, b = [r.result for r in results]

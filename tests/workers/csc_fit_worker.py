@@ -20,6 +20,7 @@ import worker_util
 parser = argparse.ArgumentParser()
 parser.add_argument("--density", default="0.1", help='a fraction, or "auto"')
 parser.add_argument("--auto_budget", type=float, default=0.05)
+parser.add_argument("--min_density", type=float, default=None, help="default: ChunkSparsity's")
 parser.add_argument("--fake_clock", default="", help="COMPUTE,COMM seconds per step (auto)")
 parser.add_argument("--chunk_size", type=int, default=16)
 parser.add_argument("--warmup_steps", type=int, default=0)
@@ -34,6 +35,8 @@ import gf_tf  # after argparse: fail fast on bad flags
 
 density = args.density if args.density == "auto" else float(args.density)
 auto = dict(auto_budget=args.auto_budget) if density == "auto" else {}
+if density == "auto" and args.min_density is not None:
+    auto["min_density"] = args.min_density
 sparsity = gf_tf.ChunkSparsity(density=density, chunk_size=args.chunk_size,
                                warmup_steps=args.warmup_steps, warmup=args.warmup,
                                momentum=args.momentum, **auto)
