@@ -1,0 +1,53 @@
+"""README's `model.fit` snippets run as written (issue 19 item 12), in a fresh process of their own."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _usage_blocks():
+    text = (REPO / "README.md").read_text()
+    section = text.split("## Usage in `model.fit`", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+
+
+# The README leaves the model and data to the reader; these stand in for them.
+_HARNESS = '''
+import numpy as np
+{cpu_setup}
+import gf_tf, keras, tensorflow as tf
+def build_model():
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
+rng = np.random.default_rng()
+dataset = tf.data.Dataset.from_tensor_slices(
+    (rng.standard_normal((64, 8)).astype("float32"), rng.integers(0, 3, 64))).batch(16)
+{block}
+print("replicas:", strategy.num_replicas_in_sync)
+print("logged:", sorted(k for k in model.history.history if k.startswith("gf_")))
+print("dense bytes per step:", model.history.history.get("gf_dense_bytes_per_step"))
+'''
+
+
+def _run(block, cpu_setup=""):
+    code = _HARNESS.format(block=block.replace("epochs=10", "epochs=1"), cpu_setup=cpu_setup)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=str(REPO), env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="3"),
+                         check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_the_mirrored_strategy_snippet_gives_one_replica_on_a_cpu_and_two_with_the_logical_devices():
+    fit, cpu = _usage_blocks()[:2]
+    assert "MirroredStrategy(cross_device_ops=gradient_flow)" in fit and "set_logical_device_configuration" in cpu
+    one = _run(fit)
+    assert "replicas: 1" in one, one
+    setup, with_devices = cpu.rsplit("\n", 2)[0], cpu.strip().splitlines()[-1]
+    two = _run(fit.replace(fit.split("\n")[3], with_devices),
+               cpu_setup="import tensorflow as tf\n" + setup)
+    assert "replicas: 2" in two, two
+    assert "'gf_dense_bytes_per_step'" in two, two   # GradientFlowStats read the all-reduce's counters
