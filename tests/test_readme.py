@@ -50,4 +50,5 @@ def test_the_mirrored_strategy_snippet_gives_one_replica_on_a_cpu_and_two_with_t
     two = _run(fit.replace(fit.split("\n")[3], with_devices),
                cpu_setup="import tensorflow as tf\n" + setup)
     assert "replicas: 2" in two, two
-    assert "'gf_dense_bytes_per_step'" in two, two   # GradientFlowStats read the all-reduce's counters
+    # GradientFlowStats read the all-reduce's counters: 4 bytes x (8*16 + 16 + 16*3 + 3) float32 gradients.
+    assert "dense bytes per step: [780.0]" in two, two
