@@ -62,46 +62,40 @@ import sys
 sys.modules["gf_tf"] = None   # any import of gf_tf fails
 import numpy as np
 import tensorflow as tf
-loaded = tf.saved_model.load(sys.argv[1])
-x = tf.constant(np.load(sys.argv[2]))
-if sys.argv[4] == "serve":
-    y = loaded.serve(x)
-else:
-    y = loaded.signatures["serving_default"](inputs=x)["output_0"]
-np.save(sys.argv[3], y.numpy())
+x = tf.constant(np.load(sys.argv[1]))
+saved_model = tf.saved_model.load(sys.argv[2])
+np.save(sys.argv[4], saved_model.signatures["serving_default"](inputs=x)["output_0"].numpy())
+exported = tf.saved_model.load(sys.argv[3])
+np.save(sys.argv[5], exported.serve(x).numpy())
 """
 
 
-def _served_without_gf_tf(tmp_path, saved_dir, x, endpoint):
-    """The outputs of the SavedModel at `saved_dir` for `x`, computed in a fresh process without gf_tf."""
-    inputs, outputs = str(tmp_path / "x.npy"), str(tmp_path / "y.npy")
-    np.save(inputs, x)
+def _served_without_gf_tf(tmp_path, saved_model_dir, export_dir, x):
+    """The outputs for `x` of a `tf.saved_model.save` directory (its "serving_default" signature)
+    and of a `model.export` directory (its `serve` endpoint), computed in a fresh process where
+    gf_tf cannot be imported."""
+    paths = [str(tmp_path / name) for name in ("x.npy", "saved_model.npy", "export.npy")]
+    np.save(paths[0], x)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    result = subprocess.run([sys.executable, "-c", _SERVE, saved_dir, inputs, outputs, endpoint],
-                            cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300,
-                            check=False)
+    result = subprocess.run([sys.executable, "-c", _SERVE, paths[0], saved_model_dir, export_dir,
+                             *paths[1:]], cwd=str(tmp_path), env=env, capture_output=True,
+                            text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
-    return np.load(outputs)
+    return np.load(paths[1]), np.load(paths[2])
 
 
 @pytest.mark.parametrize("settings", sorted(SETTINGS))
-def test_saved_model_after_training_serves_without_gf_tf(tmp_path, settings):
+def test_saved_model_and_export_after_training_serve_without_gf_tf(tmp_path, settings):
+    """tf.saved_model.save and model.export after a fit; both serve the trained model's outputs
+    where gf_tf is not installed (no gf_tf op, no Python callback in their graphs)."""
     _, model = _trained(settings)
-    saved_dir = str(tmp_path / "saved_model")
-    tf.saved_model.save(model, saved_dir)
+    saved_model_dir, export_dir = str(tmp_path / "saved_model"), str(tmp_path / "export")
+    tf.saved_model.save(model, saved_model_dir)
+    model.export(export_dir)
     x = _data(seed=1)[0][:5]
-    served = _served_without_gf_tf(tmp_path, saved_dir, x, "serving_default")
-    np.testing.assert_allclose(served, model(x, training=False).numpy(), rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("settings", sorted(SETTINGS))
-def test_model_export_after_training_serves_without_gf_tf(tmp_path, settings):
-    _, model = _trained(settings)
-    saved_dir = str(tmp_path / "export")
-    model.export(saved_dir)
-    x = _data(seed=1)[0][:5]
-    served = _served_without_gf_tf(tmp_path, saved_dir, x, "serve")
-    np.testing.assert_allclose(served, model(x, training=False).numpy(), rtol=1e-6, atol=1e-6)
+    expected = model(x, training=False).numpy()
+    for served in _served_without_gf_tf(tmp_path, saved_model_dir, export_dir, x):
+        np.testing.assert_allclose(served, expected, rtol=1e-6, atol=1e-6)
 
 
 def _restored_arrays(path, settings):
