@@ -58,11 +58,14 @@ class VariableSetState(tf.Module):
     def has_state(self) -> bool:
         return self.shared is not None or any(p is not None for p in self.packs)
 
-    def _part_arrays(self) -> List[Tuple[str, tf.Module, Dict[str, np.ndarray]]]:
-        """(key prefix, state, its arrays) of the set's state (prefix "") and of each
-        pack p's ("p{p}_")."""
+    def _parts(self) -> List[Tuple[str, tf.Module]]:
+        """(key prefix, state) of the set's state (prefix "") and of each pack p's ("p{p}_")."""
         parts = [("", self.shared)] + [(f"p{p}_", pack) for p, pack in enumerate(self.packs)]
-        return [(prefix, part, part.to_arrays()) for prefix, part in parts if part is not None]
+        return [(prefix, part) for prefix, part in parts if part is not None]
+
+    def _part_arrays(self) -> List[Tuple[str, tf.Module, Dict[str, np.ndarray]]]:
+        """(key prefix, state, its arrays) of each of `_parts`."""
+        return [(prefix, part, part.to_arrays()) for prefix, part in self._parts()]
 
     def to_arrays(self) -> Dict[str, np.ndarray]:
         """The set's reducer state as arrays (eager), by stable string keys: the set
@@ -70,6 +73,12 @@ class VariableSetState(tf.Module):
         "p0_residual_r0", ...). {} without state."""
         return {prefix + key: value for prefix, _, arrays in self._part_arrays()
                 for key, value in arrays.items()}
+
+    def to_tensors(self) -> Dict[str, tf.Tensor]:
+        """The keys of `to_arrays`, as tensors read from the state's variables: eagerly,
+        or inside a tf.function (read when the function runs)."""
+        return {prefix + key: value for prefix, part in self._parts()
+                for key, value in part.to_tensors().items()}
 
     def assign_arrays(self, arrays: Dict[str, np.ndarray]) -> None:
         """Assigns what `to_arrays` gave (eager).

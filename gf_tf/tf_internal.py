@@ -19,6 +19,9 @@ pieces used for that:
 - `resource_variable_ops.ResourceVariable` (CSC state outside the strategy's
   variable creator),
 - `control_flow_util.GraphOrParentsInXlaContext` (XLA graphs use the composite ops),
+- `saved_model.save_context.in_save_context` (`tf.saved_model.save` traces every
+  object's checkpoint functions into the SavedModel; ours must not capture the
+  CSC state's variables there, which the SavedModel does not track),
 - `context.context().configure_coordination_service` and `coordination_config_pb2`
   (how long workers wait for a peer that never starts; the leader is `gf_tf.cluster`'s,
   which mirrors `multi_worker_util.coordination_leader`).
@@ -33,6 +36,7 @@ from tensorflow.python.distribute import distribute_utils as _tf_distribute_util
 from tensorflow.python.distribute import values as _tf_values
 from tensorflow.python.ops import control_flow_util as _tf_control_flow_util
 from tensorflow.python.ops import resource_variable_ops as _tf_resource_variable_ops
+from tensorflow.python.saved_model import save_context as _tf_save_context
 
 TESTED_TF_VERSIONS = ("2.18", "2.19", "2.20", "2.21")
 
@@ -142,6 +146,12 @@ def local_variable(initial_value, device: str, name: str) -> tf.Variable:
     check_tf_version()
     with tf.init_scope(), tf.device(device):
         return _tf_resource_variable_ops.ResourceVariable(initial_value, trainable=False, name=name)
+
+
+def in_saved_model_trace() -> bool:
+    """True while `tf.saved_model.save` (or `model.export`) builds the SavedModel's graph."""
+    check_tf_version()
+    return _tf_save_context.in_save_context()
 
 
 def in_xla_context() -> bool:

@@ -35,6 +35,10 @@ class CSCSetState(tf.Module):
         (`CSCState.to_arrays`), as checkpoint format 1 has them."""
         return self.auto.to_arrays() if self.auto is not None else {}
 
+    def to_tensors(self) -> Dict[str, tf.Tensor]:
+        """`to_arrays` as tensors (the auto timing saves none, so this is a constant)."""
+        return {key: tf.constant(value) for key, value in self.to_arrays().items()}
+
     def assign_arrays(self, arrays: Dict[str, np.ndarray]) -> None:
         if self.auto is not None:
             self.auto.assign_arrays(arrays)
@@ -85,6 +89,10 @@ class CSCState(tf.Module):
     def to_arrays(self) -> Dict[str, np.ndarray]:
         """This pack's state as arrays (eager): int64 scalars, float32 [n] and a float32 scalar."""
         return {key: variable.numpy() for key, variable in self._variables().items()}
+
+    def to_tensors(self) -> Dict[str, tf.Tensor]:
+        """The keys and values of `to_arrays` as tensors read from the variables (eager or in a graph)."""
+        return {key: variable.read_value() for key, variable in self._variables().items()}
 
     def assign_arrays(self, arrays: Dict[str, np.ndarray]) -> None:
         """Assigns what `to_arrays` gave (keys and shapes checked by the caller)."""

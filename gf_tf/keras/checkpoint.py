@@ -12,7 +12,8 @@ model's checkpoint:
   `load_weights` (Keras walks the optimizer's KerasSaveable attributes; the
   state is under `optimizer/_gf_tf_checkpoint`), `ModelCheckpoint`,
   `keras.callbacks.BackupAndRestore` and `tf.train.Checkpoint(model=...,
-  optimizer=...)` (a TF dependency of the optimizer).
+  optimizer=...)` (a TF dependency of the optimizer; its write may run in a tf.function).
+  `tf.saved_model.save` and `model.export` leave the state out of the SavedModel's graph.
 - A restore that comes before the state exists (BackupAndRestore restores in
   `on_train_begin`, before the first step is traced) is held and applied when
   GradientFlow creates the variable set's state, after checking it matches.
@@ -123,23 +124,66 @@ class GradientFlowCheckpoint(_keras_saveable_class(), tf.Module):
     # --- tf.train.Checkpoint: the same content as one string tensor ------------------
 
     def _serialize_to_tensors(self):
-        return {"csc_state": tf.constant(self.to_bytes())}
+        return {"csc_state": self.state_tensor()}
 
     def _restore_from_tensors(self, restored_tensors):
-        self.restore_bytes(restored_tensors["csc_state"].numpy())
+        if tf.executing_eagerly():
+            self.restore_bytes(restored_tensors["csc_state"].numpy())
+        elif not tf_internal.in_saved_model_trace():   # else: restores nothing (state_tensor)
+            raise RuntimeError("gf_tf: CSC state cannot be restored inside a tf.function (its "
+                               "checks run in Python): restore eagerly, or use model.load_weights.")
         return tf.no_op()
 
+    def state_tensor(self) -> tf.Tensor:
+        """This worker's CSC state as a tf.string scalar, built with TF ops (eager or in a tf.function).
+
+        `tf.io.serialize_tensor` of a 1-D string tensor: the JSON meta of
+        `save_own_variables` (without "optimizer_iterations"), the JSON list of
+        [key, dtype] of the arrays, `tf.io.serialize_tensor` of the optimizer's
+        iterations (int64 scalar), then of each array in that key order. The
+        meta and keys are fixed when a tf.function traces this (so trace one
+        that writes checkpoints after the first step). `tf.saved_model.save`
+        traces this and `_restore_from_tensors` into the SavedModel: there the
+        state is left out (meta without sets; the SavedModel does not track the
+        CSC variables) and the restore does nothing, so the SavedModel loads and
+        serves without gf_tf. Its checkpoint (variables/) is written eagerly,
+        with the state."""
+        saving_model = (not tf.executing_eagerly()) and tf_internal.in_saved_model_trace()
+        meta, tensors, iterations = self._state_for_tensor(saving_model)
+        with tf.device("/cpu:0"):
+            keys = [[key, value.dtype.name] for key, value in tensors.items()]
+            parts = [tf.constant(json.dumps(meta, sort_keys=True)), tf.constant(json.dumps(keys)),
+                     tf.io.serialize_tensor(iterations)]
+            parts += [tf.io.serialize_tensor(value) for value in tensors.values()]
+            return tf.io.serialize_tensor(tf.stack(parts))
+
+    def _state_for_tensor(self, empty: bool):
+        """(meta without the iterations, {key: tensor}, iterations int64 tensor) for `state_tensor`."""
+        iterations = self._self_held.iterations
+        iterations = (tf.constant(-1, tf.int64) if iterations is None or empty
+                      else tf.cast(tf.convert_to_tensor(iterations), tf.int64))
+        sets = [] if empty else self._my_sets()
+        held = None if empty or sets else self._held_state()
+        if not (sets or empty or tf.executing_eagerly()) and getattr(self._gf, "sparsity", None):
+            _log.warning("gf_tf: a tf.function that writes a checkpoint was traced before the first "
+                         "step: it writes the CSC state as it is now, never the live one.")
+        if held is not None:
+            meta = {key: value for key, value in held[0].items() if key != "optimizer_iterations"}
+            return meta, {key: tf.constant(value) for key, value in held[1].items()}, iterations
+        tensors = {f"s{s}_{key}": value for s, (state, _) in enumerate(sets)
+                   for key, value in state.to_tensors().items()}
+        return self._meta(sets), tensors, iterations
+
     def to_bytes(self) -> bytes:
-        """This worker's CSC state as .npz bytes ("meta" plus the arrays of save_own_variables)."""
+        """This worker's CSC state as .npz bytes ("meta" plus the arrays of save_own_variables): eager."""
         meta, arrays = self.state_arrays()
         buffer = io.BytesIO()
         np.savez(buffer, meta=_encode(meta), **arrays)
         return buffer.getvalue()
 
     def restore_bytes(self, data: bytes) -> None:
-        """Restores what `to_bytes` wrote (checked as `restore` checks)."""
-        loaded = np.load(io.BytesIO(data))
-        self.restore(_decode(loaded["meta"]), {k: loaded[k] for k in loaded.files if k != "meta"})
+        """Restores what `to_bytes` or `state_tensor` wrote (checked as `restore` checks)."""
+        self.restore(*_parse(data))
 
     # --- what this worker holds ------------------------------------------------
 
@@ -170,25 +214,31 @@ class GradientFlowCheckpoint(_keras_saveable_class(), tf.Module):
         return bool(sparsity is not None and sparsity.momentum > 0.0)
 
     def state_arrays(self):
-        """(meta, {key: array}) of this worker's CSC state (held data if not applied yet)."""
-        rank, num_workers = self._worker()
-        held = self._self_held
+        """(meta, {key: array}) of this worker's CSC state (held data if not applied yet): eager."""
         sets = self._my_sets()
-        if not sets and held.meta is not None and held.meta["worker"] == rank:
-            return held.meta, dict(held.arrays)   # restored, no step run since
-        meta = {"format": FORMAT, "worker": rank, "num_workers": num_workers,
+        if not sets and self._held_state() is not None:
+            return self._held_state()   # restored, no step run since
+        meta = dict(self._meta(sets), optimizer_iterations=self._iterations())
+        return meta, {f"s{s}_{key}": value for s, (state, _) in enumerate(sets)
+                      for key, value in state.to_arrays().items()}
+
+    def _held_state(self):
+        """(meta, arrays) restored for this worker and not applied yet (no step run since), or None."""
+        held = self._self_held
+        mine = held.meta is not None and held.meta["worker"] == self._worker()[0]
+        return (held.meta, dict(held.arrays)) if mine else None
+
+    def _meta(self, sets) -> dict:
+        """The meta of `state_arrays` without "optimizer_iterations" (Python values only)."""
+        rank, num_workers = self._worker()
+        return {"format": FORMAT, "worker": rank, "num_workers": num_workers,
                 "local_replicas": self._self_held.num_local, "momentum": self._momentum(),
-                "optimizer_iterations": self._iterations(), "sets": []}
-        arrays = {}
-        for s, (state, positions) in enumerate(sets):
-            meta["sets"].append({"variables": positions, "name": state.set_name,
-                                 "packs": [[p.key, p.num_elements] for p in state.plan]})
-            arrays.update({f"s{s}_{key}": value for key, value in state.to_arrays().items()})
-        return meta, arrays
+                "sets": [{"variables": positions, "name": state.set_name,
+                          "packs": [[p.key, p.num_elements] for p in state.plan]}
+                         for state, positions in sets]}
 
     def _iterations(self) -> int:
-        iterations = self._self_held.iterations
-        return -1 if iterations is None else int(iterations.numpy())
+        return -1 if self._self_held.iterations is None else int(self._self_held.iterations.numpy())
 
     # --- restore ------------------------------------------------------------------
 
@@ -286,9 +336,7 @@ class GradientFlowCheckpoint(_keras_saveable_class(), tf.Module):
         meta = arrays = None
         if tf.io.gfile.exists(path):
             with tf.io.gfile.GFile(path, "rb") as f:
-                loaded = np.load(io.BytesIO(f.read()))
-                arrays = {k: loaded[k] for k in loaded.files if k != "meta"}
-                meta = _decode(loaded["meta"])
+                meta, arrays = _parse(f.read())
         steps = {k: v for k, v in reference[1].items() if "_step_" in k}
         if meta is None or any(k not in arrays or int(arrays[k]) != int(v) for k, v in steps.items()):
             _log.warning("gf_tf: worker %d's CSC backup %s is %s the chief's backup: its residuals "
@@ -328,6 +376,20 @@ def _encode(meta: dict) -> np.ndarray:
 
 def _decode(array) -> dict:
     return json.loads(np.asarray(array, np.uint8).tobytes().decode())
+
+
+def _parse(data: bytes):
+    """(meta, {key: array}) of the bytes `state_tensor` wrote, or of `to_bytes`'s .npz
+    (a zip: it starts with b"PK"; also how gf_tf before SavedModel support wrote checkpoints)."""
+    if data[:2] == b"PK":
+        loaded = np.load(io.BytesIO(data))
+        return _decode(loaded["meta"]), {k: loaded[k] for k in loaded.files if k != "meta"}
+    parts = tf.io.parse_tensor(data, tf.string).numpy()
+    meta, keys = json.loads(parts[0]), json.loads(parts[1])
+    meta["optimizer_iterations"] = int(tf.io.parse_tensor(parts[2], tf.int64))
+    arrays = {key: tf.io.parse_tensor(part, tf.as_dtype(dtype)).numpy()
+              for (key, dtype), part in zip(keys, parts[3:])}
+    return meta, arrays
 
 
 class BackupAndRestore(keras.callbacks.BackupAndRestore):
