@@ -1010,7 +1010,7 @@ def test_rejects_scale_tensors_not_float32(impl):
 
 @pytest.fixture(params=["compiled", "compiled_scalar"])
 def kernels(request):
-    if ops._lib() is None:
+    if _ops_library.load() is None:
         pytest.skip(f"compiled ops unavailable: {ops.library_status()}")
     return IMPLEMENTATIONS[request.param]
 
