@@ -6,7 +6,8 @@ delegates to Keras's own code outside the case it fixes. `install()` applies
 those the running Keras needs, once. `OVERRIDES` lists the private Keras names
 that gf_tf's own subclasses define or derive from (gf_tf/keras/checkpoint.py).
 
-Keras 3 (`keras`, 3.6-3.15; `since`/`before` mark a patch for the minors it applies to):
+Keras 3 (`keras`, the minors of flavour.TESTED_KERAS_VERSIONS; the table follows the private code of
+3.6-3.15, and `since`/`before` mark a patch for the minors it applies to):
 its TensorFlow trainer fails under
 `tf.distribute.MultiWorkerMirroredStrategy` (public report keras-team/keras#20585):
   1. `TensorFlowTrainer._maybe_symbolic_build` calls
