@@ -6,6 +6,7 @@
 
 A cell is a TensorFlow minor version and a Keras flavour:
   keras3    tensorflow-cpu X.Y with the Keras 3 pip resolves with it
+  keras3.N  tensorflow-cpu X.Y with Keras 3.N (its newest patch release), e.g. tf2.19-keras3.9
   tf_keras  tensorflow-cpu X.Y with tf-keras X.Y (installed --no-deps: tf-keras requires the
             `tensorflow` distribution, which would put a second TensorFlow beside tensorflow-cpu)
             and TF_USE_LEGACY_KERAS=1
@@ -35,15 +36,23 @@ nox.options.reuse_existing_virtualenvs = True
 REPO = os.path.dirname(os.path.abspath(__file__))
 TF_VERSIONS = ("2.18", "2.19", "2.20", "2.21")
 FLAVOURS = ("keras3", "tf_keras")
+# Each older Keras 3 minor (newest patch release) with the TensorFlow it shipped with (2.18: 3.6,
+# 2.19: 3.9), or else the oldest TensorFlow of the range pip installs beside it.
+KERAS3_CELLS = (("2.18", "3.6"), ("2.18", "3.7"), ("2.18", "3.8"), ("2.19", "3.9"), ("2.20", "3.10"),
+                ("2.20", "3.11"), ("2.21", "3.12"), ("2.21", "3.13"), ("2.21", "3.14"))
 TEST_DEPENDENCIES = ("pytest", "scikit-learn", "tensorboard", "absl-py", "numpy")
 OP_TESTS = ("tests/test_ops.py", "tests/test_ops_build.py")
 ASAN_MULTIWORKER_TEST = ("tests/test_sparsity_multiworker.py::"
                          "test_fit_with_csc_identical_weights_and_chunk_sized_collectives")
 
 
-def _install(session, tf_version: str, flavour: str) -> dict:
-    """Installs the cell's TensorFlow and Keras; returns the environment the cell runs in."""
-    session.install(f"tensorflow-cpu=={tf_version}.*", *TEST_DEPENDENCIES)
+def _install(session, tf_version: str, flavour: str, keras_minor: str = None) -> dict:
+    """Installs the cell's TensorFlow and Keras; returns the environment the cell runs in.
+
+    keras_minor pins Keras 3 to that minor; without it pip resolves Keras 3 with TensorFlow.
+    """
+    keras = (f"keras=={keras_minor}.*",) if keras_minor else ()
+    session.install(f"tensorflow-cpu=={tf_version}.*", *keras, *TEST_DEPENDENCIES)
     env = {"PYTHONPATH": REPO, "TF_CPP_MIN_LOG_LEVEL": "2",
            "GF_TF_CACHE_DIR": os.path.join(session.virtualenv.location, "gf_tf_cache"),
            "TF_USE_LEGACY_KERAS": "1" if flavour == "tf_keras" else "0"}
@@ -55,8 +64,8 @@ def _install(session, tf_version: str, flavour: str) -> dict:
     return env
 
 
-def _cell(session, tf_version: str, flavour: str) -> None:
-    env = _install(session, tf_version, flavour)
+def _cell(session, tf_version: str, flavour: str, keras_minor: str = None) -> None:
+    env = _install(session, tf_version, flavour, keras_minor)
     output = session.run("python", "-m", "gf_tf._build", "--force", env=env, silent=True)
     env["GF_TF_OPS_LIBRARY"] = output.strip().splitlines()[-1]
     session.log(f"op library: {env['GF_TF_OPS_LIBRARY']}")
@@ -66,16 +75,20 @@ def _cell(session, tf_version: str, flavour: str) -> None:
     session.run(*pytest, "tests/test_matrix_fit.py", "tests/test_multistep.py", env=env)
 
 
-def _register(tf_version: str, flavour: str) -> None:
+def _register(tf_version: str, flavour: str, keras_minor: str = None) -> None:
     def cell(session):
-        _cell(session, tf_version, flavour)
-    cell.__doc__ = f"TensorFlow {tf_version} with {'tf-keras' if flavour == 'tf_keras' else 'Keras 3'}"
-    nox.session(name=f"tf{tf_version}-{flavour}", reuse_venv=True)(cell)
+        _cell(session, tf_version, flavour, keras_minor)
+    keras = "tf-keras" if flavour == "tf_keras" else f"Keras {keras_minor or 3}"
+    cell.__doc__ = f"TensorFlow {tf_version} with {keras}"
+    name = f"tf{tf_version}-keras{keras_minor}" if keras_minor else f"tf{tf_version}-{flavour}"
+    nox.session(name=name, reuse_venv=True)(cell)
 
 
 for _tf in TF_VERSIONS:
     for _flavour in FLAVOURS:
         _register(_tf, _flavour)
+for _tf, _keras in KERAS3_CELLS:
+    _register(_tf, "keras3", _keras)
 
 
 def _asan_build_module():

@@ -3,6 +3,7 @@ the Keras wing (gf_tf/keras/) is the one place that knows Keras, and the core im
 
 import importlib
 import os
+import re
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ from gf_tf.keras import flavour, patches
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SUPPORTED_TF = ("2.18", "2.19", "2.20", "2.21")
+TESTED_KERAS3 = ("3.9", "3.15")   # the noxfile cells that passed (README "Supported versions")
 
 
 @pytest.mark.parametrize("version", ["2.18.0", "2.19.1", "2.20.0", "2.21.0"])
@@ -32,13 +34,30 @@ def test_untested_tensorflow_fails_naming_the_supported_range(version):
 def test_the_tested_versions_are_the_matrix():
     assert tf_internal.TESTED_TF_VERSIONS == SUPPORTED_TF
     assert keras_compat.TESTED_TF_KERAS_VERSIONS == SUPPORTED_TF
-    assert keras_compat.TESTED_KERAS_VERSIONS == ("3.15",)
+    assert keras_compat.TESTED_KERAS_VERSIONS == TESTED_KERAS3
 
 
-@pytest.mark.parametrize("version", ["3.14.0", "3.16.0", "2.15.0"])
-def test_untested_keras3_fails_naming_the_tested_one(version):
-    with pytest.raises(RuntimeError, match=rf"tested with Keras 3\.15\.x only; found Keras {version}"):
+@pytest.mark.parametrize("minor", TESTED_KERAS3)
+def test_every_tested_keras3_minor_passes_the_check(minor):
+    keras_compat.check_keras_version(f"{minor}.0", tf_keras=False)
+    keras_compat.check_keras_version(f"{minor}.9", tf_keras=False)
+
+
+@pytest.mark.parametrize("version", ["3.5.0", "3.6.0", "3.12.4", "3.16.0", "2.15.0"])
+def test_untested_keras3_fails_naming_the_tested_ones(version):
+    tested = re.escape(", ".join(TESTED_KERAS3))
+    with pytest.raises(RuntimeError, match=rf"tested with Keras {tested} only; found Keras {version}"):
         keras_compat.check_keras_version(version, tf_keras=False)
+
+
+@pytest.mark.parametrize("running, applies", [("3.6.0", (True, True, False)), ("3.7.1", (True, False, True)),
+                                              ("3.15.1", (True, False, True))])
+def test_a_keras3_patch_applies_within_its_since_before_minors(monkeypatch, running, applies):
+    monkeypatch.setattr(importlib.import_module("keras"), "__version__", running)
+    marked = [patches.Patch("m", "a", ("keras",), lambda f: f, "r"),
+              patches.Patch("m", "a", ("keras",), lambda f: f, "r", before="3.7"),
+              patches.Patch("m", "a", ("keras",), lambda f: f, "r", since="3.7")]
+    assert tuple(patches.applies_to_running_keras(p) for p in marked) == applies
 
 
 def test_tf_keras_must_match_the_tensorflow_minor_version():
@@ -120,7 +139,8 @@ def _target(module, attribute):
 def test_a_gradient_flow_all_reduce_installs_every_patch_of_the_running_keras_once():
     gf_tf.GradientFlowAllReduce()
     gf_tf.GradientFlowAllReduce()   # installing again wraps nothing twice
-    active = [p for p in patches.PATCHES if flavour.patched_flavours().intersection(p.flavours)]
+    active = [p for p in patches.PATCHES if flavour.patched_flavours().intersection(p.flavours)
+              and patches.applies_to_running_keras(p)]
     assert (flavour.flavour(),) in {p.flavours for p in active}
     for patch in active:
         installed = _target(patch.module, patch.attribute)

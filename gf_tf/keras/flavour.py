@@ -1,7 +1,7 @@
 """Which Keras runs, and the versions gf_tf was tested with (README "Supported versions").
 
 Two Keras flavours are supported:
-- Keras 3 (`keras`, 3.15), the Keras `tf.keras` is by default;
+- Keras 3 (`keras`, the minors of TESTED_KERAS_VERSIONS), the Keras `tf.keras` is by default;
 - tf-keras (`tf_keras`, Keras 2, selected by TF_USE_LEGACY_KERAS=1 as TensorFlow
   selects it for `tf.keras`), of the same minor version as TensorFlow.
 """
@@ -12,7 +12,7 @@ from typing import FrozenSet
 
 import tensorflow as tf
 
-TESTED_KERAS_VERSIONS = ("3.15",)                          # Keras 3
+TESTED_KERAS_VERSIONS = ("3.9", "3.15")                       # Keras 3: the noxfile cells that passed
 TESTED_TF_KERAS_VERSIONS = ("2.18", "2.19", "2.20", "2.21")  # tf-keras, same minor as TensorFlow
 LEGACY_KERAS_ENV = "TF_USE_LEGACY_KERAS"
 KERAS3 = "keras"
@@ -59,7 +59,7 @@ def check_keras_version(version: str = None, tf_keras: bool = None) -> None:
         raise RuntimeError(
             f"gf_tf patches Keras's TensorFlow trainer for multi-worker fit "
             f"(keras-team/keras#20585) and was tested with Keras "
-            f"{', '.join(TESTED_KERAS_VERSIONS)}.x only; found Keras {version}. "
+            f"{', '.join(TESTED_KERAS_VERSIONS)} only; found Keras {version}. "
             f"Install keras=={TESTED_KERAS_VERSIONS[-1]}.* or port gf_tf/keras/patches.py.")
 
 

@@ -6,7 +6,9 @@ delegates to Keras's own code outside the case it fixes. `install()` applies
 those the running Keras needs, once. `OVERRIDES` lists the private Keras names
 that gf_tf's own subclasses define or derive from (gf_tf/keras/checkpoint.py).
 
-Keras 3 (`keras`, 3.15): its TensorFlow trainer fails under
+Keras 3 (`keras`, the minors of flavour.TESTED_KERAS_VERSIONS; the table follows the private code of
+3.6-3.15, and `since`/`before` mark a patch for the minors it applies to):
+its TensorFlow trainer fails under
 `tf.distribute.MultiWorkerMirroredStrategy` (public report keras-team/keras#20585):
   1. `TensorFlowTrainer._maybe_symbolic_build` calls
      `strategy.reduce("MEAN", <tuple of PerReplica>)` on a data batch:
@@ -18,11 +20,12 @@ Keras 3 (`keras`, 3.15): its TensorFlow trainer fails under
      replicas); other values keep Keras's behaviour.
   3. `steps_per_execution > 1` fails under MirroredStrategy and MultiWorkerMirroredStrategy
      ("You must feed a value for placeholder tensor 'while/.../Placeholder_1'"; stock TF
-     too): the multi-step loop calls the one-step tf.function inside a `tf.cond`. We build
-     the loop with that step inlined (`_TensorFlowInliningOneStep`).
+     too): the multi-step loop calls the one-step tf.function inside a `tf.cond` (Keras 3.7
+     on, `_make_function`). We build the loop with that step inlined
+     (`_TensorFlowInliningOneStep`). Keras 3.6 unrolls a Python loop, which needs no fix.
   4. `gradient_accumulation_steps > 1` fails under those strategies ("`merge_call` called
      while defining a new graph"): the all-reduce sits in a `tf.cond`. We raise a clear
-     ValueError at fit time instead.
+     ValueError at fit time instead (Keras 3.6: from `make_train_function`).
   Patches 1-2 are active only for a MultiWorkerMirroredStrategy in multi-worker
   mode, 3-4 for MirroredStrategy and MultiWorkerMirroredStrategy.
 tf-keras (`tf_keras`, Keras 2): its multi-worker `fit` needs none of these fixes.
@@ -62,6 +65,8 @@ class Patch:
     flavours: Tuple[str, ...]           # gf_tf.keras.flavour.KERAS3 / TF_KERAS
     wrap: Callable[[Callable], Callable]
     reason: str
+    since: str = None                   # Keras 3 patches: the first minor ("3.7") it applies to
+    before: str = None                  # and the first minor it no longer applies to
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +89,27 @@ def install() -> None:
     """
     flavours = patched_flavours()
     for patch in PATCHES:
-        if flavours.intersection(patch.flavours):
+        if flavours.intersection(patch.flavours) and applies_to_running_keras(patch):
             _apply(patch)
+
+
+def _minor(version: str) -> Tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
+
+
+def keras3_minor() -> Tuple[int, int]:
+    """(3, N) of the installed Keras 3, the one the KERAS3 patches wrap (also in a tf-keras process)."""
+    return _minor(importlib.import_module("keras").__version__)
+
+
+def applies_to_running_keras(patch: Patch) -> bool:
+    """False for a Keras 3 patch whose `since`/`before` range excludes the installed Keras 3."""
+    if patch.since is None and patch.before is None:
+        return True
+    running = keras3_minor()
+    return ((patch.since is None or running >= _minor(patch.since))
+            and (patch.before is None or running < _minor(patch.before)))
 
 
 def _apply(patch: Patch) -> None:
@@ -149,8 +173,11 @@ def _patched_symbolic_build(original):
         strategy = self.distribute_strategy
         if iterator is None or not in_multi_worker_mode(strategy):
             return original(self, iterator=iterator, data_batch=data_batch)
-        for _, _, it in iterator:
-            batch = next(it)
+        # Keras 3.6 yields (step, iterator) from enumerate_epoch(), 3.7-3.10 (step, iterator)
+        # from iteration, 3.11 on (begin_step, end_step, iterator): the iterator comes last.
+        steps = iterator.enumerate_epoch() if keras3_minor() < (3, 7) else iterator
+        for step in steps:
+            batch = next(step[-1])
             data_batch = tf.nest.map_structure(
                 lambda x: strategy.experimental_local_results(x)[0]
                 if isinstance(x, tf.distribute.DistributedValues) else x, batch)
@@ -166,7 +193,7 @@ def _replicated(strategy) -> bool:
 
 
 def _refuse_gradient_accumulation(model) -> None:
-    """Keras 3.15 all-reduces accumulated gradients inside a `cond` (merge_call there fails)."""
+    """Keras 3.6-3.15 all-reduce accumulated gradients inside a `cond` (merge_call there fails)."""
     steps = getattr(getattr(model, "optimizer", None), "gradient_accumulation_steps", None)
     if steps and steps > 1:
         raise ValueError(
@@ -217,6 +244,19 @@ def _patched_make_function(original):
     return _make_function
 
 
+def _patched_make_train_function(original):
+    """Keras 3.6 (before `_make_function`): the accumulation refusal of `_patched_make_function`.
+
+    Its multi-step loop is a Python loop of one-step calls, with no `tf.cond`: it needs no inlining.
+    """
+    @functools.wraps(original)
+    def make_train_function(self, force=False):
+        if _replicated(self.distribute_strategy):
+            _refuse_gradient_accumulation(self)
+        return original(self, force=force)
+    return make_train_function
+
+
 def _patched_reduce_per_replica(original):
     @functools.wraps(original)
     def reduce_per_replica(values, strategy, reduction):
@@ -234,7 +274,7 @@ def _patched_reduce_per_replica(original):
 
 
 def _patched_tf_apply(original):
-    """Keras 3.15's `LossScaleOptimizer._tf_apply`, where all replicas agree on "gradients finite".
+    """Keras 3.6-3.15's `LossScaleOptimizer._tf_apply`, where all replicas agree on "gradients finite".
 
     Keras checks each replica's *local* gradients and, under `merge_call`, uses
     the first local replica's answer: an inf on replica 1 only is applied, and
@@ -293,7 +333,10 @@ PATCHES = (
           f"{_ISSUE_20585}: scalar logs reduced with axis=0; reduce them with axis=None"),
     Patch(_TRAINER, "TensorFlowTrainer._make_function", (KERAS3,), _patched_make_function,
           "steps_per_execution > 1 under Mirrored strategies: inline the one step in the loop; "
-          "gradient_accumulation_steps > 1 there: a clear ValueError"),
+          "gradient_accumulation_steps > 1 there: a clear ValueError", since="3.7"),
+    Patch(_TRAINER, "TensorFlowTrainer.make_train_function", (KERAS3,), _patched_make_train_function,
+          "Keras 3.6, no _make_function: gradient_accumulation_steps > 1 under Mirrored "
+          "strategies: a clear ValueError", before="3.7"),
     Patch("keras.src.optimizers.loss_scale_optimizer", "LossScaleOptimizer._tf_apply", (KERAS3,),
           _patched_tf_apply, "every replica of every worker skips a non-finite step together"),
     Patch(_TF_OPTIMIZER, "TFOptimizer._all_reduce_sum_gradients", (KERAS3,),

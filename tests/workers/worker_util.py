@@ -36,22 +36,37 @@ def write_result(**arrays) -> None:
 def collective_reduces(model):
     """(dtype name, element count) of every CollectiveReduceV2 in the model's traced train step.
 
-    Reads the concrete functions behind `model.train_function` and the branch
-    graphs of their conds (test-only use of tf.function's
-    `_list_all_concrete_functions` and cond_v2's `If._true_graph/_false_graph`).
+    Reads the concrete functions behind `model.train_function`, the functions they call
+    and the branch graphs of their conds, each once (test-only use of tf.function's
+    `_list_all_concrete_functions`, FuncGraph's `_get_function` and cond_v2's
+    `If._true_graph/_false_graph`).
     """
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     found, seen = [], set()
 
-    def scan(graph):
+    def scan(graph, name):
+        if name in seen:
+            return
+        seen.add(name)
         for op in graph.get_operations():
             if op.type == "CollectiveReduceV2":
                 found.append((op.get_attr("T").name, op.inputs[0].shape.num_elements()))
+            if op.type in ("PartitionedCall", "StatefulPartitionedCall"):   # a nested tf.function
+                callee = op.get_attr("f").name
+                function = graph._get_function(callee)  # pylint: disable=protected-access
+                if function is not None and getattr(function, "graph", None) is not None:
+                    scan(function.graph, callee)
             for branch in ("_true_graph", "_false_graph"):
                 if getattr(op, branch, None) is not None:
-                    scan(getattr(op, branch))
+                    scan(getattr(op, branch), id(getattr(op, branch)))
 
     def walk(obj):
+        if isinstance(obj, tf.types.experimental.PolymorphicFunction):
+            for concrete in obj._list_all_concrete_functions():  # pylint: disable=protected-access
+                scan(concrete.graph, tf.compat.as_str(concrete.name))
+            # Keras 3.6's train_function is the tf.function itself: its step is in the closure
+            # of the Python function it wraps.
+            obj = getattr(obj, "python_function", None)
         for cell in getattr(obj, "__closure__", None) or ():
             try:
                 c = cell.cell_contents
@@ -60,9 +75,6 @@ def collective_reduces(model):
             if id(c) in seen:
                 continue
             seen.add(id(c))
-            if isinstance(c, tf.types.experimental.PolymorphicFunction):
-                for concrete in c._list_all_concrete_functions():  # pylint: disable=protected-access
-                    scan(concrete.graph)
             if callable(c):
                 walk(c)
 
