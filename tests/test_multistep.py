@@ -1,7 +1,9 @@
 """Keras's multi-step loop (`steps_per_execution > 1`) trains correctly under MirroredStrategy
 with GradientFlowAllReduce and under gf_tf.MultiWorkerMirroredStrategy (stock TF + Keras 3.15
-fail there; tf-keras works as it is), and Keras 3's `gradient_accumulation_steps > 1` fails at
-fit with an error naming the fix. Runs with the cell's Keras flavour (multistep_worker.py).
+fail there; tf-keras works as it is), and Keras 3's `gradient_accumulation_steps > 1` trains there
+under a GradientFlowAllReduce (stock fails) with Keras's accumulation semantics, and fails at fit with
+an error naming the fix under TF's own all-reduce. Runs with the cell's Keras flavour
+(multistep_worker.py).
 """
 
 import numpy as np
@@ -10,6 +12,7 @@ import pytest
 from cluster import describe, run_process, run_workers
 
 from gf_tf import keras_compat
+from test_sparsity import NumpyCSC
 
 pytestmark = pytest.mark.slow
 
@@ -68,12 +71,93 @@ def test_tf_keras_legacy_optimizer_gradients_go_through_gradient_flow():
     np.testing.assert_allclose(r["w1"], b, rtol=0, atol=2e-5)
 
 
-@pytest.mark.skipif(keras_compat.uses_tf_keras(), reason="tf-keras optimizers do not accumulate")
-def test_gradient_accumulation_fails_at_fit_naming_the_option_and_the_fix():
-    r = _mirrored("--accumulation=2")
+_NO_ACCUMULATION = pytest.mark.skipif(keras_compat.uses_tf_keras(),
+                                      reason="tf-keras optimizers do not accumulate")
+
+
+@_NO_ACCUMULATION
+def test_gradient_accumulation_under_stock_all_reduce_fails_at_fit_naming_the_option_and_the_fix():
+    r = _mirrored("--accumulation=2", "--stock_all_reduce")
     message = str(r["error"])
     assert "gradient_accumulation_steps=2 does not work under MirroredStrategy" in message
     assert "global batch 2x larger" in message
+
+
+def _accumulation_reference(result, k, csc=None, density=None):
+    """Float64 NumPy of Keras 3.15's accumulation (`BaseOptimizer._backend_apply_gradients`) on
+    2 replicas, each taking its consecutive half of every global batch of 16, with SGD (lr 0.1).
+
+    Each replica's gradient of Keras's MSE (loss divided by the global batch) is added to its own
+    accumulator on every micro-step, across epochs; every k-th micro-step each replica sends
+    (accumulator + g) / k, the all-reduce sums them (`csc`, a NumpyCSC of the pack in backprop
+    order [b, w], selects the chunks instead when given) and SGD applies the sum.
+    Returns (w, b, residuals [2, n] or None).
+    """
+    x, y = result["x"].astype(np.float64), result["y"].astype(np.float64)
+    w, b = result["w0_init"].astype(np.float64), result["w1_init"].astype(np.float64)
+    acc = np.zeros([2, b.size + w.size])
+    micro = 0
+    for _ in range(EPOCHS):
+        for start in range(0, EXAMPLES, BATCH):
+            for r in range(2):
+                xr = x[start + r * BATCH // 2:start + (r + 1) * BATCH // 2]
+                yr = y[start + r * BATCH // 2:start + (r + 1) * BATCH // 2]
+                err = (xr @ w + b - yr) * 2.0 / (BATCH * yr.shape[1])
+                acc[r] += np.concatenate([err.sum(0), (xr.T @ err).ravel()])
+            micro += 1
+            if micro % k == 0:
+                sent = acc / k
+                total = sent.sum(0) if csc is None else csc.step(sent, density)[0]
+                b, w = b - 0.1 * total[:b.size], w - 0.1 * total[b.size:].reshape(w.shape)
+                acc[:] = 0.0
+    return w, b, None if csc is None else csc.residual
+
+
+def _assert_accumulated(r, k):
+    micro_steps = EPOCHS * EXAMPLES // BATCH
+    assert int(r["micro_steps"]) == micro_steps
+    assert int(r["iterations"]) == int(r["gf_steps"]) == micro_steps // k   # one all-reduce per update
+    assert not np.array_equal(r["w0"], r["w0_init"])
+
+
+@_NO_ACCUMULATION
+@pytest.mark.parametrize("k", [2, 3])
+def test_mirrored_gradient_accumulation_matches_float64_keras_semantics(k):
+    r = _mirrored(f"--accumulation={k}", "--compression=none")
+    _assert_accumulated(r, k)
+    w, b, _ = _accumulation_reference(r, k)
+    np.testing.assert_allclose(r["w0"], w, rtol=0, atol=2e-5)
+    np.testing.assert_allclose(r["w1"], b, rtol=0, atol=2e-5)
+
+
+@_NO_ACCUMULATION
+def test_mirrored_gradient_accumulation_with_fp16_and_csc_at_one_chunk_matches_float64():
+    """ChunkSparsity(density=0.01, warmup_steps=0): the 27 elements are one chunk, always sent."""
+    r = _mirrored("--accumulation=2", "--compression=fp16", "--density=0.01", "--chunk_size=1024",
+                  "--warmup_steps=0", "--momentum=0")
+    _assert_accumulated(r, 2)
+    assert int(r["csc_step"]) == EPOCHS * EXAMPLES // BATCH // 2
+    w, b, _ = _accumulation_reference(r, 2)
+    np.testing.assert_allclose(r["w0"], w, rtol=0, atol=2e-3)
+    np.testing.assert_allclose(r["w1"], b, rtol=0, atol=2e-3)
+
+
+@_NO_ACCUMULATION
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_mirrored_gradient_accumulation_csc_residual_advances_once_per_applied_update(momentum):
+    """Sparse from the first step (2 of 7 chunks): weights and each replica's residual match a
+    NumPy CSC fed the averaged accumulated gradients once every 2 micro-steps."""
+    r = _mirrored("--accumulation=2", "--compression=none", "--density=0.25", "--chunk_size=4",
+                  "--warmup_steps=0", f"--momentum={momentum}")
+    _assert_accumulated(r, 2)
+    assert int(r["csc_step"]) == EPOCHS * EXAMPLES // BATCH // 2
+    csc = NumpyCSC(27, 2, 4, momentum=momentum)
+    w, b, residuals = _accumulation_reference(r, 2, csc, density=0.25)
+    np.testing.assert_allclose(r["w0"], w, rtol=0, atol=2e-5)
+    np.testing.assert_allclose(r["w1"], b, rtol=0, atol=2e-5)
+    for replica in range(2):
+        assert np.any(residuals[replica])
+        np.testing.assert_allclose(r[f"residual_r{replica}"], residuals[replica], rtol=0, atol=2e-5)
 
 
 def _workers(*args):

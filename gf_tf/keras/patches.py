@@ -24,8 +24,10 @@ its TensorFlow trainer fails under
      on, `_make_function`). We build the loop with that step inlined
      (`_TensorFlowInliningOneStep`). Keras 3.6 unrolls a Python loop, which needs no fix.
   4. `gradient_accumulation_steps > 1` fails under those strategies ("`merge_call` called
-     while defining a new graph"): the all-reduce sits in a `tf.cond`. We raise a clear
-     ValueError at fit time instead (Keras 3.6: from `make_train_function`).
+     while defining a new graph"): the all-reduce sits in a `tf.cond`. Under a
+     GradientFlowAllReduce on Keras 3.15, `BaseOptimizer._backend_apply_gradients` takes that
+     cond in cross-replica context instead (`_patched_backend_apply_gradients`) and it trains;
+     elsewhere we raise a clear ValueError at fit time (Keras 3.6: from `make_train_function`).
   Patches 1-2 are active only for a MultiWorkerMirroredStrategy in multi-worker
   mode, 3-4 for MirroredStrategy and MultiWorkerMirroredStrategy.
 tf-keras (`tf_keras`, Keras 2): its multi-worker `fit` needs none of these fixes.
@@ -192,9 +194,27 @@ def _replicated(strategy) -> bool:
                                  tf.distribute.MultiWorkerMirroredStrategy))
 
 
+def _accumulates_under_gradient_flow(strategy) -> bool:
+    """True where `_patched_backend_apply_gradients` makes accumulation train: a GradientFlowAllReduce
+    carries the strategy's all-reduce and the running Keras is one that patch was tested with."""
+    from gf_tf import gradients  # pylint: disable=import-outside-toplevel
+    return gradients.uses_gradient_flow(strategy) and applies_to_running_keras(_ACCUMULATION_PATCH)
+
+
 def _refuse_gradient_accumulation(model) -> None:
-    """Keras 3.6-3.15 all-reduce accumulated gradients inside a `cond` (merge_call there fails)."""
-    steps = getattr(getattr(model, "optimizer", None), "gradient_accumulation_steps", None)
+    """Keras 3.6-3.15 all-reduce accumulated gradients inside a `cond` (merge_call there fails).
+
+    Under a GradientFlowAllReduce on a Keras the accumulation patch covers, accumulation trains;
+    with EMA (`use_ema=True`) too it is refused there as well (not covered by the patch).
+    """
+    optimizer = getattr(model, "optimizer", None)
+    steps = getattr(optimizer, "gradient_accumulation_steps", None)
+    if steps and steps > 1 and _accumulates_under_gradient_flow(model.distribute_strategy):
+        if not getattr(optimizer, "use_ema", False):
+            return
+        raise ValueError(
+            f"gradient_accumulation_steps={steps} with use_ema=True is not supported by gf_tf "
+            f"under {type(model.distribute_strategy).__name__}: use one of the two.")
     if steps and steps > 1:
         raise ValueError(
             f"gradient_accumulation_steps={steps} does not work under "
@@ -307,6 +327,53 @@ def _patched_tf_apply(original):
     return _tf_apply
 
 
+def _patched_backend_apply_gradients(original):
+    """Keras 3.15's accumulating `BaseOptimizer._backend_apply_gradients`, restructured so it trains
+    under a GradientFlowAllReduce (MirroredStrategy and MultiWorkerMirroredStrategy).
+
+    Keras picks "apply" or "accumulate" with a `tf.cond` taken in replica context, and both
+    branches `merge_call` (the all-reduce and the variable updates): tf.distribute refuses a
+    merge_call inside a cond's graph. Here the one `merge_call` comes first; the cond is taken in
+    cross-replica context on the optimizer's mirrored micro-step counter, so every replica of
+    every worker takes the same branch, and each branch runs Keras's own per-replica code
+    through `call_for_each_replica`, whose replica threads start inside the branch and may
+    merge_call again (as `_patched_tf_apply` does). Keras's semantics are kept: a micro-step
+    adds each replica's local gradients to its own accumulator, with no collective; every k-th
+    micro-step, each replica takes (accumulator + g) / k, clips it, and the optimizer all-reduces
+    (SUM over replicas) once, through GradientFlow: k times fewer collectives, and the CSC step
+    counter and residual advance once per applied update. Other cases keep Keras's code.
+    """
+    @functools.wraps(original)
+    def _backend_apply_gradients(self, grads, trainable_variables):
+        replica_ctx = tf.distribute.get_replica_context()
+        if (not self.gradient_accumulation_steps or replica_ctx is None or self.use_ema
+                or tf.distribute.in_cross_replica_context()
+                or not _accumulates_under_gradient_flow(replica_ctx.strategy)):
+            return original(self, grads, trainable_variables)
+        steps = self.gradient_accumulation_steps
+        variables = list(trainable_variables)
+        accumulators = [self._accumulated_gradients[self._get_variable_index(v)] for v in variables]
+
+        def update(grads):
+            grads = self._clip_gradients([(g + a) / steps for g, a in zip(grads, accumulators)])
+            self._apply_weight_decay(variables)
+            self._backend_update_step(grads, variables, self.learning_rate)
+
+        def accumulate(grads):
+            self._backend_increment_gradient_accumulators(grads, accumulators)
+
+        def in_cross_replica(distribution, grads):
+            def apply_update():
+                distribution.extended.call_for_each_replica(update, args=(grads,))
+                self._backend_reset_gradient_accumulators()   # every replica's, after update read them
+
+            tf.cond((self._iterations + 1) % steps == 0, apply_update,
+                    lambda: distribution.extended.call_for_each_replica(accumulate, args=(grads,)))
+
+        replica_ctx.merge_call(in_cross_replica, args=(list(grads),))
+    return _backend_apply_gradients
+
+
 def _patched_build(original):
     """After Keras's build, the optimizer gets its gf_tf.keras.checkpoint state under GradientFlow.
 
@@ -326,6 +393,14 @@ _TRAINER = "keras.src.backend.tensorflow.trainer"
 _TF_OPTIMIZER = "keras.src.backend.tensorflow.optimizer"
 _ISSUE_20585 = "keras-team/keras#20585: Keras 3 multi-worker fit"
 
+_ACCUMULATION_PATCH = Patch(
+    "keras.src.optimizers.base_optimizer", "BaseOptimizer._backend_apply_gradients", (KERAS3,),
+    _patched_backend_apply_gradients,
+    "gradient_accumulation_steps > 1 under a GradientFlowAllReduce: the apply-or-accumulate cond "
+    "taken in cross-replica context (one merge_call before it, call_for_each_replica in each "
+    "branch); accumulated local gradients are all-reduced once per applied update",
+    since="3.15")
+
 PATCHES = (
     Patch(_TRAINER, "TensorFlowTrainer._maybe_symbolic_build", (KERAS3,), _patched_symbolic_build,
           f"{_ISSUE_20585}: strategy.reduce on a batch of PerReplica; build from replica 0's batch"),
@@ -341,6 +416,7 @@ PATCHES = (
           _patched_tf_apply, "every replica of every worker skips a non-finite step together"),
     Patch(_TF_OPTIMIZER, "TFOptimizer._all_reduce_sum_gradients", (KERAS3,),
           _patched_all_reduce_sum_gradients, "the gradient hook: gf_tf.all_reduce_gradients"),
+    _ACCUMULATION_PATCH,
     Patch(_TF_OPTIMIZER, "TFOptimizer.build", (KERAS3,), _patched_build,
           "CSC state in the optimizer's checkpoint (reads TFOptimizer._distribution_strategy)"),
     Patch("tf_keras.src.optimizers.optimizer", "Optimizer.aggregate_gradients", (TF_KERAS,),

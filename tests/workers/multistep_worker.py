@@ -3,7 +3,9 @@ MirroredStrategy(cross_device_ops=GradientFlowAllReduce) on 2 logical CPUs (no T
 gf_tf.MultiWorkerMirroredStrategy (TF_CONFIG, one CPU per worker).
 
 Writes the initial and final weights (w0_init, w1_init, w0, w1), the data (x, y), the
-optimizer's step count, the CSC step counter (-1 without CSC) and the gradient all-reduces
+optimizer's step count (applied updates; micro_steps: Keras's `_iterations`, the batches seen
+under gradient accumulation), the CSC step counter (-1 without CSC) and local replica r's CSC
+residual (residual_r{r}, the pack's elements in backprop order), the gradient all-reduces
 GradientFlow carried (gf_steps), or `error` (the message
 of the ValueError fit raised, e.g. for --accumulation).
 """
@@ -19,6 +21,11 @@ parser.add_argument("--steps_per_execution", type=int, default=1)
 parser.add_argument("--compression", default="none")
 parser.add_argument("--density", type=float, default=0.0, help="CSC density; 0: dense")
 parser.add_argument("--accumulation", type=int, default=0, help="gradient_accumulation_steps")
+parser.add_argument("--chunk_size", type=int, default=4, help="CSC chunk size")
+parser.add_argument("--warmup_steps", type=int, default=3, help="CSC dense warm-up steps")
+parser.add_argument("--momentum", type=float, default=0.9, help="CSC momentum correction")
+parser.add_argument("--stock_all_reduce", action="store_true",
+                    help="MirroredStrategy with TF's own cross-device ops (no GradientFlow)")
 parser.add_argument("--examples", type=int, default=112)   # 7 global batches of 16
 parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--legacy_optimizer", action="store_true", help="tf-keras's OptimizerV2 SGD")
@@ -35,7 +42,8 @@ from gf_tf import keras_compat  # pylint: disable=wrong-import-position
 
 keras = keras_compat.keras_module()   # tf-keras under TF_USE_LEGACY_KERAS=1, else Keras 3
 
-sparsity = (gf_tf.ChunkSparsity(density=args.density, chunk_size=4, warmup_steps=3, momentum=0.9)
+sparsity = (gf_tf.ChunkSparsity(density=args.density, chunk_size=args.chunk_size,
+                                warmup_steps=args.warmup_steps, momentum=args.momentum)
             if args.density else None)
 gradient_flow = gf_tf.GradientFlowAllReduce(
     compression=None if args.compression == "none" else args.compression, sparsity=sparsity)
@@ -43,7 +51,8 @@ if MULTI_WORKER:
     strategy = gf_tf.MultiWorkerMirroredStrategy(
         communication_options=worker_util.communication_options(), gradient_flow=gradient_flow)
 else:
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=gradient_flow)
+    strategy = tf.distribute.MirroredStrategy(
+        ["/cpu:0", "/cpu:1"], cross_device_ops=None if args.stock_all_reduce else gradient_flow)
 
 x, y = worker_util.regression_data(args.examples)
 with strategy.scope():
@@ -59,11 +68,14 @@ try:
 except ValueError as e:
     worker_util.write_result(error=str(e))
     raise SystemExit(0)
-csc_step = -1
+csc_step, residuals = -1, {}
 if sparsity:
     (variable_set,) = gradient_flow.states().values()
     csc_step = int(variable_set.packs[0].step.numpy())
+    residuals = {f"residual_r{r}": v.numpy() for r, v in enumerate(variable_set.packs[0].residuals)}
+micro_steps = getattr(optimizer, "_iterations", optimizer.iterations).numpy()   # pylint: disable=protected-access
 worker_util.write_result(x=x, y=y, iterations=int(optimizer.iterations.numpy()), csc_step=csc_step,
+                         micro_steps=int(micro_steps), **residuals,
                          gf_steps=gradient_flow.stats.totals()["steps"],
                          **initial, **{f"w{i}": w for i, w in enumerate(model.get_weights())})
 print("done", args)
