@@ -121,9 +121,10 @@ def _assert_accumulated(r, k):
 
 
 @_NO_ACCUMULATION
-@pytest.mark.parametrize("k", [2, 3])
-def test_mirrored_gradient_accumulation_matches_float64_keras_semantics(k):
-    r = _mirrored(f"--accumulation={k}", "--compression=none")
+@pytest.mark.parametrize("k, steps_per_execution", [(2, 1), (3, 1), (2, 3)])
+def test_mirrored_gradient_accumulation_matches_float64_keras_semantics(k, steps_per_execution):
+    r = _mirrored(f"--accumulation={k}", "--compression=none",
+                  f"--steps_per_execution={steps_per_execution}")
     _assert_accumulated(r, k)
     w, b, _ = _accumulation_reference(r, k)
     np.testing.assert_allclose(r["w0"], w, rtol=0, atol=2e-5)
@@ -181,3 +182,38 @@ def test_multi_worker_multi_step_fit_matches_single_step_and_float64_sgd():
     for r in dense:
         np.testing.assert_allclose(r["w0"], w, rtol=0, atol=2e-5)
         np.testing.assert_allclose(r["w1"], b, rtol=0, atol=2e-5)
+
+
+@_NO_ACCUMULATION
+def test_multi_worker_gradient_accumulation_matches_float64_with_fp16_and_csc():
+    """2 workers of gf_tf.MultiWorkerMirroredStrategy, one replica each (worker i takes the i-th
+    half of every global batch): accumulation k = 2 and 3, FP16 + CSC at one chunk, and sparse
+    CSC whose weights and per-worker residuals match NumPy CSC fed once per applied update."""
+    for k in (2, 3):
+        dense = _workers(f"--accumulation={k}", "--compression=none")
+        w, b, _ = _accumulation_reference(dense[0], k)
+        for r in dense:
+            _assert_accumulated(r, k)
+            np.testing.assert_allclose(r["w0"], w, rtol=0, atol=2e-5)
+            np.testing.assert_allclose(r["w1"], b, rtol=0, atol=2e-5)
+    csc = ["--accumulation=2", "--warmup_steps=0"]
+    runs = {"fp16_one_chunk": _workers(*csc, "--compression=fp16", "--density=0.01",
+                                       "--chunk_size=1024", "--momentum=0"),
+            "sparse": _workers(*csc, "--compression=none", "--density=0.25", "--momentum=0.9"),
+            "fp16_sparse": _workers(*csc, "--compression=fp16", "--density=0.25", "--momentum=0.9")}
+    for results in runs.values():
+        for k in ("w0", "w1"):
+            np.testing.assert_array_equal(results[0][k], results[1][k], err_msg=k)
+        for r in results:
+            _assert_accumulated(r, 2)
+            assert int(r["csc_step"]) == EPOCHS * EXAMPLES // BATCH // 2
+    w, b, _ = _accumulation_reference(runs["fp16_one_chunk"][0], 2)
+    np.testing.assert_allclose(runs["fp16_one_chunk"][0]["w0"], w, rtol=0, atol=2e-3)
+    np.testing.assert_allclose(runs["fp16_one_chunk"][0]["w1"], b, rtol=0, atol=2e-3)
+    sparse = runs["sparse"]
+    w, b, residuals = _accumulation_reference(sparse[0], 2, NumpyCSC(27, 2, 4, momentum=0.9), 0.25)
+    np.testing.assert_allclose(sparse[0]["w0"], w, rtol=0, atol=2e-5)
+    np.testing.assert_allclose(sparse[0]["w1"], b, rtol=0, atol=2e-5)
+    for worker in range(2):
+        assert np.any(residuals[worker])
+        np.testing.assert_allclose(sparse[worker]["residual_r0"], residuals[worker], rtol=0, atol=2e-5)
