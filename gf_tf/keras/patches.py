@@ -204,25 +204,26 @@ def _accumulates_under_gradient_flow(strategy) -> bool:
 def _refuse_gradient_accumulation(model) -> None:
     """Keras 3.6-3.15 all-reduce accumulated gradients inside a `cond` (merge_call there fails).
 
-    Under a GradientFlowAllReduce on a Keras the accumulation patch covers, accumulation trains;
-    with EMA (`use_ema=True`) too it is refused there as well (not covered by the patch).
+    Accumulation trains where `_accumulates_under_gradient_flow`, without EMA (`use_ema=True`,
+    which the accumulation patch does not cover); elsewhere a ValueError naming the fix.
     """
     optimizer = getattr(model, "optimizer", None)
     steps = getattr(optimizer, "gradient_accumulation_steps", None)
-    if steps and steps > 1 and _accumulates_under_gradient_flow(model.distribute_strategy):
-        if not getattr(optimizer, "use_ema", False):
-            return
-        raise ValueError(
-            f"gradient_accumulation_steps={steps} with use_ema=True is not supported by gf_tf "
-            f"under {type(model.distribute_strategy).__name__}: use one of the two.")
-    if steps and steps > 1:
-        raise ValueError(
-            f"gradient_accumulation_steps={steps} does not work under "
-            f"{type(model.distribute_strategy).__name__} with Keras {keras_module().__version__}: "
-            f"the optimizer all-reduces the accumulated gradients inside a tf.cond, where "
-            f"tf.distribute cannot merge_call (TensorFlow fails with '`merge_call` called while "
-            f"defining a new graph'). Use gradient_accumulation_steps=None and a global batch "
-            f"{steps}x larger (more replicas or a larger per-replica batch) instead.")
+    if not steps or steps <= 1:
+        return
+    gradient_flow = _accumulates_under_gradient_flow(model.distribute_strategy)
+    if gradient_flow and not getattr(optimizer, "use_ema", False):
+        return
+    where = (" and use_ema=True (gf_tf makes accumulation train without EMA only)" if gradient_flow
+             else " (gf_tf makes it train under a GradientFlowAllReduce with Keras "
+                  f"{_ACCUMULATION_PATCH.since})")
+    raise ValueError(
+        f"gradient_accumulation_steps={steps} does not work under "
+        f"{type(model.distribute_strategy).__name__} with Keras {keras_module().__version__}"
+        f"{where}: the optimizer all-reduces the accumulated gradients inside a tf.cond, where "
+        f"tf.distribute cannot merge_call (TensorFlow fails with '`merge_call` called while "
+        f"defining a new graph'). Use gradient_accumulation_steps=None and a global batch "
+        f"{steps}x larger (more replicas or a larger per-replica batch) instead.")
 
 
 class _TensorFlowInliningOneStep:
