@@ -6,7 +6,7 @@ Public API:
   ChunkSparsity  coarse-grained sparse communication (CSC) for GradientFlowAllReduce(sparsity=...)
   GradientFlowStats  Keras callback: bytes sent, compression ratio, chunks, residual norm
   all_reduce_gradients  a custom loop's gradient all-reduce, compressed by GradientFlow
-  checkpoint  CSC state in checkpoints; BackupAndRestore for multi-worker GradientFlow jobs
+  checkpoint  CSC state in checkpoints; BackupAndRestore, load_weights_from_chief for multi-worker jobs
   keras_compat  the Keras fixes for multi-worker fit and the gradient hook (install())
   keras    the Keras wing holding those (`import gf_tf.keras`); the core imports no Keras
   ops      pack/unpack, abs_max and the chunk ops (compiled, with a composite-TF fallback)

@@ -70,6 +70,26 @@ class CommStats:
         return {attribute: (int if dtype.is_integer else float)(getattr(self, attribute).numpy())
                 for attribute, dtype, _ in _TOTALS}
 
+    def to_tensors(self) -> Dict[str, tf.Tensor]:
+        """The running totals as tensors read from their variables (eagerly, or when a
+        tf.function runs), by the keys of `totals()`: what a checkpoint saves."""
+        return {attribute: getattr(self, attribute).read_value() for attribute, _, _ in _TOTALS}
+
+    def assign_totals(self, totals: Dict[str, float]) -> None:
+        """Sets the running totals (eager) from `totals()` or `to_tensors()` values, e.g. the
+        ones a checkpoint restores, so that figures over all steps cover the whole run.
+
+        Raises:
+          ValueError naming a key that is not a total.
+        """
+        unknown = sorted(set(totals) - {attribute for attribute, _, _ in _TOTALS})
+        if unknown:
+            raise ValueError(f"gf_tf: CommStats has no totals {unknown}")
+        with tf.device("/cpu:0"):
+            for attribute, dtype, _ in _TOTALS:
+                if attribute in totals:
+                    getattr(self, attribute).assign(tf.cast(totals[attribute], dtype))
+
     def result(self, since: Optional[Dict[str, float]] = None) -> dict:
         """Per-step means since creation, or since an earlier `totals()` snapshot.
 

@@ -19,10 +19,11 @@ from gf_tf.strategy import WorkerInfo
 DEVICES = [d.name for d in tf.config.list_logical_devices("CPU")]
 
 
-def _setup(seed=0, momentum=0.5, sparsity=True, devices=2, bytes_per_pack=4 << 20, hidden=16):
+def _setup(seed=0, momentum=0.5, sparsity=True, devices=2, bytes_per_pack=4 << 20, hidden=16,
+           compression="fp16"):
     csc = gf_tf.ChunkSparsity(density=0.1, chunk_size=8, warmup_steps=2,
                               momentum=momentum) if sparsity else None
-    gfar = gf_tf.GradientFlowAllReduce(sparsity=csc, bytes_per_pack=bytes_per_pack,
+    gfar = gf_tf.GradientFlowAllReduce(sparsity=csc, bytes_per_pack=bytes_per_pack, compression=compression,
                                        cross_device_ops=tf.distribute.ReductionToOneDevice())
     strategy = tf.distribute.MirroredStrategy(DEVICES[:devices], cross_device_ops=gfar)
     with strategy.scope():
@@ -122,31 +123,63 @@ def test_another_replica_count_is_refused(tmp_path):
         _load_into(path, devices=3)
 
 
-def test_another_pack_plan_is_refused(tmp_path):
-    _, _, path = _trained(tmp_path)
-    with pytest.raises(ValueError, match=r"pack plan .* differs from this run's"):
-        _load_into(path, bytes_per_pack=64)
+def _refused_at_load(path, **kw):
+    """load_weights (no step) into a model built with `kw`: the CheckpointMismatchError's message."""
+    gfar, model = _setup(**kw)
+    model.optimizer.build(model.trainable_variables)
+    with pytest.raises(checkpoint.CheckpointMismatchError) as error:
+        model.load_weights(path)
+    assert gfar.states() == {}   # reported before any step
+    return str(error.value)
+
+
+@pytest.mark.parametrize("setting, then", [
+    ({"bytes_per_pack": 64}, "bytes_per_pack 4194304 then, 64 now"),
+    ({"compression": None}, "compression 'fp16' then, None now"),
+])
+def test_another_pack_plan_is_refused_at_load_weights_naming_the_setting(tmp_path, setting, then):
+    saved_gfar, _, path = _trained(tmp_path)
+    message = _refused_at_load(path, **setting)
+    (variable_set,) = saved_gfar.states().values()
+    now = gf_tf.GradientFlowAllReduce(**{"compression": "fp16", "bytes_per_pack": 4 << 20, **setting})
+    now_plan = gf_tf.packing.plan_packs(variable_set.signature, now.bytes_per_pack,
+                                        now.compression.wire_dtype)
+    assert message.startswith(
+        f"gf_tf: cannot restore the checkpoint's CSC state: it was saved with other "
+        f"GradientFlowAllReduce settings ({then}): its pack plan "
+        f"{[[p.key, p.num_elements] for p in variable_set.plan]} differs from this run's "
+        f"{[[p.key, p.num_elements] for p in now_plan]}. Use the same settings.\n\n(Keras: 1 "
+        f"object(s) could not be loaded: [<gf_tf.keras.checkpoint.GradientFlowCheckpoint object at"
+        ), message
 
 
 def test_momentum_switched_off_is_refused(tmp_path):
     _, _, path = _trained(tmp_path)
     with pytest.raises(ValueError, match="momentum correction was on when it was saved and is off"):
         _load_into(path, momentum=0.0)
+    assert _refused_at_load(path, momentum=0.0).startswith(
+        "gf_tf: cannot restore the checkpoint's CSC state: momentum correction was on when it "
+        "was saved and is off now.\n\n(Keras: 1 object(s)")
 
 
-def test_another_variable_list_is_refused(tmp_path):
-    _, _, path = _trained(tmp_path)
+def test_another_variable_list_is_refused_at_load_weights(tmp_path):
+    saved_gfar, _, path = _trained(tmp_path)
     gfar, model = _setup()
     model.layers[0].trainable = False
     with model.distribute_strategy.scope():
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
     model.optimizer.build(model.trainable_variables)
-    # Keras itself refuses the optimizer variables (2 vs 4); ours must say why too.
-    with pytest.raises(ValueError, match=r"checkpoint holds it for \[4 variables.*this step "
-                                         r"all-reduces \[2 variables"):
-        model.load_weights(path)
-        x, y = _data()
-        model.fit(x[:16], y[:16], batch_size=16, epochs=1, verbose=0)
+    (saved,) = saved_gfar.states()
+    now = model.trainable_variables
+    with pytest.raises(checkpoint.CheckpointMismatchError) as error:
+        model.load_weights(path)   # reported here, before any step
+    assert str(error.value).startswith(
+        f"gf_tf: cannot restore the checkpoint's CSC state: it holds the state of [{saved}] "
+        f"(optimizer positions [0, 1, 2, 3], shapes [(8, 16), (16,), (16, 3), (3,)]), but this "
+        f"optimizer's trainable variables are [{gf_tf.state.describe(now)}] (shapes [(16, 3), "
+        f"(3,)]). Restore into the same model with the same trainable variables, or start "
+        f"without the checkpoint's optimizer state.\n\n(Keras: 1 object(s) could not be loaded: "
+        f"[<gf_tf.keras.checkpoint.GradientFlowCheckpoint object at"), str(error.value)
 
 
 def test_another_workers_file_is_refused(tmp_path):
@@ -157,6 +190,63 @@ def test_another_workers_file_is_refused(tmp_path):
     gfar2._workers = WorkerInfo(rank=1, names=("worker 0", "worker 1"))  # pylint: disable=protected-access
     with pytest.raises(ValueError, match="saved by a job of 1 workers, this job has 2"):
         model2.load_weights(path)
+
+
+def _chief_file(tmp_path):
+    """A file as the chief of a 2-worker job writes it (worker 0 of 2), after one epoch."""
+    gfar, model = _setup()
+    x, y = _data()
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    gfar._workers = WorkerInfo(rank=0, names=("worker 0", "worker 1"))  # pylint: disable=protected-access
+    path = str(tmp_path / "chief.weights.h5")
+    model.save_weights(path)
+    return gfar, model, path
+
+
+def _worker_1():
+    gfar, model = _setup(seed=9)
+    gfar._workers = WorkerInfo(rank=1, names=("worker 0", "worker 1"))  # pylint: disable=protected-access
+    return gfar, model
+
+
+def test_the_chiefs_file_on_another_worker_is_refused_with_the_recipe(tmp_path):
+    _, _, path = _chief_file(tmp_path)
+    gfar, model = _worker_1()
+    model.optimizer.build(model.trainable_variables)
+    with pytest.raises(checkpoint.CheckpointMismatchError) as error:
+        model.load_weights(path)
+    assert str(error.value).startswith(
+        "gf_tf: cannot restore the checkpoint's CSC state: it holds worker 0's state and this is "
+        "worker 1. Each worker must load the file it saved itself (or use "
+        "gf_tf.checkpoint.BackupAndRestore); to load a file only the chief saved (TF's "
+        "multi-worker guide: ModelCheckpoint on the chief) on every worker, call "
+        "gf_tf.checkpoint.load_weights_from_chief(model, path) instead of "
+        "model.load_weights(path): the chief's weights and optimizer, this worker's CSC "
+        "residuals and momentum from zero (warned).\n\n(Keras: 1 object(s)"), str(error.value)
+    assert gfar.states() == {}
+
+
+def test_load_weights_from_chief_resets_csc_state_with_a_warning(tmp_path, caplog):
+    chief_gfar, chief, path = _chief_file(tmp_path)
+    chief_state = _snapshot(_state(chief_gfar))
+    gfar, model = _worker_1()   # optimizer not built: load_weights_from_chief builds it
+    with caplog.at_level(logging.WARNING, logger="gf_tf.checkpoint"):
+        checkpoint.load_weights_from_chief(model, path)
+    assert (f"gf_tf: worker 1 loaded the chief's {path}: its residuals and momentum start from "
+            f"zero (step counters follow the chief's).") in caplog.text
+    for a, b in zip(chief.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert int(model.optimizer.iterations.numpy()) == 4
+    restored = {}
+    recorder = _Recorder(restored)
+    gfar.state_registry.add_listener(recorder.record)
+    gfar._workers = None   # pylint: disable=protected-access  # train in this one process
+    x, y = _data()
+    model.fit(x[:16], y[:16], batch_size=16, epochs=1, verbose=0)
+    assert restored["steps"] == chief_state["steps"] == [4, 4]
+    for r in range(2):
+        assert not np.any(restored["residuals"][r]) and not np.any(restored["velocities"][r])
+    assert _snapshot(_state(gfar))["steps"] == [5, 5]
 
 
 def test_checkpoint_without_csc_state_gives_a_warned_reset(tmp_path, caplog):
@@ -230,6 +320,11 @@ def test_backup_and_restore_resumes_csc_state(tmp_path):
     assert history.history["gf_selected_chunks_per_step"] == [3]
     for a, c in zip(model_a.get_weights(), model_c.get_weights()):
         np.testing.assert_array_equal(a, c)
+    # The CommStats totals came back with the backup: figures over all steps cover the whole
+    # run (12 steps: 2 dense, 10 sparse), as the uninterrupted run's, not the resumed epoch's.
+    assert gfar_c.stats.totals() == gfar_a.stats.totals()
+    assert gfar_c.stats.totals()["steps"] == 12
+    assert gfar_c.stats.result() == gfar_a.stats.result()
 
 
 class _Recorder:

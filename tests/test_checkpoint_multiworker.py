@@ -49,7 +49,44 @@ def test_sigkill_then_backup_and_restore_matches_an_uninterrupted_run_bitwise(tm
         np.testing.assert_array_equal(after["selected_chunks"], [3, 3])
         for i in range(4):
             np.testing.assert_array_equal(after[f"w{i}"], reference[worker].result[f"w{i}"])
+        # CommStats came back with the backup: the totals cover all 16 steps of the run, as the
+        # uninterrupted run's do (not only the resumed epochs', which flatter the compression).
+        for key in ("steps", "dense_bytes", "sent_bytes", "selected_chunks", "total_chunks",
+                    "residual_norm", "densities"):
+            np.testing.assert_array_equal(after[f"comm_{key}"], reference[worker].result[f"comm_{key}"])
+        assert int(after["comm_steps"]) == 16
     # Residuals are per worker: the two workers' saved residuals differ.
     r0 = np.load(states / "epoch1_worker0.npz")["residual"]
     r1 = np.load(states / "epoch1_worker1.npz")["residual"]
     assert not np.array_equal(r0, r1)
+
+
+def test_every_worker_loads_the_chiefs_file_with_load_weights_from_chief(tmp_path):
+    """TF's multi-worker guide: only the chief saves, every worker loads the chief's file. Plain
+    load_weights refuses it on worker 1 and names the recipe; load_weights_from_chief gives every
+    worker the chief's weights, worker 1 zero residuals (warned) and the chief's step counters."""
+    results = cluster.run_workers("chief_file_worker.py", 2, args=["--dir", str(tmp_path)],
+                                  timeout=300.0, comm_timeout=60.0)
+    assert all(r.ok for r in results), cluster.describe(results)
+    chief, other = (r.result for r in results)
+    assert str(chief["plain_error"]) == "" and str(chief["warnings"]) == ""
+    assert str(other["plain_error"]).startswith(
+        "gf_tf: cannot restore the checkpoint's CSC state: it holds worker 0's state and this is "
+        "worker 1. Each worker must load the file it saved itself (or use "
+        "gf_tf.checkpoint.BackupAndRestore); to load a file only the chief saved"), other["plain_error"]
+    assert "gf_tf.checkpoint.load_weights_from_chief(model, path)" in str(other["plain_error"])
+    assert str(other["warnings"]) == (
+        f"gf_tf: worker 1 loaded the chief's {tmp_path / 'chief.weights.h5'}: its residuals and "
+        f"momentum start from zero (step counters follow the chief's).")
+    for i in range(4):
+        np.testing.assert_array_equal(other[f"loaded{i}"], chief[f"saved{i}"])
+        np.testing.assert_array_equal(chief[f"loaded{i}"], chief[f"saved{i}"])
+        np.testing.assert_array_equal(other[f"final{i}"], chief[f"final{i}"])   # in sync after
+    # 4 steps saved: the chief resumes its own residual, worker 1 starts from zero; both count on.
+    for worker in (chief, other):
+        np.testing.assert_array_equal(worker["restored_steps"], chief["first_steps"])
+        np.testing.assert_array_equal(worker["final_steps"], [8])
+    assert int(chief["first_steps"][0]) == 4
+    np.testing.assert_array_equal(chief["restored_residual"], chief["first_residual"])
+    assert np.any(other["first_residual"]) and not np.any(other["restored_residual"])
+    assert not np.any(other["restored_velocity"])

@@ -1,10 +1,14 @@
-"""README's `model.fit` snippets run as written (issue 19 item 12), in a fresh process of their own."""
+"""README's `model.fit` snippets run as written (issue 19 item 12), in a fresh process of their own;
+its sample output is what the first command prints (item 8)."""
 
+import io
 import os
 import pathlib
 import re
 import subprocess
 import sys
+
+import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -52,3 +56,33 @@ def test_the_mirrored_strategy_snippet_gives_one_replica_on_a_cpu_and_two_with_t
     assert "replicas: 2" in two, two
     # GradientFlowStats read the all-reduce's counters: 4 bytes x (8*16 + 16 + 16*3 + 3) float32 gradients.
     assert "dense bytes per step: [780.0]" in two, two
+
+
+def _sample_output():
+    """The lines README shows for its first command, by the worker prefix."""
+    text = (REPO / "README.md").read_text()
+    after = text.split("The first command ends with these lines", 1)[1]
+    lines = re.search(r"```\n(.*?)```", after, flags=re.S).group(1).strip().splitlines()
+    again = text.split("of the same gradients sends:", 1)[1]   # the models.train section's copy
+    assert re.search(r"```\n(.*?)```", again, flags=re.S).group(1).strip().splitlines() == lines
+    return lines
+
+
+@pytest.mark.slow
+def test_the_sample_output_is_what_the_first_command_prints():
+    """README's sample lines of `gf-tf-run -n 2 -- python -m models.train` (issue 19 item 8): the
+    accuracy and byte lines exactly (seed 0: the run prints the same on every run here), the
+    throughput line's form (it depends on the machine's load)."""
+    from gf_tf import launch  # pylint: disable=import-outside-toplevel
+    env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_CONFIG", None)
+    out = io.BytesIO()
+    code = launch.run_workers(2, [sys.executable, "-m", "models.train"], env=env, out=out)
+    printed = out.getvalue().decode()
+    assert code == 0, printed[-3000:]
+    accuracy, throughput, sent = _sample_output()
+    assert accuracy.startswith("[worker 0] test accuracy: ") and accuracy in printed.splitlines(), printed
+    assert sent.startswith("[worker 0] bytes sent per step") and sent in printed.splitlines(), printed
+    form = re.escape(throughput).replace(re.escape(re.search(r"[\d.]+ images/s", throughput).group(0)),
+                                         r"[\d.]+ images/s")
+    assert re.fullmatch(form, throughput) and re.search(f"^{form}$", printed, flags=re.M), printed

@@ -149,10 +149,10 @@ def test_a_gradient_flow_all_reduce_installs_every_patch_of_the_running_keras_on
 
 
 def test_the_private_keras_names_gf_tf_overrides_exist_and_are_overridden():
-    from gf_tf.keras import checkpoint  # pylint: disable=import-outside-toplevel
+    from gf_tf.keras import backup, checkpoint  # pylint: disable=import-outside-toplevel
     for override in patches.OVERRIDES:
         keras_name = _target(override.module, override.attribute)   # still a Keras name
-        ours = getattr(checkpoint, override.by)
+        ours = getattr(checkpoint, override.by, None) or getattr(backup, override.by)
         if "." in override.attribute:
             assert override.attribute.split(".")[-1] in vars(ours), override
         else:
@@ -161,9 +161,9 @@ def test_the_private_keras_names_gf_tf_overrides_exist_and_are_overridden():
 
 def test_the_old_module_names_are_the_keras_wing():
     from gf_tf import checkpoint  # pylint: disable=import-outside-toplevel
-    from gf_tf.keras import callbacks, checkpoint as wing_checkpoint  # pylint: disable=import-outside-toplevel
+    from gf_tf.keras import backup, callbacks, checkpoint as wing_checkpoint  # pylint: disable=import-outside-toplevel
     assert keras_compat.install is patches.install and keras_compat.flavour is flavour.flavour
     assert keras_compat.in_multi_worker_mode is patches.in_multi_worker_mode
-    assert checkpoint.BackupAndRestore is wing_checkpoint.BackupAndRestore
+    assert checkpoint.BackupAndRestore is backup.BackupAndRestore
     assert checkpoint.attach is wing_checkpoint.attach and checkpoint.of is wing_checkpoint.of
     assert gf_tf.GradientFlowStats is callbacks.GradientFlowStats

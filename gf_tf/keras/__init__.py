@@ -2,7 +2,8 @@
 
   flavour     which Keras runs (Keras 3 or tf-keras) and the versions gf_tf was tested with
   patches     the one table of private Keras names gf_tf touches; install() applies them
-  checkpoint  CSC state in Keras checkpoints; BackupAndRestore for multi-worker jobs
+  checkpoint  CSC state in Keras checkpoints (checkpoint_checks: does it fit this run?)
+  backup      restoring every worker from the chief's files: BackupAndRestore, load_weights_from_chief
   callbacks   GradientFlowStats, the Keras callback of a GradientFlowAllReduce's CommStats
 
 gf_tf/__init__.py registers `install` with gf_tf.integrations, which GradientFlowAllReduce runs.

@@ -19,35 +19,37 @@ model's checkpoint:
   GradientFlow creates the variable set's state, after checking it matches.
 - Each worker saves ITS OWN replicas' state (workers see different data, so
   residuals differ); the file records the worker's rank and the worker count.
-  `BackupAndRestore` here is Keras's callback made multi-worker: the chief
-  writes the backup (weights, optimizer, epoch and the chief's CSC state) and
-  every other worker writes only its CSC state next to it,
-  `backup_dir/gf_tf_state.worker<rank>.npz`; every worker restores the
-  chief's weights and epoch and its own CSC state.
+  `gf_tf.keras.backup` restores a job on every worker from the chief's files
+  (`BackupAndRestore`, `load_weights_from_chief`).
 
-Mismatches (never silent):
-- ValueError: another worker count, another replica count per worker, another
-  worker's file loaded by plain `load_weights`, another variable list or pack
-  plan, momentum correction switched on/off.
+Mismatches (never silent; gf_tf.keras.checkpoint_checks, at restore time):
+- CheckpointMismatchError (a ValueError): another worker count, another replica
+  count per worker, another worker's file loaded by plain `load_weights` (a file
+  only the chief saved: `load_weights_from_chief`), another variable list or
+  pack plan (compression, bytes_per_pack), momentum correction switched on/off.
 - Warned reset (residuals and velocities zero, step counters kept in step
   with the other workers): a checkpoint without CSC state for a run with CSC,
   or a worker whose own CSC backup is missing or from another step than the
   chief's backup (e.g. it was killed between the chief's save and its own).
 - Warning, state ignored: CSC state in the checkpoint, no CSC in this run.
+
+The checkpoint also holds the GradientFlowAllReduce's CommStats totals ("comm_<total>"), so
+figures over all steps (models.train's summary) cover the whole run after a resume too.
 """
 
 import io
 import json
 import logging
-import os
 import weakref
 from typing import Dict, List, Optional
 
 import numpy as np
-import keras
 import tensorflow as tf
 
 from gf_tf import gradients, tf_internal
+from gf_tf.keras.checkpoint_checks import (
+    CHIEF_RECIPE, CheckpointMismatchError, another_set_message, check as _check, check_sets,
+    settings_of, signature_to_json)
 from gf_tf.keras.flavour import check_keras_version
 
 FORMAT = 1
@@ -85,11 +87,13 @@ class GradientFlowCheckpoint(_keras_saveable_class(), tf.Module):
     """The CSC state of one optimizer's variable sets, as a Keras and TF checkpoint dependency.
 
     Keras format (`save_own_variables`): "meta" (uint8 JSON: format, worker,
-    num_workers, local_replicas, momentum, optimizer_iterations, per set the
-    positions of its variables in the optimizer's list and its pack keys and
-    sizes), and per set s, pack p, local replica r: "s{s}_p{p}_step_r{r}"
-    (int64 scalar), "s{s}_p{p}_residual_r{r}" and "s{s}_p{p}_velocity_r{r}"
-    (float32 [n]), "s{s}_p{p}_residual_l1" (float32 scalar).
+    num_workers, local_replicas, momentum, optimizer_iterations, settings
+    (compression, bytes_per_pack), per set the positions of its variables in the
+    optimizer's list, its gradient signature and its pack keys and sizes), per
+    set s, pack p, local replica r: "s{s}_p{p}_step_r{r}" (int64 scalar),
+    "s{s}_p{p}_residual_r{r}" and "s{s}_p{p}_velocity_r{r}" (float32 [n]),
+    "s{s}_p{p}_residual_l1" (float32 scalar), and the CommStats totals
+    "comm_steps" (int64), "comm_dense_bytes", ... (gf_tf.stats, scalars).
     """
 
     def __init__(self, gradient_flow, strategy, variables):
@@ -172,6 +176,8 @@ class GradientFlowCheckpoint(_keras_saveable_class(), tf.Module):
             return meta, {key: tf.constant(value) for key, value in held[1].items()}, iterations
         tensors = {f"s{s}_{key}": value for s, (state, _) in enumerate(sets)
                    for key, value in state.to_tensors().items()}
+        if not empty:
+            tensors.update({f"comm_{key}": value for key, value in self._gf.stats.to_tensors().items()})
         return self._meta(sets), tensors, iterations
 
     def to_bytes(self) -> bytes:
@@ -219,8 +225,10 @@ class GradientFlowCheckpoint(_keras_saveable_class(), tf.Module):
         if not sets and self._held_state() is not None:
             return self._held_state()   # restored, no step run since
         meta = dict(self._meta(sets), optimizer_iterations=self._iterations())
-        return meta, {f"s{s}_{key}": value for s, (state, _) in enumerate(sets)
-                      for key, value in state.to_arrays().items()}
+        arrays = {f"s{s}_{key}": value for s, (state, _) in enumerate(sets)
+                  for key, value in state.to_arrays().items()}
+        arrays.update({f"comm_{key}": value.numpy() for key, value in self._gf.stats.to_tensors().items()})
+        return meta, arrays
 
     def _held_state(self):
         """(meta, arrays) restored for this worker and not applied yet (no step run since), or None."""
@@ -233,7 +241,9 @@ class GradientFlowCheckpoint(_keras_saveable_class(), tf.Module):
         rank, num_workers = self._worker()
         return {"format": FORMAT, "worker": rank, "num_workers": num_workers,
                 "local_replicas": self._self_held.num_local, "momentum": self._momentum(),
+                "settings": settings_of(self._gf),
                 "sets": [{"variables": positions, "name": state.set_name,
+                          "signature": signature_to_json(state.signature),
                           "packs": [[p.key, p.num_elements] for p in state.plan]}
                          for state, positions in sets]}
 
@@ -245,43 +255,60 @@ class GradientFlowCheckpoint(_keras_saveable_class(), tf.Module):
     def restore(self, meta: Optional[dict], arrays: Dict[str, np.ndarray]) -> None:
         """Checks `meta` against this run and applies it now or when the state is created.
 
-        Raises ValueError on a mismatch that would give wrong state (see module doc).
+        Raises CheckpointMismatchError (a ValueError) on a mismatch that would give wrong
+        state (see module doc), before anything is assigned.
         """
         held = self._self_held
-        rank, num_workers = self._worker()
         csc = getattr(self._gf, "sparsity", None) is not None
-        if meta is None or not meta.get("sets"):
+        saved_csc = meta is not None and bool(meta.get("sets"))
+        if saved_csc and meta.get("format") != FORMAT:
+            raise CheckpointMismatchError(
+                f"gf_tf: CSC state of format {meta.get('format')!r} in the checkpoint, this gf_tf "
+                f"reads format {FORMAT}")
+        if saved_csc and csc:
+            self._check_fits(meta)
+        self._restore_comm_totals(arrays)
+        if not saved_csc:
             if csc and not held.expect_side_file:
                 _log.warning("gf_tf: the checkpoint holds no CSC state (saved by a run without "
                              "gf_tf CSC, or before its first step): residuals and momentum start "
                              "from zero and the warm-up runs again.")
             return
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"gf_tf: CSC state of format {meta.get('format')!r} in the checkpoint, "
-                             f"this gf_tf reads format {FORMAT}")
         if not csc:
             _log.warning("gf_tf: the checkpoint holds CSC state (residuals, step counters) but this "
                          "GradientFlowAllReduce has no sparsity: the state is ignored.")
             return
-        _check(meta["num_workers"] == num_workers,
-               f"it was saved by a job of {meta['num_workers']} workers, this job has "
-               f"{num_workers}. Residuals are per worker: resume with the same worker count")
-        _check(meta["local_replicas"] == self._self_held.num_local,
-               f"it was saved with {meta['local_replicas']} replicas per worker, this worker has "
-               f"{self._self_held.num_local}. Resume with the same devices per worker")
-        if meta["worker"] != rank:
-            _check(held.expect_side_file,
-                   f"it holds worker {meta['worker']}'s state and this is worker {rank}. Each "
-                   f"worker must load the file it saved itself (or use "
-                   f"gf_tf.checkpoint.BackupAndRestore)")
-            held.reference = (meta, arrays)
+        if meta["worker"] != self._worker()[0]:
+            held.reference = (meta, arrays)   # the chief's, on another worker: its own file follows
             return
-        _check(bool(meta["momentum"]) == self._momentum(),
-               f"momentum correction was {'on' if meta['momentum'] else 'off'} when it was saved "
-               f"and is {'on' if self._momentum() else 'off'} now")
         held.meta, held.arrays, held.applied = meta, arrays, set()
         for state in self._gf.state_registry.all_states():
             self._apply(state)
+
+    def _check_fits(self, meta: dict) -> None:
+        """Raises CheckpointMismatchError unless the saved CSC state fits this worker's run."""
+        held = self._self_held
+        rank, num_workers = self._worker()
+        _check(meta["num_workers"] == num_workers,
+               f"it was saved by a job of {meta['num_workers']} workers, this job has "
+               f"{num_workers}. Residuals are per worker: resume with the same worker count")
+        _check(meta["local_replicas"] == held.num_local,
+               f"it was saved with {meta['local_replicas']} replicas per worker, this worker has "
+               f"{held.num_local}. Resume with the same devices per worker")
+        _check(meta["worker"] == rank or held.expect_side_file,
+               f"it holds worker {meta['worker']}'s state and this is worker {rank}. Each worker "
+               f"must load the file it saved itself (or use gf_tf.checkpoint.BackupAndRestore); "
+               f"{CHIEF_RECIPE}")
+        _check(bool(meta["momentum"]) == self._momentum(),
+               f"momentum correction was {'on' if meta['momentum'] else 'off'} when it was saved "
+               f"and is {'on' if self._momentum() else 'off'} now")
+        check_sets(meta, [ref() for ref in held.variables], self._gf)
+
+    def _restore_comm_totals(self, arrays: Dict[str, np.ndarray]) -> None:
+        """Sets the CommStats totals to the checkpoint's "comm_*" arrays (none before gf_tf saved them)."""
+        totals = {key[len("comm_"):]: value for key, value in arrays.items() if key.startswith("comm_")}
+        if totals:
+            self._gf.stats.assign_totals(totals)
 
     def _on_new_state(self, state) -> None:
         self._apply(state)
@@ -293,13 +320,8 @@ class GradientFlowCheckpoint(_keras_saveable_class(), tf.Module):
             return
         match = [s for s, saved in enumerate(held.meta["sets"]) if saved["variables"] == positions]
         if not match:
-            saved = "; ".join(f"[{x['name']}] (optimizer positions {x['variables']})"
-                              for x in held.meta["sets"])
-            raise ValueError(
-                f"gf_tf: cannot restore CSC state: the checkpoint holds it for {saved}, but this "
-                f"step all-reduces [{state.set_name}] (optimizer positions {positions}). Restore "
-                f"into the same model with the same trainable variables, or start without the "
-                f"checkpoint's optimizer state.")
+            raise CheckpointMismatchError(another_set_message(held.meta["sets"], state.set_name,
+                                                              positions))
         s = match[0]
         packs = [[p.key, p.num_elements] for p in state.plan]
         _check(held.meta["sets"][s]["packs"] == packs,
@@ -330,23 +352,35 @@ class GradientFlowCheckpoint(_keras_saveable_class(), tf.Module):
         """
         held = self._self_held
         held.expect_side_file = False
-        reference = held.reference
-        if reference is None:
+        if held.reference is None:
             return
         meta = arrays = None
         if tf.io.gfile.exists(path):
             with tf.io.gfile.GFile(path, "rb") as f:
                 meta, arrays = _parse(f.read())
-        steps = {k: v for k, v in reference[1].items() if "_step_" in k}
+        steps = {k: v for k, v in held.reference[1].items() if "_step_" in k}
         if meta is None or any(k not in arrays or int(arrays[k]) != int(v) for k, v in steps.items()):
-            _log.warning("gf_tf: worker %d's CSC backup %s is %s the chief's backup: its residuals "
-                         "and momentum start from zero (step counters follow the chief's).",
-                         self._worker()[0], path, "missing next to" if meta is None
-                         else "from another step than")
-            meta = dict(reference[0], worker=self._worker()[0])
-            arrays = {k: (v if "_step_" in k else np.zeros_like(v))
-                      for k, v in reference[1].items()}
+            self.restore_chief_reset(f"worker {self._worker()[0]}'s CSC backup {path} is "
+                                     f"{'missing next to' if meta is None else 'from another step than'}"
+                                     f" the chief's backup")
+            return
+        held.reference = None
         self.restore(meta, arrays)
+
+    def restore_chief_reset(self, why: str) -> None:
+        """Restores the chief's state that the last restore held on this worker, with zero
+        residuals and velocities and the chief's step counters (so every worker keeps the same
+        schedule); warns "gf_tf: WHY: its residuals and momentum start from zero ...". """
+        held = self._self_held
+        held.expect_side_file = False
+        reference, held.reference = held.reference, None
+        if reference is None:
+            return
+        _log.warning("gf_tf: %s: its residuals and momentum start from zero (step counters follow "
+                     "the chief's).", why)
+        arrays = {k: (v if "_step_" in k or k.startswith("comm_") else np.zeros_like(v))
+                  for k, v in reference[1].items()}
+        self.restore(dict(reference[0], worker=self._worker()[0]), arrays)
 
 
 def attach(optimizer, strategy, variables) -> None:
@@ -363,11 +397,6 @@ def attach(optimizer, strategy, variables) -> None:
 def of(optimizer) -> Optional[GradientFlowCheckpoint]:
     """The optimizer's GradientFlowCheckpoint (None before it is built or without GradientFlow)."""
     return getattr(optimizer, ATTRIBUTE, None)
-
-
-def _check(condition: bool, why: str) -> None:
-    if not condition:
-        raise ValueError(f"gf_tf: cannot restore the checkpoint's CSC state: {why}.")
 
 
 def _encode(meta: dict) -> np.ndarray:
@@ -390,61 +419,3 @@ def _parse(data: bytes):
     arrays = {key: tf.io.parse_tensor(part, tf.as_dtype(dtype)).numpy()
               for (key, dtype), part in zip(keys, parts[3:])}
     return meta, arrays
-
-
-class BackupAndRestore(keras.callbacks.BackupAndRestore):
-    """`keras.callbacks.BackupAndRestore` for GradientFlow jobs of one or more workers.
-
-    Keras 3.15's callback has no multi-worker logic: every worker would write
-    the same files. Here the chief (worker 0) writes the backup as Keras does
-    (`latest.weights.h5`, `training_metadata.json`; with the chief's CSC
-    state), every other worker writes only its own CSC state,
-    `gf_tf_state.worker<rank>.npz`, in the same `backup_dir` (which must be
-    visible to every worker: one host or shared storage). On restart every
-    worker restores the chief's weights, optimizer and epoch (so all resume
-    identically) and its own CSC state. Args as Keras's callback.
-    """
-
-    def _rank(self) -> int:
-        """This worker's rank among the workers (0 = the one that writes Keras's backup).
-
-        With GradientFlow, its worker list; otherwise 0 on the worker TensorFlow
-        checkpoints from (`strategy.extended.should_checkpoint`), 1 elsewhere (such
-        workers have no CSC state to write and only restore)."""
-        strategy = self.model.distribute_strategy
-        workers = getattr(tf_internal.strategy_cross_device_ops(strategy), "workers", None)
-        if workers is not None:
-            return workers.rank
-        return 0 if strategy.extended.should_checkpoint else 1
-
-    def _side_path(self) -> str:
-        return os.path.join(self.backup_dir, f"gf_tf_state.worker{self._rank()}.npz")
-
-    def on_train_begin(self, logs=None):
-        if self._rank() == 0:
-            return super().on_train_begin(logs)
-        optimizer = self.model.optimizer
-        if optimizer is not None and not optimizer.built:
-            optimizer.build(self.model.trainable_variables)
-        checkpoint = of(optimizer)
-        if checkpoint is not None:
-            checkpoint._self_held.expect_side_file = True  # pylint: disable=protected-access
-        super().on_train_begin(logs)
-        if checkpoint is not None:
-            checkpoint.restore_side_file(self._side_path())
-
-    def _save_model(self):
-        # Every worker may create backup_dir at once: Keras checks, then os.makedirs
-        # (FileExistsError when another worker won the race); gfile's makedirs does not mind.
-        tf.io.gfile.makedirs(self.backup_dir)
-        if self._rank() == 0:
-            return super()._save_model()
-        checkpoint = of(self.model.optimizer)
-        if checkpoint is not None:
-            checkpoint.save_side_file(self._side_path())
-
-    def on_train_end(self, logs=None):
-        if self._rank() == 0:
-            return super().on_train_end(logs)
-        if self.delete_checkpoint and tf.io.gfile.exists(self._side_path()):
-            tf.io.gfile.remove(self._side_path())

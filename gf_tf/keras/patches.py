@@ -4,7 +4,7 @@
 Keras flavours it applies to (gf_tf.keras.flavour) and the reason. Each wrapper
 delegates to Keras's own code outside the case it fixes. `install()` applies
 those the running Keras needs, once. `OVERRIDES` lists the private Keras names
-that gf_tf's own subclasses define or derive from (gf_tf/keras/checkpoint.py).
+that gf_tf's own subclasses define or derive from (gf_tf/keras/checkpoint.py, backup.py).
 
 Keras 3 (`keras`, the minors of flavour.TESTED_KERAS_VERSIONS; the table follows the private code of
 3.6-3.15, and `since`/`before` mark a patch for the minors it applies to):
@@ -39,9 +39,9 @@ GradientFlowAllReduce, and Keras's own code otherwise:
 - tf-keras: `Optimizer.aggregate_gradients` and `OptimizerV2._aggregate_gradients`, which
   otherwise call `optimizer_utils.all_reduce_sum_gradients` (`all_reduce(SUM)` or
   `batch_reduce_to(SUM, grads_and_vars)`); its LossScaleOptimizers delegate to them.
-Two more Keras 3 patches: `TFOptimizer.build` (CSC state in the optimizer's checkpoint,
-gf_tf.keras.checkpoint.attach) and `LossScaleOptimizer._tf_apply` (replicas skip
-non-finite steps together).
+Three more Keras 3 patches: `TFOptimizer.build` (CSC state in the optimizer's checkpoint,
+gf_tf.keras.checkpoint.attach), `saving_lib._raise_loading_failure` (a CSC state mismatch
+is explained first) and `LossScaleOptimizer._tf_apply` (replicas skip non-finite steps together).
 """
 
 import dataclasses
@@ -390,6 +390,12 @@ def _patched_build(original):
     return build
 
 
+def _patched_loading_failure(original):
+    """load_weights' error starts with gf_tf's explanation (gf_tf.keras.checkpoint_checks)."""
+    from gf_tf.keras import checkpoint_checks  # pylint: disable=import-outside-toplevel
+    return functools.wraps(original)(checkpoint_checks.put_gf_tf_first(original))
+
+
 _TRAINER = "keras.src.backend.tensorflow.trainer"
 _TF_OPTIMIZER = "keras.src.backend.tensorflow.optimizer"
 _ISSUE_20585 = "keras-team/keras#20585: Keras 3 multi-worker fit"
@@ -420,6 +426,8 @@ PATCHES = (
     _ACCUMULATION_PATCH,
     Patch(_TF_OPTIMIZER, "TFOptimizer.build", (KERAS3,), _patched_build,
           "CSC state in the optimizer's checkpoint (reads TFOptimizer._distribution_strategy)"),
+    Patch("keras.src.saving.saving_lib", "_raise_loading_failure", (KERAS3,), _patched_loading_failure,
+          "load_weights: a gf_tf checkpoint mismatch's explanation first, then Keras's summary"),
     Patch("tf_keras.src.optimizers.optimizer", "Optimizer.aggregate_gradients", (TF_KERAS,),
           _patched_tf_keras_aggregate_gradients, "the gradient hook: gf_tf.all_reduce_gradients"),
     Patch("tf_keras.src.optimizers.legacy.optimizer_v2", "OptimizerV2._aggregate_gradients",

@@ -81,5 +81,6 @@ result = {f"w{i}": w for i, w in enumerate(model.get_weights())}
 result.update({f"restored_{k}": v for k, v in Recorder.restored.items()})
 result["epochs_run"] = np.array(history.epoch)
 result["selected_chunks"] = np.array(history.history["gf_selected_chunks_per_step"])
+result.update({f"comm_{k}": np.array(v) for k, v in gradient_flow.stats.totals().items()})
 worker_util.write_result(**result)
 print("done", history.epoch, flush=True)
