@@ -1,0 +1,118 @@
+"""One worker of tests/test_collectives.py: gf_tf.collectives.recursive_doubling_sum across processes.
+
+--mode values: random inputs of every CASE (dtype, size), fresh per call, through recursive
+  doubling eagerly (call 0) and in one tf.function called twice (calls 1, 2), where every
+  recursive-doubling all-reduce is interleaved with a TF ring all-reduce of the same input
+  (so TF's own instance keys must stay matched). Writes per call and case the input (x...)
+  and both results (rd..., ring...) as float32 (exact for float16/bfloat16).
+--mode fault: worker --victim exits after --steps good all-reduces; the others keep calling
+  and write the error they get ("error", "error_seconds").
+--mode bench: median seconds per all-reduce, ring and recursive doubling, of float16 [SIZE]
+  for each --sizes (20 calls after 3 warm-up calls, each its own tf.function call).
+"""
+
+import argparse
+import os
+import time
+
+import numpy as np
+import tensorflow as tf
+
+import worker_util
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--mode", default="values", choices=["values", "fault", "bench"])
+parser.add_argument("--steps", type=int, default=2)
+parser.add_argument("--victim", type=int, default=1)
+parser.add_argument("--sizes", default="4,135000")
+parser.add_argument("--iterations", type=int, default=20)
+args = parser.parse_args()
+
+import gf_tf  # pylint: disable=wrong-import-position
+from gf_tf import cluster, collectives, tf_internal  # pylint: disable=wrong-import-position
+
+CASES = [(dtype, size) for dtype in ("float16", "bfloat16", "float32") for size in (1, 7, 1009, 0)]
+SCALE = {"float16": 8.0, "bfloat16": 1e30, "float32": 1e-20}   # well inside each dtype's range
+
+strategy = gf_tf.MultiWorkerMirroredStrategy(communication_options=worker_util.communication_options(),
+                                            gradient_flow=None)
+ring_ops = tf_internal.cross_device_ops_of(strategy)   # TF's CollectiveAllReduce
+workers = cluster.from_tf_config().worker_info()
+device = strategy.extended.worker_devices[0]
+rd_sum = collectives.recursive_doubling_sum(ring_ops, workers, [device],
+                                            worker_util.communication_options())
+
+
+def ring_sum(t):
+    pr = tf_internal.per_replica([t])
+    reduced = ring_ops.batch_reduce(tf.distribute.ReduceOp.SUM, [(pr, pr)],
+                                    worker_util.communication_options())[0]
+    return tf_internal.local_values(reduced)[0]
+
+
+def inputs(call):
+    out = []
+    for c, (dtype, size) in enumerate(CASES):
+        rng = np.random.default_rng([call, c, workers.rank])
+        with tf.device(device):
+            out.append(tf.cast(rng.standard_normal(size) * SCALE[dtype], dtype))
+    return out
+
+
+def both(xs):
+    rd, ring = [], []
+    for x in xs:
+        rd.append(rd_sum([x])[0])
+        ring.append(ring_sum(x) if x.shape[0] else tf.zeros_like(x))   # (no ring of 0 elements)
+    return rd, ring
+
+
+def values():
+    results = {}
+    function = tf.function(both)
+    for call in range(3):
+        xs = inputs(call)
+        rd, ring = both(xs) if call == 0 else function(xs)
+        for c, (x, a, b) in enumerate(zip(xs, rd, ring)):
+            assert a.dtype == x.dtype and a.shape == x.shape and a.device == x.device, (a, x)
+            for name, t in (("x", x), ("rd", a), ("ring", b)):
+                results[f"{name}{call}_{c}"] = tf.cast(t, tf.float32).numpy()
+    worker_util.write_result(**results)
+
+
+def fault():
+    step = tf.function(lambda x: rd_sum([x])[0])
+    with tf.device(device):
+        x = tf.ones([7], tf.float32)
+    for _ in range(args.steps):
+        step(x).numpy()
+    if workers.rank == args.victim:
+        os._exit(0)   # gone without a goodbye, as a crashed worker
+    start = time.monotonic()
+    try:
+        for _ in range(1000):
+            step(x).numpy()
+        error = ""
+    except Exception as e:  # pylint: disable=broad-except
+        error = f"{type(e).__name__}: {str(e)[:300]}"
+    worker_util.write_result(error=error, error_seconds=time.monotonic() - start)
+
+
+def bench():
+    out = {}
+    for size in [int(s) for s in args.sizes.split(",")]:
+        with tf.device(device):
+            x = tf.ones([size], tf.float16)
+        for name, fn in (("ring", tf.function(ring_sum)), ("rd", tf.function(lambda t: rd_sum([t])[0]))):
+            for _ in range(3):
+                fn(x).numpy()
+            seconds = []
+            for _ in range(args.iterations):
+                start = time.perf_counter()
+                fn(x).numpy()
+                seconds.append(time.perf_counter() - start)
+            out[f"{name}_{size}"] = float(np.median(seconds))
+    worker_util.write_result(**out)
+
+
+{"values": values, "fault": fault, "bench": bench}[args.mode]()
