@@ -5,6 +5,11 @@
   recursive-doubling all-reduce is interleaved with a TF ring all-reduce of the same input
   (so TF's own instance keys must stay matched). Writes per call and case the input (x...)
   and both results (rd..., ring...) as float32 (exact for float16/bfloat16).
+--mode gradients: gf_tf.all_reduce_gradients through a GradientFlowAllReduce(compression="fp16",
+  algorithm=--algorithm, CSC with --density/--chunk_size if --density > 0) over VARIABLES, --steps
+  steps of fresh gradients (chunk scales shared by all workers, so the top chunks are well
+  separated); writes per step the gradients (g{step}_{i}) and results (out{step}_{i}), and the
+  (op type, group size) of every collective of the traced step.
 --mode fault: worker --victim exits after --steps good all-reduces; the others keep calling
   and write the error they get ("error", "error_seconds").
 --mode bench: median seconds per all-reduce, ring and recursive doubling, of float16 [SIZE]
@@ -21,7 +26,10 @@ import tensorflow as tf
 import worker_util
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--mode", default="values", choices=["values", "fault", "bench"])
+parser.add_argument("--mode", default="values", choices=["values", "gradients", "fault", "bench"])
+parser.add_argument("--algorithm", default="recursive_doubling")
+parser.add_argument("--density", type=float, default=0.0)
+parser.add_argument("--chunk_size", type=int, default=16)
 parser.add_argument("--steps", type=int, default=2)
 parser.add_argument("--victim", type=int, default=1)
 parser.add_argument("--sizes", default="4,135000")
@@ -34,13 +42,22 @@ from gf_tf import cluster, collectives, tf_internal  # pylint: disable=wrong-imp
 CASES = [(dtype, size) for dtype in ("float16", "bfloat16", "float32") for size in (1, 7, 1009, 0)]
 SCALE = {"float16": 8.0, "bfloat16": 1e30, "float32": 1e-20}   # well inside each dtype's range
 
+VARIABLES = [(7, 3), (1009,)]   # one pack of 1030 elements
+
+gradient_flow = None
+if args.mode == "gradients":
+    gradient_flow = gf_tf.GradientFlowAllReduce(
+        compression="fp16", algorithm=args.algorithm,
+        sparsity=gf_tf.ChunkSparsity(density=args.density, chunk_size=args.chunk_size,
+                                     warmup_steps=0) if args.density else None)
 strategy = gf_tf.MultiWorkerMirroredStrategy(communication_options=worker_util.communication_options(),
-                                            gradient_flow=None)
-ring_ops = tf_internal.cross_device_ops_of(strategy)   # TF's CollectiveAllReduce
+                                            gradient_flow=gradient_flow)
 workers = cluster.from_tf_config().worker_info()
 device = strategy.extended.worker_devices[0]
-rd_sum = collectives.recursive_doubling_sum(ring_ops, workers, [device],
-                                            worker_util.communication_options())
+if gradient_flow is None:
+    ring_ops = tf_internal.cross_device_ops_of(strategy)   # TF's CollectiveAllReduce
+    rd_sum = collectives.recursive_doubling_sum(ring_ops, workers, [device],
+                                                worker_util.communication_options())
 
 
 def ring_sum(t):
@@ -80,6 +97,34 @@ def values():
     worker_util.write_result(**results)
 
 
+def gradients():
+    with strategy.scope():
+        variables = [tf.Variable(tf.zeros(shape)) for shape in VARIABLES]
+
+    @tf.function
+    def step(grads):
+        return strategy.run(lambda: gf_tf.all_reduce_gradients([tf.identity(g) for g in grads],
+                                                               variables))
+    results = {}
+    for s in range(args.steps):
+        size = sum(int(np.prod(shape)) for shape in VARIABLES)
+        chunk_scale = np.random.default_rng([s]).permutation(
+            np.repeat(np.linspace(0.1, 10.0, -(-size // args.chunk_size)), args.chunk_size)[:size])
+        parts = np.split(chunk_scale, np.cumsum([int(np.prod(shape)) for shape in VARIABLES])[:-1])
+        rng = np.random.default_rng([s, workers.rank])
+        grads = [tf.constant((rng.standard_normal(shape) * p.reshape(shape)).astype(np.float32))
+                 for shape, p in zip(VARIABLES, parts)]
+        for i, (g, out) in enumerate(zip(grads, step(grads))):
+            results[f"g{s}_{i}"], results[f"out{s}_{i}"] = g.numpy(), out.numpy()
+    graph = step.get_concrete_function(grads).graph
+    group_size_input = {"CollectiveReduceV2": 1, "CollectiveBcastSendV2": 1, "CollectiveBcastRecvV2": 0}
+    collectives_found = [
+        f"{op.type}:{tf.get_static_value(op.inputs[group_size_input[op.type]])}"
+        if op.type in group_size_input else op.type
+        for op in graph.get_operations() if op.type.startswith("Collective")]
+    worker_util.write_result(collectives=np.array(collectives_found), **results)
+
+
 def fault():
     step = tf.function(lambda x: rd_sum([x])[0])
     with tf.device(device):
@@ -115,4 +160,4 @@ def bench():
     worker_util.write_result(**out)
 
 
-{"values": values, "fault": fault, "bench": bench}[args.mode]()
+{"values": values, "gradients": gradients, "fault": fault, "bench": bench}[args.mode]()
