@@ -208,12 +208,15 @@ def test_workers_with_different_algorithms_fail_in_the_handshake_naming_it():
 
 
 @pytest.mark.slow
-def test_a_worker_that_exits_mid_run_makes_the_others_fail_with_an_error_not_hang():
-    """3 workers, the extra rank 2 exits after 2 all-reduces: rank 0 waits for its fold
-    broadcast, rank 1 for rank 0; both must end with an error (collective timeout 10 s, or
-    TF's peer-failure detection), long before the run's hard limit."""
+@pytest.mark.parametrize("stall", [False, True], ids=["exits", "stalls"])
+def test_a_worker_that_exits_or_stalls_mid_run_makes_the_others_fail_with_an_error(stall):
+    """3 workers, the extra rank 2 stops after 2 all-reduces: rank 0 waits for its fold
+    broadcast, rank 1 for rank 0. Both must end with an error long before the run's hard
+    limit: a worker that exits is seen by TF's heartbeats (or the collective timeout, 10 s);
+    one that stays alive but sends nothing only by the collective timeout."""
     comm_timeout, hard = 10, 200
-    results = run_workers("collectives_worker.py", 3, ["--mode=fault", "--steps=2", "--victim=2"],
+    results = run_workers("collectives_worker.py", 3,
+                          ["--mode=fault", "--steps=2", "--victim=2"] + ["--stall"] * stall,
                           timeout=hard, comm_timeout=comm_timeout)
     assert results[2].returncode == 0, describe(results)
     for r in results[:2]:
@@ -221,3 +224,5 @@ def test_a_worker_that_exits_mid_run_makes_the_others_fail_with_an_error_not_han
         if r.returncode == 0:
             assert str(r.result["error"]), describe(results)
             assert float(r.result["error_seconds"]) < 6 * comm_timeout, describe(results)
+            if stall:
+                assert "DeadlineExceeded" in str(r.result["error"]), describe(results)

@@ -10,10 +10,9 @@
   steps of fresh gradients (chunk scales shared by all workers, so the top chunks are well
   separated); writes per step the gradients (g{step}_{i}) and results (out{step}_{i}), and the
   (op type, group size) of every collective of the traced step.
---mode fault: worker --victim exits after --steps good all-reduces; the others keep calling
-  and write the error they get ("error", "error_seconds").
---mode bench: median seconds per all-reduce, ring and recursive doubling, of float16 [SIZE]
-  for each --sizes (20 calls after 3 warm-up calls, each its own tf.function call).
+--mode fault: worker --victim exits (--stall: sleeps for 4 collective timeouts, alive, then
+  exits) after --steps good all-reduces; the others keep calling and write the error they get
+  ("error", "error_seconds").
 """
 
 import argparse
@@ -26,14 +25,13 @@ import tensorflow as tf
 import worker_util
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--mode", default="values", choices=["values", "gradients", "fault", "bench"])
+parser.add_argument("--mode", default="values", choices=["values", "gradients", "fault"])
 parser.add_argument("--algorithm", default="recursive_doubling")
 parser.add_argument("--density", type=float, default=0.0)
 parser.add_argument("--chunk_size", type=int, default=16)
 parser.add_argument("--steps", type=int, default=2)
 parser.add_argument("--victim", type=int, default=1)
-parser.add_argument("--sizes", default="4,135000")
-parser.add_argument("--iterations", type=int, default=20)
+parser.add_argument("--stall", action="store_true")
 args = parser.parse_args()
 
 import gf_tf  # pylint: disable=wrong-import-position
@@ -132,6 +130,8 @@ def fault():
     for _ in range(args.steps):
         step(x).numpy()
     if workers.rank == args.victim:
+        if args.stall:   # alive (heartbeats go on), but issues no collective
+            time.sleep(4 * worker_util.comm_timeout())
         os._exit(0)   # gone without a goodbye, as a crashed worker
     start = time.monotonic()
     try:
@@ -143,21 +143,4 @@ def fault():
     worker_util.write_result(error=error, error_seconds=time.monotonic() - start)
 
 
-def bench():
-    out = {}
-    for size in [int(s) for s in args.sizes.split(",")]:
-        with tf.device(device):
-            x = tf.ones([size], tf.float16)
-        for name, fn in (("ring", tf.function(ring_sum)), ("rd", tf.function(lambda t: rd_sum([t])[0]))):
-            for _ in range(3):
-                fn(x).numpy()
-            seconds = []
-            for _ in range(args.iterations):
-                start = time.perf_counter()
-                fn(x).numpy()
-                seconds.append(time.perf_counter() - start)
-            out[f"{name}_{size}"] = float(np.median(seconds))
-    worker_util.write_result(**out)
-
-
-{"values": values, "gradients": gradients, "fault": fault, "bench": bench}[args.mode]()
+{"values": values, "gradients": gradients, "fault": fault}[args.mode]()
