@@ -41,6 +41,13 @@ Calls themselves come in the same order on every worker because every worker
 traces the same step (the model, the pack plan and the algorithm are compared
 by GradientFlowAllReduce's settings handshake).
 
+Measured (2026-12-01, TF 2.21, 8 worker processes on 2 shared cores, loopback, load
+average 3-9; median of 20 calls after warm-up): float16[4], ring 20-28 ms, recursive
+doubling 43-48 ms; float16[135000], ring 50-63 ms, recursive doubling 60-62 ms. At N = 4,
+float16[4]: ring 10 ms, recursive doubling 18 ms. Here a collective op costs about 8-15 ms
+per round whatever its hops (a 2-member all-gather, one hop, timed the same as the
+all-reduce), so fewer rounds pay off only where a hop costs real network latency.
+
 Private TensorFlow names (the launcher, its instance keys, ordering token and
 options) are reached through `gf_tf.tf_internal`.
 """
