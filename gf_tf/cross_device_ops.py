@@ -11,7 +11,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from gf_tf import agreement, integrations, packing, tf_internal
+from gf_tf import agreement, collectives, integrations, packing, tf_internal
 from gf_tf.agreement import hex_text
 from gf_tf.compression import WIRE_FORMATS, as_compression
 from gf_tf.reducers import Communicator, DenseReducer, PackStep, Sent, StepInput
@@ -65,6 +65,14 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
       cross_device_ops: the TensorFlow cross-device ops that carry the packs;
         None = the one the strategy would use by itself (MirroredStrategy's
         CollectiveAllReduce; set by gf_tf.MultiWorkerMirroredStrategy).
+      algorithm: how the packs (and the per-step control vector, CSC's norms
+        and chunks) cross workers: "ring" (default: the wrapped TF ops, 2(N-1)
+        hops) or "recursive_doubling" (`gf_tf.collectives`: ceil(log2 N)
+        rounds of 2-member all-reduces, for small, latency-bound packs). It
+        applies to multi-worker runs of gf_tf.MultiWorkerMirroredStrategy on
+        the merge-call path (every CPU run); one worker has nothing to double
+        and uses the ring, as does the replica-context path (XLA on all-GPU
+        devices) with several local replicas.
 
     Attributes:
       stats: `gf_tf.stats.CommStats`, updated once per gradient all-reduce.
@@ -73,13 +81,14 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         before a MultiWorkerMirroredStrategy configures its collectives.
 
     Raises:
-      ValueError: bad compression / bytes_per_pack; settings differing across
-        workers.
+      ValueError: bad compression / bytes_per_pack / algorithm; settings
+        differing across workers.
     """
 
     def __init__(self, compression: Optional[str] = "fp16",
                  bytes_per_pack: int = DEFAULT_BYTES_PER_PACK, sparsity=None,
-                 cross_device_ops: Optional[tf.distribute.CrossDeviceOps] = None):
+                 cross_device_ops: Optional[tf.distribute.CrossDeviceOps] = None,
+                 algorithm: str = collectives.RING):
         super().__init__()
         self.compression = as_compression(compression)
         if isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, (int, np.integer)) \
@@ -89,7 +98,11 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         if isinstance(cross_device_ops, GradientFlowAllReduce):
             raise ValueError("cross_device_ops must be a TensorFlow cross-device ops, "
                              "not another GradientFlowAllReduce")
+        if algorithm not in collectives.ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {list(collectives.ALGORITHMS)}, "
+                             f"got {algorithm!r}")
         self.bytes_per_pack = int(bytes_per_pack)
+        self.algorithm = algorithm
         self.sparsity = sparsity
         self.reducer = sparsity.reducer() if sparsity is not None else DenseReducer()
         self._wrapped = cross_device_ops
@@ -103,7 +116,8 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
 
     def __repr__(self):
         return (f"GradientFlowAllReduce(compression={self.compression.name!r}, "
-                f"bytes_per_pack={self.bytes_per_pack}, sparsity={self.sparsity!r})")
+                f"bytes_per_pack={self.bytes_per_pack}, sparsity={self.sparsity!r}, "
+                f"algorithm={self.algorithm!r})")
 
     @property
     def stats(self) -> CommStats:
@@ -253,6 +267,9 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         if replicas[0] == 0 and self._workers is not None:
             agreement.check_workers_agree(self._workers, self._settings(state), devices,
                                           self._cross_ops(), options)
+        if self._doubles(replicas, devices):
+            all_reduce_sum = collectives.recursive_doubling_sum(
+                self._cross_ops(), self._workers, [devices[r] for r in replicas], options)
         comm = Communicator(all_reduce_sum, strategy.num_replicas_in_sync,
                             reduce_op == _MEAN, replicas, tuple(devices[r] for r in replicas))
         results = [[None] * len(signature) for _ in grads]
@@ -287,6 +304,12 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
                     results[r][i] = value
         return sent
 
+    def _doubles(self, replicas, devices) -> bool:
+        """Recursive doubling for this call's packs: asked for, several workers, and the call
+        serves every local replica (it sums them before the cross-worker rounds)."""
+        return (self.algorithm == collectives.RECURSIVE_DOUBLING and self._workers is not None
+                and self._workers.num_workers > 1 and len(replicas) == len(devices))
+
     def _settings(self, state: VariableSetState):
         """The fields every worker must agree on, as (name, number, how to print it)."""
         shapes = repr([None if s is None else (tuple(s[0].as_list()), s[1].name)
@@ -295,6 +318,8 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
             ("compression", self.compression.code,
              lambda c: repr(list(WIRE_FORMATS)[int(c)])),
             ("bytes_per_pack", self.bytes_per_pack, lambda b: str(int(b))),
+            ("algorithm", collectives.ALGORITHMS.index(self.algorithm),
+             lambda a: repr(collectives.ALGORITHMS[int(a)])),
             ("number of gradients", len(state.signature), lambda n: str(int(n))),
             ("gradient shapes/dtypes (CRC32)", zlib.crc32(shapes), hex_text),
         ] + self.reducer.handshake_settings()

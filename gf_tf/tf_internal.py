@@ -22,6 +22,10 @@ pieces used for that:
 - `saved_model.save_context.in_save_context` (`tf.saved_model.save` traces every
   object's checkpoint functions into the SavedModel; ours must not capture the
   CSC state's variables there, which the SavedModel does not track),
+- `CollectiveAllReduce._launchers[0]` (a `CollectiveReplicaLauncher`): its
+  `_next_instance_key()`, `_get_ordering_token()` and the ops' `_options`
+  (`gf_tf.collectives` draws its instance keys from TF's own allocator and
+  orders its subgroup collectives with TF's),
 - `context.context().configure_coordination_service` and `coordination_config_pb2`
   (how long workers wait for a peer that never starts; the leader is `gf_tf.cluster`'s,
   which mirrors `multi_worker_util.coordination_leader`).
@@ -32,6 +36,7 @@ This module imports nothing of gf_tf.
 from typing import List, Sequence
 
 import tensorflow as tf
+from tensorflow.python.distribute import cross_device_ops as _tf_cross_device_ops
 from tensorflow.python.distribute import distribute_utils as _tf_distribute_utils
 from tensorflow.python.distribute import values as _tf_values
 from tensorflow.python.ops import control_flow_util as _tf_control_flow_util
@@ -86,6 +91,35 @@ def replica_all_reduce(ops: tf.distribute.CrossDeviceOps, reduce_op, value, repl
 def gather(ops: tf.distribute.CrossDeviceOps, per_replica_value, destinations, axis, options):
     """`ops._gather_implementation` (strategy.gather, e.g. Keras's multi-worker predict)."""
     return ops._gather_implementation(per_replica_value, destinations, axis, options)  # pylint: disable=protected-access
+
+
+def collective_launcher(ops: tf.distribute.CrossDeviceOps):
+    """The `CollectiveReplicaLauncher` of `ops`' first local replica (a CollectiveAllReduce's).
+
+    Raises ValueError for cross-device ops that are not TF's CollectiveAllReduce.
+    """
+    check_tf_version()
+    launchers = getattr(ops, "_launchers", None)
+    if not isinstance(ops, _tf_cross_device_ops.CollectiveAllReduce) or not launchers:
+        raise ValueError(f"recursive doubling runs on TensorFlow's CollectiveAllReduce (the one "
+                         f"of MultiWorkerMirroredStrategy), not on {type(ops).__name__}")
+    return launchers[0]
+
+
+def next_instance_key(launcher):
+    """A new instance key from TF's allocator: an int32 tensor, fed at call time inside a
+    tf.function (TF's own `CollectiveReplicaLauncher._next_instance_key`)."""
+    return launcher._next_instance_key()  # pylint: disable=protected-access
+
+
+def ordering_token(launcher):
+    """The resource handle TF orders the launcher's collectives by (None in TF1 graphs)."""
+    return launcher._get_ordering_token()  # pylint: disable=protected-access
+
+
+def merged_collective_options(ops: tf.distribute.CrossDeviceOps, options):
+    """`options` (CommunicationOptions or None) over the CollectiveAllReduce's own, as TF merges them."""
+    return ops._options.merge(options)  # pylint: disable=protected-access
 
 
 def default_cross_device_ops(strategy: tf.distribute.Strategy) -> tf.distribute.CrossDeviceOps:
