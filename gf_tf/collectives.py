@@ -59,10 +59,7 @@ import tensorflow as tf
 from tensorflow.python.ops import collective_ops
 
 from gf_tf import tf_internal
-
-RING = "ring"
-RECURSIVE_DOUBLING = "recursive_doubling"
-ALGORITHMS = (RING, RECURSIVE_DOUBLING)
+from gf_tf.planner import ALGORITHMS, RECURSIVE_DOUBLING, RING  # noqa: F401 (the names live there)
 
 GROUP_KEY_BASE = 0x47460000   # "GF" in the high bytes: 1,195,769,856
 MAX_WORKERS = 1 << 16         # room per stage; 18 stages stay below 2**31

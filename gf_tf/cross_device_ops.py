@@ -5,21 +5,25 @@ the state per variable set (`state`), the reducers (`reducers`, `csc`)
 and the collectives of the wrapped TensorFlow cross-device ops.
 """
 
+import logging
 import zlib
 from typing import List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
 
-from gf_tf import agreement, collectives, integrations, packing, tf_internal
+from gf_tf import agreement, collectives, integrations, packing, planner, probe, tf_internal
 from gf_tf.agreement import hex_text
-from gf_tf.compression import WIRE_FORMATS, as_compression
+from gf_tf.compression import as_compression
+from gf_tf.planner import ALGORITHMS, AUTO, Plan
 from gf_tf.reducers import Communicator, DenseReducer, PackStep, Sent, StepInput
 from gf_tf.state import StateRegistry, VariableSetState
 from gf_tf.stats import CommStats
 
-DEFAULT_BYTES_PER_PACK = 4 * 1024 * 1024
+DEFAULT_BYTES_PER_PACK = 4 * 1024 * 1024   # the pack size of benchmarks and pinned settings
+_METHOD_CODES = ("tf", "fp16", "bf16", "none")   # Plan.method, as a number for the handshake
 
+_log = logging.getLogger("gf_tf.planner")
 _SUM = tf.distribute.ReduceOp.SUM
 _MEAN = tf.distribute.ReduceOp.MEAN
 
@@ -57,22 +61,36 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
     first step of each trace a fixed-shape float64 all-reduce compares them
     and raises ValueError naming the setting and the workers.
 
+    The defaults are the planner's (`gf_tf.planner`): when a
+    gf_tf.MultiWorkerMirroredStrategy starts, `gf_tf.probe` measures the
+    link's per-hop latency and bandwidth and the local packing cost (about a
+    second), and each variable set then travels the way the cost model
+    predicts is fastest: FP16 packs, or TensorFlow's own float32 all-reduce
+    where latency outweighs bytes (small sets, fast links, many workers), over
+    the ring or recursive doubling. With one worker there is no network to
+    save: "auto" is TensorFlow's own all-reduce. `plans()` shows the choice.
+
     Args:
-      compression: "fp16" (default), "bf16" or None (packing only).
+      compression: "auto" (default: the planner picks "fp16" or TF's own
+        float32), "fp16", "bf16" or None (packing only). With `sparsity`,
+        "auto" is "fp16".
       bytes_per_pack: lazy all-reduce threshold in wire bytes (>= 0); 0 = one
         pack per dtype. A tensor larger than it gets a pack of its own.
+        "auto" (default): one pack per dtype for dense packs (`gf_tf.planner`:
+        without overlap more packs only add latency), 4 MiB with `sparsity`
+        (CSC's two collectives per step do not grow with the pack count).
       sparsity: optional `gf_tf.ChunkSparsity` (CSC), applied to every pack.
       cross_device_ops: the TensorFlow cross-device ops that carry the packs;
         None = the one the strategy would use by itself (MirroredStrategy's
         CollectiveAllReduce; set by gf_tf.MultiWorkerMirroredStrategy).
       algorithm: how the packs (and the per-step control vector, CSC's norms
-        and chunks) cross workers: "ring" (default: the wrapped TF ops, 2(N-1)
-        hops) or "recursive_doubling" (`gf_tf.collectives`: ceil(log2 N)
-        rounds of 2-member all-reduces, for small, latency-bound packs). It
-        applies to multi-worker runs of gf_tf.MultiWorkerMirroredStrategy on
-        the merge-call path (every CPU run); one worker has nothing to double
-        and uses the ring, as does the replica-context path (XLA on all-GPU
-        devices) with several local replicas.
+        and chunks) cross workers: "auto" (default: the planner's choice),
+        "ring" (the wrapped TF ops, 2(N-1) hops) or "recursive_doubling"
+        (`gf_tf.collectives`: ceil(log2 N) rounds of 2-member all-reduces, for
+        small, latency-bound packs). It applies to multi-worker runs of
+        gf_tf.MultiWorkerMirroredStrategy on the merge-call path (every CPU
+        run); one worker has nothing to double and uses the ring, as does the
+        replica-context path (XLA on all-GPU devices) with several local replicas.
 
     Attributes:
       stats: `gf_tf.stats.CommStats`, updated once per gradient all-reduce.
@@ -85,25 +103,26 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         differing across workers.
     """
 
-    def __init__(self, compression: Optional[str] = "fp16",
-                 bytes_per_pack: int = DEFAULT_BYTES_PER_PACK, sparsity=None,
+    def __init__(self, compression: Optional[str] = AUTO, bytes_per_pack=AUTO, sparsity=None,
                  cross_device_ops: Optional[tf.distribute.CrossDeviceOps] = None,
-                 algorithm: str = collectives.RING):
+                 algorithm: str = AUTO):
         super().__init__()
-        self.compression = as_compression(compression)
-        if isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, (int, np.integer)) \
-                or bytes_per_pack < 0:
-            raise ValueError(f"bytes_per_pack must be an integer number of bytes >= 0, "
+        self.compression = AUTO if compression == AUTO else as_compression(compression)
+        if bytes_per_pack != AUTO and (
+                isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, (int, np.integer))
+                or bytes_per_pack < 0):
+            raise ValueError(f"bytes_per_pack must be \"auto\" or an integer number of bytes >= 0, "
                              f"got {bytes_per_pack!r}")
+        if algorithm != AUTO and algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be \"auto\" or one of {list(ALGORITHMS)}, "
+                             f"got {algorithm!r}")
         if isinstance(cross_device_ops, GradientFlowAllReduce):
             raise ValueError("cross_device_ops must be a TensorFlow cross-device ops, "
                              "not another GradientFlowAllReduce")
-        if algorithm not in collectives.ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {list(collectives.ALGORITHMS)}, "
-                             f"got {algorithm!r}")
-        self.bytes_per_pack = int(bytes_per_pack)
+        self.bytes_per_pack = AUTO if bytes_per_pack == AUTO else int(bytes_per_pack)
         self.algorithm = algorithm
         self.sparsity = sparsity
+        self._costs: Optional[planner.Costs] = None   # measured by gf_tf.probe at _attach
         self.reducer = sparsity.reducer() if sparsity is not None else DenseReducer()
         self._wrapped = cross_device_ops
         self._workers = None  # gf_tf.strategy.WorkerInfo, set by gf_tf.MultiWorkerMirroredStrategy
@@ -115,8 +134,9 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         integrations.install_all()
 
     def __repr__(self):
-        return (f"GradientFlowAllReduce(compression={self.compression.name!r}, "
-                f"bytes_per_pack={self.bytes_per_pack}, sparsity={self.sparsity!r}, "
+        compression = self.compression if self.compression == AUTO else self.compression.name
+        return (f"GradientFlowAllReduce(compression={compression!r}, "
+                f"bytes_per_pack={self.bytes_per_pack!r}, sparsity={self.sparsity!r}, "
                 f"algorithm={self.algorithm!r})")
 
     @property
@@ -149,14 +169,27 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
 
     # --- wiring -------------------------------------------------------------
 
-    def _attach(self, wrapped, workers):
-        """Called by gf_tf.MultiWorkerMirroredStrategy: wrap its CollectiveAllReduce."""
+    def _attach(self, wrapped, workers, devices=(), options=None):
+        """Called by gf_tf.MultiWorkerMirroredStrategy: wrap its CollectiveAllReduce, and
+        measure the planner's constants when a setting is "auto" and there are peers."""
         if self._wrapped is not None or self._workers is not None:
             raise ValueError("gf_tf.MultiWorkerMirroredStrategy needs a GradientFlowAllReduce of "
                              "its own, built with cross_device_ops=None (it wraps the strategy's "
                              "CollectiveAllReduce); this one already has cross-device ops")
         self._wrapped, self._workers = wrapped, workers
         self.stats  # pylint: disable=pointless-statement  # now, outside any scope and trace
+        planned = AUTO in (self.compression, self.bytes_per_pack, self.algorithm)
+        if planned and devices and workers.num_workers > 1:
+            self._costs = probe.measure(wrapped, devices, options, workers.num_workers)
+
+    @property
+    def costs(self) -> Optional[planner.Costs]:
+        """The planner's measured constants (gf_tf.probe), or None (not measured)."""
+        return self._costs
+
+    def plans(self):
+        """{variable-set name: gf_tf.planner.Plan}: how each set's gradients travel."""
+        return {name: state.transport for name, state in self._states.states().items()}
 
     def _cross_ops(self) -> tf.distribute.CrossDeviceOps:
         if self._wrapped is None:
@@ -260,28 +293,66 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         """
         signature = [packing.packable_signature([g[i] for g in grads])
                      for i in range(len(grads[0]))]
-        plan = packing.plan_packs(signature, self.bytes_per_pack, self.compression.wire_dtype)
+        transport = self._plan(signature)
+        packable = [i for i, entry in enumerate(signature) if entry is not None]
+        if transport.method == "tf":
+            signature = [None] * len(signature)   # every gradient goes to TF's own all-reduce
+        wire = as_compression(transport.compression)
+        plan = packing.plan_packs(signature, transport.bytes_per_pack, wire.wire_dtype)
         devices = list(strategy.extended.worker_devices)
         state = self._states.get(list(variables), signature, plan,
                                  lambda packs: self.reducer.create_states(packs, devices))
+        if state.transport != transport:
+            state.transport = transport
+            _log.info("gf_tf: variable set [%s] travels as %s", state.set_name, transport.describe())
         if replicas[0] == 0 and self._workers is not None:
             agreement.check_workers_agree(self._workers, self._settings(state), devices,
                                           self._cross_ops(), options)
-        if self._doubles(replicas, devices):
-            all_reduce_sum = collectives.recursive_doubling_sum(
-                self._cross_ops(), self._workers, [devices[r] for r in replicas], options)
-        comm = Communicator(all_reduce_sum, strategy.num_replicas_in_sync,
-                            reduce_op == _MEAN, replicas, tuple(devices[r] for r in replicas))
+        comm = Communicator(self._collective(transport.algorithm, all_reduce_sum, devices, replicas,
+                                             options),
+                            strategy.num_replicas_in_sync, reduce_op == _MEAN, replicas,
+                            tuple(devices[r] for r in replicas))
         results = [[None] * len(signature) for _ in grads]
         sent = self._reduce_packs(state, grads, comm, results)
         rest = [i for i, entry in enumerate(signature) if entry is None]
+        if transport.method == "tf":
+            sent = _sent_by_tf([grads[0][i] for i in packable])
         for group in packing.groups_by_dtype(rest, [grads[0][i] for i in rest]):
             for i, reduced in zip(group, others(group)):
                 for r, value in enumerate(reduced):
                     results[r][i] = value
-        if plan and replicas[0] == 0:
+        if packable and replicas[0] == 0:
             self.stats.update(**vars(sent))
         return results
+
+    def _plan(self, signature) -> Plan:
+        """The planner's transport of this gradient list (gf_tf.planner), the pinned settings kept."""
+        packable = [entry for entry in signature if entry is not None]
+        elements = sum(int(shape.num_elements()) for shape, _ in packable)
+        workers = self._workers.num_workers if self._workers is not None else 1
+        if self.compression == AUTO:
+            method = AUTO if self.sparsity is None else "fp16"
+        else:
+            method = self.compression.name or "none"
+        if self.sparsity is None:
+            return planner.choose(elements, len(packable), workers, self._costs, method,
+                                  self.algorithm, self.bytes_per_pack)
+        # CSC sends its two collectives whatever the pack count: its packs keep today's size.
+        bytes_per_pack = DEFAULT_BYTES_PER_PACK if self.bytes_per_pack == AUTO else self.bytes_per_pack
+        norm_bytes, chunk_bytes = self.sparsity.step_bytes(elements)
+        algorithm = planner.choose_sparse_algorithm(norm_bytes, chunk_bytes, workers, self._costs,
+                                                    self.algorithm)
+        return Plan(method, bytes_per_pack, algorithm)
+
+    def _collective(self, algorithm, ring_sum, devices, replicas, options):
+        """The Communicator's all_reduce_sum for `algorithm`: the wrapped TF ops' ring, or
+        gf_tf.collectives' recursive doubling (multi-worker runs)."""
+        doubles = (algorithm == collectives.RECURSIVE_DOUBLING and self._workers is not None
+                   and self._workers.num_workers > 1 and len(replicas) == len(devices))
+        if not doubles:   # recursive doubling sums every local replica before its rounds
+            return ring_sum
+        return collectives.recursive_doubling_sum(self._cross_ops(), self._workers,
+                                                  [devices[r] for r in replicas], options)
 
     def _reduce_packs(self, state: VariableSetState, grads, comm: Communicator, results) -> Sent:
         """Hands the reducer the packs with elements (one record of the step); an empty pack's
@@ -304,23 +375,25 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
                     results[r][i] = value
         return sent
 
-    def _doubles(self, replicas, devices) -> bool:
-        """Recursive doubling for this call's packs: asked for, several workers, and the call
-        serves every local replica (it sums them before the cross-worker rounds)."""
-        return (self.algorithm == collectives.RECURSIVE_DOUBLING and self._workers is not None
-                and self._workers.num_workers > 1 and len(replicas) == len(devices))
-
     def _settings(self, state: VariableSetState):
         """The fields every worker must agree on, as (name, number, how to print it)."""
         shapes = repr([None if s is None else (tuple(s[0].as_list()), s[1].name)
                        for s in state.signature]).encode()
+        transport = state.transport
         return [
-            ("compression", self.compression.code,
-             lambda c: repr(list(WIRE_FORMATS)[int(c)])),
-            ("bytes_per_pack", self.bytes_per_pack, lambda b: str(int(b))),
-            ("algorithm", collectives.ALGORITHMS.index(self.algorithm),
-             lambda a: repr(collectives.ALGORITHMS[int(a)])),
+            ("compression", _METHOD_CODES.index(transport.method),
+             lambda c: repr(_METHOD_CODES[int(c)])),
+            ("bytes_per_pack", transport.bytes_per_pack, lambda b: str(int(b))),
+            ("algorithm", ALGORITHMS.index(transport.algorithm),
+             lambda a: repr(ALGORITHMS[int(a)])),
             ("number of gradients", len(state.signature), lambda n: str(int(n))),
             ("gradient shapes/dtypes (CRC32)", zlib.crc32(shapes), hex_text),
         ] + self.reducer.handshake_settings()
 
+
+
+def _sent_by_tf(grads) -> Sent:
+    """What TF's own all-reduce of these gradients sends (its dtypes, float32 dense equivalent)."""
+    elements = [int(g.shape.num_elements() or 0) for g in grads]
+    return Sent(dense_bytes=4 * sum(elements),
+                sent_bytes=sum(n * g.dtype.size for n, g in zip(elements, grads)))

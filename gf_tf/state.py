@@ -29,6 +29,7 @@ class VariableSetState(tf.Module):
     shared: the reducer's state of the whole set (e.g. `gf_tf.csc.CSCSetState`: the
       step counters) or None.
     packs: per pack, the reducer's state (e.g. `gf_tf.csc.CSCState`) or None.
+    transport: the `gf_tf.planner.Plan` its gradients travel by.
     """
 
     def __init__(self, name: str, variables: Sequence, signature, plan: Tuple[PackSpec, ...],
@@ -39,6 +40,7 @@ class VariableSetState(tf.Module):
         self.plan = plan
         self.shared = shared
         self.packs = packs
+        self.transport = None   # the gf_tf.planner.Plan it travels by, set on first use
         self._refs = [_weak(v) for v in variables]
 
     def owners(self) -> list:

@@ -70,8 +70,11 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             gradient_flow = cross_device_ops.GradientFlowAllReduce()
         self.gradient_flow = gradient_flow
         if gradient_flow is not None:
-            gradient_flow._attach(tf_internal.cross_device_ops_of(self),  # pylint: disable=protected-access
-                                  cluster_lib.from_resolver(self.cluster_resolver).worker_info())
+            gradient_flow._attach(  # pylint: disable=protected-access
+                tf_internal.cross_device_ops_of(self),
+                cluster_lib.from_resolver(self.cluster_resolver).worker_info(),
+                self.extended.worker_devices,
+                communication_options or tf.distribute.experimental.CommunicationOptions())
             tf_internal.set_cross_device_ops(self, gradient_flow)
 
 

@@ -28,7 +28,11 @@ RNG = np.random.default_rng(1234)
 
 
 def make(num_replicas, **kwargs):
+    """A MirroredStrategy over GradientFlow's FP16 packs (its default before the planner: one
+    worker's "auto" is TF's own all-reduce, tested in test_planner.py)."""
     assert len(DEVICES) >= num_replicas, f"need {num_replicas} logical CPUs, have {DEVICES}"
+    kwargs.setdefault("compression", "fp16")
+    kwargs.setdefault("bytes_per_pack", gf_tf.cross_device_ops.DEFAULT_BYTES_PER_PACK)
     gfar = gf_tf.GradientFlowAllReduce(cross_device_ops=tf.distribute.ReductionToOneDevice(),
                                        **kwargs)
     return gfar, tf.distribute.MirroredStrategy(DEVICES[:num_replicas], cross_device_ops=gfar)

@@ -10,7 +10,7 @@ import math
 from typing import Optional, Tuple, Union
 
 from gf_tf.csc.reducer import CSCReducer
-from gf_tf.csc.selection import POLICIES
+from gf_tf.csc.selection import POLICIES, selected_chunk_count
 
 # Chosen with benchmarks/csc_defaults.py and benchmarks/convergence.py: at
 # 1024 elements the norms cost 0.1% of the float32 bytes (15% of what a 1%
@@ -235,6 +235,14 @@ class ChunkSparsity:
         first_step None."""
         stages = [(s, d) for s, d in self.schedule() if d != AUTO]
         return tuple(stages + ([(None, d) for d in self.rungs()] if self.auto else []))
+
+    def step_bytes(self, elements: int) -> Tuple[int, int]:
+        """(chunk-norm bytes, selected-chunk bytes) per worker of one sparse step over
+        `elements` gradient elements in one pack, at the final density (density="auto":
+        its floor), for the planner (gf_tf.planner.choose_sparse_algorithm)."""
+        chunks = math.ceil(elements / self.chunk_size)
+        density = self.min_density if self.auto else self.density
+        return 4 * chunks, 2 * self.chunk_size * selected_chunk_count(chunks, density)
 
     def reducer(self) -> CSCReducer:
         """The reducer GradientFlowAllReduce runs each variable set's packs through."""

@@ -57,7 +57,8 @@ def fit(strategy):
 
 
 sparsity = gf_tf.ChunkSparsity(density=args.density, chunk_size=4) if args.density else None
-gfar = gf_tf.GradientFlowAllReduce(bytes_per_pack=args.bytes_per_pack, sparsity=sparsity)
+gfar = gf_tf.GradientFlowAllReduce(compression="fp16", bytes_per_pack=args.bytes_per_pack,
+                                   sparsity=sparsity)   # one worker's "auto" would be TF's own
 strategy = tf.distribute.MirroredStrategy(DEVICES, cross_device_ops=gfar)
 model, loss = fit(strategy)
 result = {f"w{i}": w for i, w in enumerate(model.get_weights())}

@@ -1,0 +1,188 @@
+"""The planner: how one variable set's gradients travel, chosen by a measured cost model.
+
+GradientFlow pays off where bytes dominate (large payloads, slow links) and
+costs time where latency does (small payloads, fast links, many workers): a
+ring all-reduce pays 2(N-1) hop latencies per collective, and FP16 packs need
+a collective of their own for the scale bounds. The planner predicts the
+seconds of every candidate transport and picks the fastest, so that adding
+gf_tf never makes a step slower than TensorFlow's own float32 all-reduce.
+
+Model (alpha-beta model of collectives: Thakur, Rabenseifner & Gropp 2005,
+"Optimization of collective communication operations in MPICH"), for N
+workers, B payload bytes per worker, E float32 elements:
+
+  ring(B)               = 2(N-1) alpha + 2(N-1)/N B beta
+  recursive doubling(B) = R (2 alpha + B beta),  R = log2 N rounds of pairs
+                          (+ 2 fold rounds when N is not a power of two)
+  TF's own ("tf")       = ring(4E) + copy E                (concat + split)
+  GradientFlow packs    = [ctl(4T)] + sum over packs coll(bytes) + local E
+
+where ctl is the FP16 scale bounds' collective (T tensors, scaled wires only)
+and local the measured per-element cost of the wire format's pack + unpack.
+Packs leave after the step's last gradient (the control all-reduce waits for
+every pack), so no local work is hidden behind communication and more packs
+only add latency: the planner's pack size is one pack per dtype.
+
+The constants (`Costs`) are measured by `gf_tf.probe` when a
+gf_tf.MultiWorkerMirroredStrategy starts and averaged over the workers, so
+every worker computes the same plan from the same numbers. Pure Python: the
+projection (benchmarks/projection.py) uses the same model.
+"""
+
+import dataclasses
+import math
+from typing import Optional, Sequence, Tuple
+
+AUTO = "auto"
+RING, RECURSIVE_DOUBLING = "ring", "recursive_doubling"
+ALGORITHMS = (RING, RECURSIVE_DOUBLING)   # the order breaks ties: the ring first
+# What the planner may choose for the wire of float32 gradients when compression="auto":
+# TF's own float32 batch all-reduce, float32 packs (exact; worth it over recursive
+# doubling) or FP16 packs. BF16 (8-bit significand) only when a user asks for it.
+AUTO_METHODS = ("tf", "none", "fp16")
+FLOAT32_BYTES, WIRE16_BYTES = 4, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """Measured constants of the model, in seconds.
+
+    hop_s: alpha, latency of one ring hop of a collective.
+    byte_s: beta, wire time of one payload byte on one link.
+    copy_s: local time per float32 element of a float32 pack + unpack
+      (what TF's batch all-reduce does: concat, split).
+    fp16_s: local time per float32 element of the FP16 path (max |g|, scaled
+      pack to float16, unpack).
+    """
+    hop_s: float
+    byte_s: float
+    copy_s: float
+    fp16_s: float
+
+    def as_list(self):
+        return [self.hop_s, self.byte_s, self.copy_s, self.fp16_s]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The transport of one variable set's float32/float16/bfloat16 gradients.
+
+    method: "tf" (the wrapped TF cross-device ops' own float32 batch
+      all-reduce, gf_tf sends nothing itself), or a GradientFlow wire:
+      "fp16", "bf16" or "none" (packs in their own dtype).
+    bytes_per_pack: pack threshold in wire bytes (0: one pack per dtype).
+    algorithm: "ring" (the wrapped TF ops) or "recursive_doubling" (gf_tf.collectives).
+    seconds: predicted seconds of the step's all-reduce (None: not modelled,
+      e.g. one worker or settings pinned without measurements).
+    """
+    method: str
+    bytes_per_pack: int
+    algorithm: str
+    seconds: Optional[float] = None
+
+    @property
+    def compression(self) -> Optional[str]:
+        """The GradientFlowAllReduce compression name of a GradientFlow wire (None for "none")."""
+        return None if self.method in ("tf", "none") else self.method
+
+    def describe(self) -> str:
+        if self.method == "tf":
+            what = "TensorFlow's own float32 all-reduce"
+        else:
+            packs = "one pack per dtype" if not self.bytes_per_pack else \
+                f"packs of {self.bytes_per_pack} bytes"
+            what = f"{self.method} packs ({packs}), {self.algorithm.replace('_', ' ')}"
+        if self.seconds is None:
+            return what
+        return f"{what}, predicted {1000 * self.seconds:.2f} ms per step"
+
+
+def recursive_doubling_rounds(workers: int) -> int:
+    """Rounds of 2-member all-reduces of recursive doubling over `workers` (0 for 1)."""
+    if workers <= 1:
+        return 0
+    power = int(math.floor(math.log2(workers)))
+    return power + (0 if 2 ** power == workers else 2)
+
+
+def collective_seconds(algorithm: str, nbytes: float, workers: int, costs: Costs) -> float:
+    """Predicted seconds of one SUM all-reduce of `nbytes` per worker (module docstring)."""
+    if workers <= 1:
+        return 0.0
+    if algorithm == "ring":
+        hops = 2 * (workers - 1)
+        return hops * costs.hop_s + hops / workers * nbytes * costs.byte_s
+    if algorithm == "recursive_doubling":
+        return recursive_doubling_rounds(workers) * (2 * costs.hop_s + nbytes * costs.byte_s)
+    raise ValueError(f"unknown algorithm {algorithm!r}; choose from {ALGORITHMS}")
+
+
+def predict_seconds(method: str, algorithm: str, elements: int, tensors: int, workers: int,
+                    costs: Costs, pack_elements: Sequence[int] = ()) -> float:
+    """Predicted seconds of one step's all-reduce of `elements` float32 gradients in `tensors`
+    tensors by `method` ("tf", "fp16", "bf16", "none") over `algorithm`.
+
+    pack_elements: elements per pack (default: one pack of all of them).
+    """
+    packs = list(pack_elements) or [elements]
+    if method == "tf":
+        return collective_seconds("ring", FLOAT32_BYTES * elements, workers, costs) \
+            + costs.copy_s * elements
+    wire = FLOAT32_BYTES if method == "none" else WIRE16_BYTES
+    seconds = sum(collective_seconds(algorithm, wire * n, workers, costs) for n in packs)
+    if method == "fp16":
+        seconds += collective_seconds(algorithm, FLOAT32_BYTES * tensors, workers, costs)
+        return seconds + costs.fp16_s * elements
+    return seconds + costs.copy_s * elements   # bf16 costs about a copy too
+
+
+def choose(elements: int, tensors: int, workers: int, costs: Optional[Costs],
+           method: str = AUTO, algorithm: str = AUTO, bytes_per_pack=AUTO) -> Plan:
+    """The plan of one variable set: the pinned settings kept, the "auto" ones chosen.
+
+    Args:
+      elements / tensors: float32 elements and tensors of the set's packable gradients.
+      workers: N.
+      costs: the measured constants, or None (one worker, or not measured): then
+        "auto" means TF's own all-reduce when the method is "auto" (nothing to save
+        without a network), the ring, and one pack per dtype.
+      method: "auto" or a pinned "fp16" / "bf16" / "none".
+      algorithm: "auto" or a pinned one of ALGORITHMS.
+      bytes_per_pack: "auto" or a pinned number of bytes (>= 0).
+
+    Returns: the Plan with the lowest predicted seconds (ties: the earlier of
+      "tf", then the ring), the same on every worker given the same arguments.
+    """
+    methods = AUTO_METHODS if method == AUTO else (method,)
+    algorithms = ALGORITHMS if algorithm == AUTO else (algorithm,)
+    pack = 0 if bytes_per_pack == AUTO else int(bytes_per_pack)
+    if costs is None or workers <= 1:
+        return Plan("tf" if method == AUTO else method, pack, algorithms[0])
+    candidates: Tuple[Plan, ...] = tuple(
+        Plan(m, pack, a, predict_seconds(m, a, elements, tensors, workers, costs,
+                                         _pack_elements(elements, pack, m)))
+        for m in methods for a in (("ring",) if m == "tf" else algorithms))
+    return min(candidates, key=lambda plan: plan.seconds)
+
+
+def _pack_elements(elements: int, bytes_per_pack: int, method: str) -> Sequence[int]:
+    """Elements per pack of a pinned pack size (approximate: tensors are not split)."""
+    wire = FLOAT32_BYTES if method in ("tf", "none") else WIRE16_BYTES
+    if not bytes_per_pack or elements * wire <= bytes_per_pack:
+        return [elements]
+    per_pack = max(1, bytes_per_pack // wire)
+    full, last = divmod(elements, per_pack)
+    return [per_pack] * full + ([last] if last else [])
+
+
+def choose_sparse_algorithm(norm_bytes: int, chunk_bytes: int, workers: int,
+                            costs: Optional[Costs], algorithm: str = AUTO) -> str:
+    """The algorithm for CSC's two collectives (the chunk norms, `norm_bytes`, then the
+    selected chunks, `chunk_bytes`, per worker): the pinned one, or the faster one
+    (the ring without measurements)."""
+    if algorithm != AUTO:
+        return algorithm
+    if costs is None or workers <= 1:
+        return ALGORITHMS[0]
+    return min(ALGORITHMS, key=lambda a: collective_seconds(a, norm_bytes, workers, costs)
+               + collective_seconds(a, chunk_bytes, workers, costs))

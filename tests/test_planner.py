@@ -1,0 +1,123 @@
+"""gf_tf.planner: the cost model on hand-computed cases, the choice, and GradientFlowAllReduce's defaults."""
+
+import math
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import gf_tf
+from gf_tf import planner
+from gf_tf.planner import Costs, Plan
+
+# 1.5 ms per hop, 1 Gbit/s (8 ns per byte), 1 ns per element of copying, 2 ns of FP16 packing.
+GIGABIT = Costs(hop_s=1.5e-3, byte_s=8e-9, copy_s=1e-9, fp16_s=2e-9)
+
+
+def test_ring_and_recursive_doubling_by_hand():
+    # ring at N=4: 6 hops and 2*3/4 of the bytes.
+    assert planner.collective_seconds("ring", 1e6, 4, GIGABIT) == pytest.approx(
+        6 * 1.5e-3 + 1.5 * 1e6 * 8e-9)
+    # recursive doubling at N=8: 3 rounds of a pair (2 hops, all bytes).
+    assert planner.collective_seconds("recursive_doubling", 1e6, 8, GIGABIT) == pytest.approx(
+        3 * (2 * 1.5e-3 + 1e6 * 8e-9))
+    assert [planner.recursive_doubling_rounds(n) for n in (1, 2, 3, 4, 5, 7, 8, 9)] == \
+        [0, 1, 3, 2, 4, 4, 3, 5]
+    assert planner.collective_seconds("ring", 1e6, 1, GIGABIT) == 0.0
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        planner.collective_seconds("tree", 1, 2, GIGABIT)
+
+
+def test_predicted_seconds_by_hand():
+    e, t, n = 270_000, 65, 8
+    tf32 = planner.predict_seconds("tf", "ring", e, t, n, GIGABIT)
+    assert tf32 == pytest.approx(14 * 1.5e-3 + 14 / 8 * 4 * e * 8e-9 + 1e-9 * e)
+    fp16 = planner.predict_seconds("fp16", "ring", e, t, n, GIGABIT)
+    assert fp16 == pytest.approx(2 * 14 * 1.5e-3 + 14 / 8 * (2 * e + 4 * t) * 8e-9 + 2e-9 * e)
+    two_packs = planner.predict_seconds("fp16", "ring", e, t, n, GIGABIT, [e // 2, e - e // 2])
+    assert two_packs == pytest.approx(fp16 + 14 * 1.5e-3)   # one more collective's latency
+
+
+@pytest.mark.parametrize("elements,workers,expected", [
+    (270_000, 8, Plan("fp16", 0, "recursive_doubling")),   # ResNet-20 at 8 workers: 31.5 ms
+    (270_000, 2, Plan("fp16", 0, "ring")),     # 10.9 ms against TF's 11.9 (ties: the ring)
+    (25_600_000, 2, Plan("fp16", 0, "ring")),  # ResNet-50: bytes dominate
+    (1_000, 2, Plan("tf", 0, "ring")),         # a tiny set, 2 workers: one ring collective
+    (1_000, 8, Plan("none", 0, "recursive_doubling")),   # 8 workers: 3 rounds, no bounds
+])
+def test_choice_is_the_cheapest_candidate(elements, workers, expected):
+    plan = planner.choose(elements, 10, workers, GIGABIT)
+    assert (plan.method, plan.bytes_per_pack, plan.algorithm) == \
+        (expected.method, expected.bytes_per_pack, expected.algorithm)
+    candidates = [planner.predict_seconds(m, a, elements, 10, workers, GIGABIT)
+                  for m in ("tf", "none", "fp16") for a in planner.ALGORITHMS
+                  if (m, a) != ("tf", "recursive_doubling")]
+    assert plan.seconds == pytest.approx(min(candidates))
+
+
+def test_pinned_settings_are_kept():
+    plan = planner.choose(1_000, 10, 8, GIGABIT, method="fp16", algorithm="ring", bytes_per_pack=64)
+    assert (plan.method, plan.algorithm, plan.bytes_per_pack) == ("fp16", "ring", 64)
+    assert plan.seconds == pytest.approx(planner.predict_seconds(
+        "fp16", "ring", 1_000, 10, 8, GIGABIT, [32] * 31 + [8]))
+
+
+def test_without_measurements_auto_is_tensorflows_own():
+    assert planner.choose(10**8, 10, 1, None) == Plan("tf", 0, "ring")
+    assert planner.choose(10**8, 10, 4, None) == Plan("tf", 0, "ring")
+    assert planner.choose(10**8, 10, 4, None, method="fp16") == Plan("fp16", 0, "ring")
+
+
+def test_sparse_algorithm():
+    # CSC 1% of ResNet-20 at 8 workers: tiny collectives, recursive doubling's 3 rounds win.
+    assert planner.choose_sparse_algorithm(1_100, 6_000, 8, GIGABIT) == "recursive_doubling"
+    assert planner.choose_sparse_algorithm(1_100, 6_000, 2, GIGABIT) == "ring"   # 1 round = 2 hops
+    assert planner.choose_sparse_algorithm(1_100, 6_000, 8, None) == "ring"
+    assert planner.choose_sparse_algorithm(1_100, 6_000, 8, GIGABIT, "ring") == "ring"
+
+
+def test_chunk_sparsity_step_bytes():
+    csc = gf_tf.ChunkSparsity(density=0.01, chunk_size=1024)
+    chunks = math.ceil(270_000 / 1024)
+    assert csc.step_bytes(270_000) == (4 * chunks, 2 * 1024 * 3)   # ceil(0.01 * 264) = 3
+
+
+# -- GradientFlowAllReduce's defaults ----------------------------------------------------
+
+def test_the_default_is_the_planner():
+    gfar = gf_tf.GradientFlowAllReduce()
+    assert (gfar.compression, gfar.bytes_per_pack, gfar.algorithm) == ("auto", "auto", "auto")
+    with pytest.raises(ValueError, match="algorithm"):
+        gf_tf.GradientFlowAllReduce(algorithm="tree")
+    with pytest.raises(ValueError, match="bytes_per_pack"):
+        gf_tf.GradientFlowAllReduce(bytes_per_pack="big")
+
+
+def test_one_worker_default_sends_through_tensorflow_and_counts_it():
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
+    gfar = gf_tf.GradientFlowAllReduce()
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=gfar)
+    rng = np.random.default_rng()
+    values = [[rng.normal(size=(7,)).astype(np.float32), rng.normal(size=(3, 5)).astype(np.float32)]
+              for _ in devices]
+    with strategy.scope():
+        variables = [tf.Variable(tf.zeros(v.shape)) for v in values[0]]
+
+    @tf.function
+    def step():
+        def fn():
+            ctx = tf.distribute.get_replica_context()
+            grads = [tf.constant(np.stack([values[r][k] for r in range(len(devices))]))[
+                ctx.replica_id_in_sync_group] for k in range(2)]
+            return gf_tf.all_reduce_gradients(grads, variables)
+        return strategy.run(fn)
+
+    out = step()
+    for k in range(2):
+        expected = np.sum([values[r][k].astype(np.float64) for r in range(len(devices))], axis=0)
+        for got in strategy.experimental_local_results(out[k]):
+            np.testing.assert_allclose(got.numpy(), expected, rtol=1e-6)   # float32: no FP16
+    (plan,) = gfar.plans().values()
+    assert plan == Plan("tf", 0, "ring")
+    totals = gfar.stats.totals()
+    assert int(totals["dense_bytes"]) == int(totals["sent_bytes"]) == 4 * (7 + 15)
