@@ -293,12 +293,8 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         """
         signature = [packing.packable_signature([g[i] for g in grads])
                      for i in range(len(grads[0]))]
-        transport = self._plan(signature)
         packable = [i for i, entry in enumerate(signature) if entry is not None]
-        if transport.method == "tf":
-            signature = [None] * len(signature)   # every gradient goes to TF's own all-reduce
-        wire = as_compression(transport.compression)
-        plan = packing.plan_packs(signature, transport.bytes_per_pack, wire.wire_dtype)
+        transport, signature, plan = self.pack_plan(signature)
         devices = list(strategy.extended.worker_devices)
         state = self._states.get(list(variables), signature, plan,
                                  lambda packs: self.reducer.create_states(packs, devices))
@@ -324,6 +320,17 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         if packable and replicas[0] == 0:
             self.stats.update(**vars(sent))
         return results
+
+    def pack_plan(self, signature):
+        """(the gf_tf.planner.Plan, the signature it packs, its PackSpecs) of a gradient
+        signature (per gradient (shape, dtype), or None where it cannot be packed): what a
+        step builds, and a checkpoint restore compares. TF's own all-reduce packs nothing."""
+        transport = self._plan(signature)
+        if transport.method == "tf":
+            signature = [None] * len(signature)   # every gradient goes to TF's own all-reduce
+        wire = as_compression(transport.compression)
+        return transport, signature, packing.plan_packs(signature, transport.bytes_per_pack,
+                                                        wire.wire_dtype)
 
     def _plan(self, signature) -> Plan:
         """The planner's transport of this gradient list (gf_tf.planner), the pinned settings kept."""

@@ -17,7 +17,9 @@ class GradientFlowStats(callback_base()):
     residual at the end of the epoch) and `gf_density` (mean CSC density per
     step; with ChunkSparsity(density="auto") what it chose) to the epoch logs. `History`
     (model.fit's return value) records them; a `keras.callbacks.TensorBoard`
-    listed AFTER this callback writes them as epoch scalars.
+    listed AFTER this callback writes them as epoch scalars. After the first
+    epoch it prints, once, how each variable set travels (the planner's
+    `GradientFlowAllReduce.plans()`), when given the GradientFlowAllReduce.
 
     Args:
       gradient_flow: the `gf_tf.GradientFlowAllReduce` (or its `CommStats`)
@@ -37,6 +39,7 @@ class GradientFlowStats(callback_base()):
         self.stats = stats
         self.prefix = prefix
         self._epoch_start = None
+        self._plans = getattr(gradient_flow, "plans", None)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_start = self.stats.totals()
@@ -47,3 +50,7 @@ class GradientFlowStats(callback_base()):
         figures = self.stats.result(since=self._epoch_start)
         for name in FIGURES:
             logs[self.prefix + name] = figures[name]
+        if self._plans is not None:
+            for name, plan in self._plans().items():
+                print(f"gf_tf: [{name}] travels as {plan.describe()}", flush=True)
+            self._plans = None

@@ -16,7 +16,6 @@ from typing import List, Optional, Sequence
 
 import tensorflow as tf
 
-from gf_tf import packing
 from gf_tf.state import describe
 
 CHIEF_RECIPE = ("to load a file only the chief saved (TF's multi-worker guide: ModelCheckpoint on "
@@ -38,8 +37,9 @@ def check(condition: bool, why: str) -> None:
 
 def settings_of(gradient_flow) -> dict:
     """The GradientFlowAllReduce settings that shape the pack plan, as saved in the meta."""
-    return {"compression": gradient_flow.compression.name,
-            "bytes_per_pack": int(gradient_flow.bytes_per_pack)}
+    compression = gradient_flow.compression
+    return {"compression": getattr(compression, "name", compression),
+            "bytes_per_pack": gradient_flow.bytes_per_pack}
 
 
 def signature_to_json(signature) -> List[Optional[list]]:
@@ -70,8 +70,8 @@ def check_sets(meta: dict, variables: Sequence, gradient_flow) -> None:
                     f"[{describe(variables)}] (shapes {[tuple(v.shape) for v in variables]}). "
                     f"Restore into the same model with the same trainable variables, or start "
                     f"without the checkpoint's optimizer state")
-        plan = packing.plan_packs([None if e is None else (e[0], e[1]) for e in signature],
-                                  gradient_flow.bytes_per_pack, gradient_flow.compression.wire_dtype)
+        _, _, plan = gradient_flow.pack_plan(
+            [None if e is None else (tf.TensorShape(e[0]), tf.as_dtype(e[1])) for e in signature])
         packs = [[p.key, p.num_elements] for p in plan]
         now = settings_of(gradient_flow)
         then = meta.get("settings", now)
