@@ -180,7 +180,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         self.stats  # pylint: disable=pointless-statement  # now, outside any scope and trace
         planned = AUTO in (self.compression, self.bytes_per_pack, self.algorithm)
         if planned and devices and workers.num_workers > 1:
-            self._costs = probe.measure(wrapped, devices, options, workers.num_workers)
+            self._costs = probe.measure(wrapped, devices, options, workers)
 
     @property
     def costs(self) -> Optional[planner.Costs]:

@@ -12,8 +12,13 @@ Model (alpha-beta model of collectives: Thakur, Rabenseifner & Gropp 2005,
 workers, B payload bytes per worker, E float32 elements:
 
   ring(B)               = 2(N-1) alpha + 2(N-1)/N B beta
-  recursive doubling(B) = R (2 alpha + B beta),  R = log2 N rounds of pairs
+  recursive doubling(B) = R (rho + B beta),  R = log2 N rounds of pairs
                           (+ 2 fold rounds when N is not a power of two)
+
+rho, the latency of one round, is measured on its own: ideally 2 alpha (a
+2-member ring), but where worker processes share cores, as on one test
+machine, a round costs about a whole collective's scheduling (8-15 ms at
+N = 8 on 2 cores, against 1.5 ms per ring hop).
   TF's own ("tf")       = ring(4E) + copy E                (concat + split)
   GradientFlow packs    = [ctl(4T)] + sum over packs coll(bytes) + local E
 
@@ -48,6 +53,7 @@ class Costs:
     """Measured constants of the model, in seconds.
 
     hop_s: alpha, latency of one ring hop of a collective.
+    round_s: rho, latency of one round (a 2-member all-reduce) of recursive doubling.
     byte_s: beta, wire time of one payload byte on one link.
     copy_s: local time per float32 element of a float32 pack + unpack
       (what TF's batch all-reduce does: concat, split).
@@ -55,12 +61,13 @@ class Costs:
       pack to float16, unpack).
     """
     hop_s: float
+    round_s: float
     byte_s: float
     copy_s: float
     fp16_s: float
 
     def as_list(self):
-        return [self.hop_s, self.byte_s, self.copy_s, self.fp16_s]
+        return [self.hop_s, self.round_s, self.byte_s, self.copy_s, self.fp16_s]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +120,7 @@ def collective_seconds(algorithm: str, nbytes: float, workers: int, costs: Costs
         hops = 2 * (workers - 1)
         return hops * costs.hop_s + hops / workers * nbytes * costs.byte_s
     if algorithm == "recursive_doubling":
-        return recursive_doubling_rounds(workers) * (2 * costs.hop_s + nbytes * costs.byte_s)
+        return recursive_doubling_rounds(workers) * (costs.round_s + nbytes * costs.byte_s)
     raise ValueError(f"unknown algorithm {algorithm!r}; choose from {ALGORITHMS}")
 
 

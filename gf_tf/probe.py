@@ -1,8 +1,9 @@
 """The planner's measurements: a short probe of the links and the local work, when a strategy starts.
 
 `measure` times, on this worker, the local per-element cost of packing
-(float32 copy and the FP16 path) and, through the wrapped TF collectives, a
-chain of small and of 1 MB all-reduces; it then all-reduces the figures so
+(float32 copy and the FP16 path), a chain of small and of 1 MB ring
+all-reduces (the wrapped TF collectives) and a chain of small recursive-doubling
+all-reduces (`gf_tf.collectives`); it then all-reduces the figures so
 every worker returns the same `gf_tf.planner.Costs` (their mean). Each timing
 is the best of a few runs of a traced `tf.function`, so Python and eager
 dispatch are not counted. About 1 s at 2 workers; every worker issues the same
@@ -11,12 +12,12 @@ collectives in the same order (the same code, no data-dependent branch).
 
 import logging
 import time
-from typing import Callable, Sequence
+from typing import Callable, List, Sequence
 
 import numpy as np
 import tensorflow as tf
 
-from gf_tf import ops, tf_internal
+from gf_tf import collectives, ops, planner, tf_internal
 from gf_tf.planner import Costs
 
 _log = logging.getLogger("gf_tf.planner")
@@ -63,7 +64,16 @@ def local_costs(device: str):
     return _best_seconds(copy) / LOCAL_ELEMENTS, _best_seconds(fp16) / LOCAL_ELEMENTS
 
 
-def _chain_seconds(cross_ops, devices: Sequence[str], options, elements: int, count: int,
+def ring_sum(cross_ops, options) -> Callable[[List[tf.Tensor]], List[tf.Tensor]]:
+    """The wrapped TF ops' SUM all-reduce, per local replica a tensor (Communicator's contract)."""
+    def all_reduce(tensors):
+        pr = tf_internal.per_replica(tensors)
+        return tf_internal.local_values(
+            cross_ops.batch_reduce_implementation(_SUM, [(pr, pr)], options)[0])
+    return all_reduce
+
+
+def _chain_seconds(all_reduce_sum, devices: Sequence[str], elements: int, count: int,
                    workers: int) -> float:
     """Seconds per all-reduce of `elements` float32 over `count` dependent all-reduces."""
     inputs = []
@@ -75,43 +85,45 @@ def _chain_seconds(cross_ops, devices: Sequence[str], options, elements: int, co
     def chain():
         values = inputs
         for _ in range(count):
-            pr = tf_internal.per_replica(values)
-            reduced = cross_ops.batch_reduce_implementation(_SUM, [(pr, pr)], options)[0]
-            values = [v * (1.0 / workers) for v in tf_internal.local_values(reduced)]
+            values = [v * (1.0 / workers) for v in all_reduce_sum(values)]
         return values[0][0]
 
     return _best_seconds(chain, runs=2) / count
 
 
 def measure(cross_ops: tf.distribute.CrossDeviceOps, devices: Sequence[str], options,
-            workers: int) -> Costs:
+            workers) -> Costs:
     """The cost model's constants, averaged over the workers (the same on every worker).
 
     Args:
       cross_ops: the TF cross-device ops that carry the collectives (the strategy's own).
       devices: this worker's replica devices.
       options: tf.distribute.experimental.CommunicationOptions (its timeout applies).
-      workers: N, the number of workers (> 1).
+      workers: gf_tf.cluster.WorkerInfo of this worker (N > 1).
 
     Raises: what the collectives raise (a peer lost: TF's error at the timeout).
     """
     start = time.perf_counter()
+    n = workers.num_workers
     copy_s, fp16_s = local_costs(devices[0])
-    small = _chain_seconds(cross_ops, devices, options, SMALL_ELEMENTS, SMALL_CHAIN, workers)
-    large = _chain_seconds(cross_ops, devices, options, LARGE_ELEMENTS, LARGE_CHAIN, workers)
-    hops = 2 * (workers - 1)
-    mine = [small / hops, max(0.0, large - small) / (hops / workers * 4 * LARGE_ELEMENTS),
-            copy_s, fp16_s]
+    ring = ring_sum(cross_ops, options)
+    doubling = collectives.recursive_doubling_sum(cross_ops, workers, devices, options)
+    small = _chain_seconds(ring, devices, SMALL_ELEMENTS, SMALL_CHAIN, n)
+    large = _chain_seconds(ring, devices, LARGE_ELEMENTS, LARGE_CHAIN, n)
+    rounds = _chain_seconds(doubling, devices, SMALL_ELEMENTS, SMALL_CHAIN, n)
+    hops = 2 * (n - 1)
+    mine = [small / hops, rounds / planner.recursive_doubling_rounds(n),
+            max(0.0, large - small) / (hops / n * 4 * LARGE_ELEMENTS), copy_s, fp16_s]
     table = []
     for i, device in enumerate(devices):
         with tf.device(device):
-            table.append(tf.constant(mine if i == 0 else [0.0] * 4, tf.float64))
-    pr = tf_internal.per_replica(table)
-    summed = cross_ops.batch_reduce_implementation(_SUM, [(pr, pr)], options)[0]
-    mean = np.asarray(tf_internal.local_values(summed)[0]) / workers
+            table.append(tf.constant(mine if i == 0 else [0.0] * len(mine), tf.float64))
+    mean = np.asarray(ring(table)[0]) / n
     costs = Costs(*[float(x) for x in mean])
-    _log.info("gf_tf: measured %.3f ms per hop, %.2f ns per wire byte (%.2f Gbit/s), local "
-              "%.2f / %.2f ns per element (float32 / FP16 packing), in %.1f s",
-              1e3 * costs.hop_s, 1e9 * costs.byte_s, 8e-9 / max(costs.byte_s, 1e-15),
+    _log.info("gf_tf: measured %.3f ms per ring hop, %.3f ms per recursive-doubling round, "
+              "%.2f ns per wire byte (%.2f Gbit/s), local %.2f / %.2f ns per element "
+              "(float32 / FP16 packing), in %.1f s",
+              1e3 * costs.hop_s, 1e3 * costs.round_s, 1e9 * costs.byte_s,
+              8e-9 / max(costs.byte_s, 1e-15),
               1e9 * costs.copy_s, 1e9 * costs.fp16_s, time.perf_counter() - start)
     return costs

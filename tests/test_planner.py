@@ -10,8 +10,9 @@ import gf_tf
 from gf_tf import planner
 from gf_tf.planner import Costs, Plan
 
-# 1.5 ms per hop, 1 Gbit/s (8 ns per byte), 1 ns per element of copying, 2 ns of FP16 packing.
-GIGABIT = Costs(hop_s=1.5e-3, byte_s=8e-9, copy_s=1e-9, fp16_s=2e-9)
+# 1.5 ms per hop, 3 ms per round (2 hops), 1 Gbit/s (8 ns per byte), 1 ns per element of
+# copying, 2 ns of FP16 packing.
+GIGABIT = Costs(hop_s=1.5e-3, round_s=3e-3, byte_s=8e-9, copy_s=1e-9, fp16_s=2e-9)
 
 
 def test_ring_and_recursive_doubling_by_hand():
@@ -121,3 +122,13 @@ def test_one_worker_default_sends_through_tensorflow_and_counts_it():
     assert plan == Plan("tf", 0, "ring")
     totals = gfar.stats.totals()
     assert int(totals["dense_bytes"]) == int(totals["sent_bytes"]) == 4 * (7 + 15)
+
+
+def test_rounds_that_cost_a_whole_collective_keep_the_ring():
+    # This machine at N = 8 (2 cores): 1.5 ms per ring hop but ~15 ms per recursive-doubling
+    # round (process scheduling, gf_tf.collectives): the ring wins, the planner keeps it.
+    shared_cores = Costs(hop_s=1.5e-3, round_s=15e-3, byte_s=8e-9, copy_s=1e-9, fp16_s=2e-9)
+    assert planner.choose(1_000, 10, 8, shared_cores) == planner.choose(
+        1_000, 10, 8, shared_cores, algorithm="ring")
+    assert planner.choose(1_000, 10, 8, shared_cores).algorithm == "ring"
+    assert planner.choose_sparse_algorithm(1_100, 6_000, 8, shared_cores) == "ring"
