@@ -72,7 +72,7 @@ def test_group_keys_are_unique_per_pair_and_stage_and_far_above_tensorflows():
 
 
 def test_bad_arguments_raise_value_errors():
-    with pytest.raises(ValueError, match="algorithm must be one of"):
+    with pytest.raises(ValueError, match="algorithm must be \"auto\" or one of"):
         gf_tf.GradientFlowAllReduce(algorithm="tree")
     assert "algorithm='recursive_doubling'" in repr(
         gf_tf.GradientFlowAllReduce(algorithm="recursive_doubling"))
