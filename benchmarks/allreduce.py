@@ -2,6 +2,7 @@
 
     sudo python -m benchmarks.allreduce --quick                  # smoke test, < 2 min
     sudo python -m benchmarks.allreduce --preset targets --out benchmarks/results/allreduce.json
+    sudo python -m benchmarks.allreduce --preset scale --out benchmarks/calibration/allreduce.json
     sudo python -m benchmarks.allreduce --sets resnet50 --workers 2 --rates 100,1000,none \
         --methods tf_fp32,gf_fp16,csc_1
 
@@ -35,6 +36,15 @@ all-reduce a gradient list shaped like the named network
   GfAccumulate, GfGatherChunks, GfScatterChunks) ran while no collective was
   in flight on that worker, as a share of the step; "collectives": collective
   ops issued per step. The op summary is in the JSON.
+- plan (GradientFlow methods): how the set's gradients travelled
+  (`GradientFlowAllReduce.plans()`: method, pack size, algorithm, the
+  planner's predicted seconds) and the planner's measured constants
+  (`GradientFlowAllReduce.costs`: hop, round, byte, copy, FP16 seconds; None
+  when every setting is pinned), in the JSON cell and printed below the table.
+
+Presets: quick (smoke test), targets (issue 12's targets), full (every method
+x set x N in 2-4 x rate), scale (issue 17: N up to 8, gf_tf's default `auto`
+and the recursive-doubling methods; the calibration of benchmarks.projection).
 
 Needs root; without it, exits with status 2 and changes nothing.
 """
@@ -106,7 +116,34 @@ def preset_launches(name: str) -> List[Launch]:
                 for m in methods.PRESET_METHODS:
                     launches.append((n, rate, m, list(ALL_SETS)))
         return launches
-    raise SystemExit(f"--preset: unknown {name!r}; choose quick, targets or full")
+    if name == "scale":
+        return scale_launches()
+    raise SystemExit(f"--preset: unknown {name!r}; choose quick, targets, full or scale")
+
+
+SCALE_METHODS = ["tf_fp32", "gf_fp16", "csc_1", "auto"]
+SCALE_RD_METHODS = ["gf_fp16_rd", "csc_1_rd"]
+
+
+def scale_launches() -> List[Launch]:
+    """Issue 17's matrix: gf_tf's default against TF fp32 from 2 to 8 workers.
+
+    - {tiny, resnet20, resnet50} x {100 Mbit/s, 1 Gbit/s, unshaped} x N in {2, 3, 4}
+      for tf_fp32, gf_fp16, csc_1, auto (ResNet-50 only up to N = 4: 2 cores);
+    - the recursive-doubling methods at N in {2, 3, 4}, 1 Gbit/s, on tiny and ResNet-20,
+      so that benchmarks.projection can fit their round latency on N <= 4 and
+      validate it at N = 6 and 8;
+    - tiny and ResNet-20 at N in {6, 8}, 1 Gbit/s, for every method above.
+    tiny costs milliseconds per iteration; it rides in the same worker processes.
+    """
+    launches: List[Launch] = []
+    for n in (2, 3, 4):
+        for rate in DEFAULT_RATES:
+            launches += [(n, rate, m, ["tiny", "resnet20", "resnet50"]) for m in SCALE_METHODS]
+        launches += [(n, 1000.0, m, ["tiny", "resnet20"]) for m in SCALE_RD_METHODS]
+    for n in (6, 8):
+        launches += [(n, 1000.0, m, ["tiny", "resnet20"]) for m in SCALE_METHODS + SCALE_RD_METHODS]
+    return sorted(launches, key=lambda l: (l[0], l[1] is None, l[1] or 0))
 
 
 def payload_bytes_estimate(method: str, elements: int) -> float:
@@ -132,6 +169,14 @@ def estimate_launch_seconds(launch: Launch, iters: int, warmup: int) -> float:
     return 8.0 + 1.5 * n + (iters + warmup + 1) * per_iter
 
 
+def estimate_matrix_seconds(launches: List[Launch], iters: int, warmup: int,
+                            goodput_seconds: float) -> float:
+    """Every launch's estimate, plus a goodput measurement (and ~2 s of netem setup) per (N, rate)."""
+    configurations = {(l[0], l[1]) for l in launches}
+    return (sum(estimate_launch_seconds(l, iters, warmup) for l in launches)
+            + len(configurations) * (goodput_seconds + 2.0))
+
+
 def unavailable_methods() -> Dict[str, str]:
     """Methods whose gf_tf API is not importable yet, with the reason (the others are being written)."""
     probe = subprocess.run(
@@ -146,7 +191,7 @@ def unavailable_methods() -> Dict[str, str]:
     found = dict(line.split() for line in probe.stdout.splitlines())
     missing = {}
     for m in methods.METHODS:
-        if m == "gf_fp16" and found.get("dense") != "True":
+        if methods.is_gradient_flow(m) and m not in methods.CSC_DENSITY and found.get("dense") != "True":
             missing[m] = "gf_tf.GradientFlowAllReduce / MultiWorkerMirroredStrategy not exported"
         if m in methods.CSC_DENSITY and found.get("csc") != "True":
             missing[m] = "gf_tf.ChunkSparsity not exported"
@@ -204,10 +249,10 @@ def derive_cells(launch: Launch, outcome: Dict, goodput_bps: float) -> List[Dict
             "bound_s": bound, "ratio_to_bound": chief["median_s"] / bound,
         })
         cell["wire_over_ideal"] = cell["wire_tx_bytes_per_worker"] / cell["ring_ideal_bytes_per_worker"]
-        for key in ("gradient_flow", "ops_library"):
+        for key in ("gradient_flow", "ops_library", "costs"):
             if key in outcome["workers"][0]:
                 cell[key] = outcome["workers"][0][key]
-        for key in ("max_rel_error", "nonzero_fraction", "stats_steps_per_iter"):
+        for key in ("max_rel_error", "nonzero_fraction", "stats_steps_per_iter", "plans"):
             if key in chief:
                 cell[key] = chief[key]
         if "profile" in chief:
@@ -246,7 +291,7 @@ def add_speedups(cells: List[Dict]) -> None:
 def results_table(cells: List[Dict]) -> str:
     headers = ["gradients", "N", "link", "method", "s/all-reduce", "wire MB/worker", "wire/ideal",
                "bound s", "x bound", "chunk path s", "x limit", "speedup vs TF fp32", "bottleneck", "pack+unpack %", "GF ops exposed %",
-               "collectives", "check"]
+               "collectives", "plan", "check"]
     rows = []
     order = {m: i for i, m in enumerate(methods.METHODS)}
     for c in sorted(cells, key=lambda c: (ALL_SETS.index(c["set"]), c["workers"],
@@ -255,7 +300,7 @@ def results_table(cells: List[Dict]) -> str:
         if "error" in c:
             rows.append([gradients_label, c["workers"], report.link_label(c["rate_mbit"]), c["method"],
                          "FAILED", None, None, None, None, None, None, None, None, None, None, None,
-                         c["error"][:80]])
+                         None, c["error"][:80]])
             continue
         check = (f"err {c['max_rel_error']:.1e}" if "max_rel_error" in c else
                  f"nnz {100 * c['nonzero_fraction']:.2g}%" if "nonzero_fraction" in c else "")
@@ -265,8 +310,65 @@ def results_table(cells: List[Dict]) -> str:
                      c.get("speedup_vs_tf_fp32"), c.get("bottleneck"),
                      100 * c["pack_unpack_share"] if "pack_unpack_share" in c else None,
                      100 * c["gf_ops_exposed_share"] if "gf_ops_exposed_share" in c else None,
-                     c["profile"]["collective_ops"] if "profile" in c else None, check])
+                     c["profile"]["collective_ops"] if "profile" in c else None,
+                     short_plan(c.get("plans")), check])
     return report.markdown_table(headers, rows)
+
+
+def short_plan(plans: Optional[List[Dict]]) -> Optional[str]:
+    """A table cell for the recorded plans of a set: "tf", "fp16 ring 4MiB", "fp16 rd 1 pack"."""
+    if not plans:
+        return None
+    labels = []
+    for plan in plans:
+        if plan["method"] == "tf":
+            labels.append("tf")
+            continue
+        pack = plan["bytes_per_pack"]
+        size = "1 pack" if not pack else (f"{pack / 2 ** 20:g}MiB" if pack >= 2 ** 20 else f"{pack}B")
+        algorithm = "rd" if plan["algorithm"] == "recursive_doubling" else plan["algorithm"]
+        labels.append(f"{plan['method']} {algorithm} {size}")
+    return "; ".join(labels)
+
+
+def plans_report(cells: List[Dict]) -> str:
+    """One line per GradientFlow cell: the plan each set travelled by and the measured costs."""
+    lines = []
+    for c in cells:
+        if "plans" not in c:
+            continue
+        where = f"{c['set']}, N={c['workers']}, {report.link_label(c['rate_mbit'])}, {c['method']}"
+        plans = "; ".join(p["describe"] for p in c["plans"]) or "no plan recorded"
+        costs = c.get("costs")
+        measured = ("settings pinned, nothing measured" if costs is None else
+                    f"measured {1e3 * costs[0]:.3f} ms/hop, {1e3 * costs[1]:.3f} ms/round, "
+                    f"{8e-9 / max(costs[2], 1e-15):.2f} Gbit/s, local {1e9 * costs[3]:.2f} / "
+                    f"{1e9 * costs[4]:.2f} ns/element")
+        lines.append(f"- {where}: {plans} ({measured})")
+    return "\n".join(lines)
+
+
+def scale_targets_table(cells: List[Dict]) -> str:
+    """Issue 17's all-reduce targets: the default >= 0.95x TF fp32 on every cell measured;
+    CSC 1% over recursive doubling >= 1.5x CSC 1% on the ring (ResNet-20, N = 8, 1 Gbit/s)."""
+    timed = {(c["set"], c["workers"], c["rate_mbit"], c["method"]): c["median_s"]
+             for c in cells if "median_s" in c}
+    rows = []
+    for (set_, n, rate, method), seconds in sorted(timed.items(), key=lambda kv: (
+            ALL_SETS.index(kv[0][0]), kv[0][1], kv[0][2] is None, kv[0][2] or 0)):
+        where = f"{set_}, N={n}, {report.link_label(rate)}"
+        base = timed.get((set_, n, rate, "tf_fp32"))
+        if method == "auto" and base:
+            speed = base / seconds
+            rows.append([where, "default >= 0.95x TF fp32", f"{speed:.2f}x",
+                         "met" if speed >= 0.95 else "MISSED"])
+        ring = timed.get((set_, n, rate, "csc_1"))
+        if method == "csc_1_rd" and ring:
+            speed = ring / seconds
+            target = (set_, n, rate) == ("resnet20", 8, 1000.0)
+            rows.append([where, "CSC 1% recursive doubling vs ring" + (" >= 1.5x" if target else ""),
+                         f"{speed:.2f}x", ("met" if speed >= 1.5 else "MISSED") if target else "-"])
+    return report.markdown_table(["where", "target", "measured", "verdict"], rows)
 
 
 # Issue 12's targets: (N, Mbit/s) -> CSC 1% speedup over TF fp32 at least this.
@@ -387,7 +489,7 @@ def main(argv=None) -> int:
     iters = args.iters if args.iters is not None else (2 if preset == "quick" else 5)
     if iters < 1:
         raise SystemExit("--iters must be >= 1")
-    estimate = sum(estimate_launch_seconds(l, iters, args.warmup) for l in launches)
+    estimate = estimate_matrix_seconds(launches, iters, args.warmup, args.goodput_seconds)
     print(f"matrix '{preset}': {len(launches)} launches, estimated {estimate / 60:.1f} min "
           f"(rough, 2-core machine)", flush=True)
     if args.dry_run:
@@ -449,8 +551,13 @@ def main(argv=None) -> int:
     if loads:
         print(f"1-min load average of the machine (2 cores) at the end of each cell: "
               f"{min(loads):.1f} to {max(loads):.1f}; other jobs slow the CPU-bound cells\n")
-    if any(c["set"] == "resnet50" for c in cells) and preset != "quick":
+    if preset == "scale":
+        print(scale_targets_table(cells) + "\n")
+    elif any(c["set"] == "resnet50" for c in cells) and preset != "quick":
         print(targets_table(cells) + "\n")
+    plans = plans_report(cells)
+    if plans:
+        print("Plans (worker 0; the same on every worker):\n" + plans + "\n")
     print(results_table(cells))
     failed = [c for c in cells if "error" in c]
     return 1 if failed else 0

@@ -1,35 +1,51 @@
 r"""A calibrated model of step time, from 2 to 512 workers: `python -m benchmarks.projection`.
 
-    python -m benchmarks.projection --fit benchmarks/results/calibration.json \
-        --validate benchmarks/results/validation.json [--compute-ms alexnet=38.8,resnet50=110]
+    python -m benchmarks.projection                       # the shipped calibration, the 8-512 table
+    python -m benchmarks.projection --json out.json       # the same, and its rows as JSON
+    python -m benchmarks.projection --fit benchmarks/results/allreduce.json \
+        [--validate other.json] [--fit-workers 2,3,4] [--compute-ms alexnet=38.8,resnet50=110]
+
+With no --fit it reads the calibration shipped with the repository,
+benchmarks/calibration/allreduce.json (`sudo python -m benchmarks.allreduce
+--preset scale --out benchmarks/calibration/allreduce.json` measures it). A
+missing, unreadable or too small file ends with a one-line message saying what
+to run, never a traceback.
 
 1. Fit. The all-reduce of one step of method m (TF default fp32, GradientFlow
-   FP16, CSC at density d) on N workers whose ring links carry B bit/s is
-   modelled as (alpha-beta-gamma model of a ring all-reduce, plus our local
-   costs):
+   FP16, CSC at density d; over TF's ring or recursive doubling) on N workers
+   whose links carry B bit/s is modelled as (alpha-beta-gamma model of
+   collectives, Thakur, Rabenseifner & Gropp 2005, plus our local costs):
 
-     T = alpha * 2(N-1) * c_m                       per-hop latency, c_m collectives
-       + kappa * 2(N-1)/N * P_m * 8 / B             wire time of P_m payload bytes
-       + (gamma * (N-1)/N * P_m + delta_m * E) * s  reduction and local work
-                                                    (E elements of the model)
+     ring:  T = alpha * 2(N-1) * c_m                  per-hop latency, c_m collectives
+              + kappa * 2(N-1)/N * P_m * 8 / B        wire time of P_m payload bytes
+              + gamma * (N-1)/N * P_m * s             reduction
+     recursive doubling (R = gf_tf.planner.recursive_doubling_rounds(N) rounds of pairs):
+            T = rho * R * c_m                         per-round latency, fitted on its own
+              + kappa * R * P_m * 8 / B  +  gamma * R/2 * P_m * s
+     both:    + delta_m * E * s                       local work (E elements of the model)
 
    beta, the seconds per byte on the wire, is 8 / B times kappa (wire bytes over
    payload bytes: TCP/IP and gRPC framing, ideally 1); B is the goodput that
    benchmarks.allreduce measured in the same run. delta_m is the local cost per
-   element of the model: TF's own copies (tf_fp32), pack + unpack (gf_fp16), the
+   element of the model: TF's own copies (tf_fp32), pack + unpack (gf_fp16*), the
    CSC chunk path (csc_*). s = max(1, N / cores) is the CPU contention of the
    emulation (N worker processes share this machine's cores); it is 1 in the
-   projection (a worker per host). The six parameters (alpha, kappa, gamma,
-   delta_tf, delta_gf, delta_csc) are fitted by non-negative least squares on
-   relative error, on the cells of `--fit` (JSON of benchmarks.allreduce).
-2. Validate. The fitted model predicts the cells of `--validate` (runs it was
-   not fitted on, e.g. N = 3 at 500 Mbit/s); each prediction error is printed.
-3. Project. Step time = compute + the part of the all-reduce not hidden
-   behind compute: GradientFlow FP16 sends its packs during backprop (hides
-   up to `--backward-share` of the compute time); TF's default (one batch
-   all-reduce after the last gradient in Keras) and CSC (two collectives
-   after the last gradient) hide nothing. Scaling efficiency = compute / step
-   time; speedup = N x efficiency.
+   projection (a worker per host). rho is not 2 alpha: where worker processes
+   share cores a round costs about a whole collective's scheduling (gf_tf.planner);
+   without recursive-doubling cells it is taken as 2 alpha (a 2-member ring).
+   The seven parameters (alpha, rho, kappa, gamma, delta_tf, delta_gf, delta_csc)
+   are fitted by non-negative least squares on relative error.
+2. Validate. The model is fitted again on the cells with N in --fit-workers
+   (default 2,3,4) only and predicts the others (N = 6 and 8 of the `scale`
+   preset); the median and worst |error| are printed. Cells of --validate
+   files (runs not fitted on) are predicted by the fit on every cell.
+3. Project. Step time = compute + the all-reduce. "auto" (gf_tf's default,
+   GradientFlowAllReduce() with no arguments) is literally the planner's pick:
+   `gf_tf.planner.choose` with `Costs` derived from the fitted parameters
+   (`planner_costs`), its predicted seconds the all-reduce. FP16 overlap credit
+   is OFF by default (--backward-share 0): the code does not overlap packs with
+   backprop yet (the control all-reduce waits for every gradient; issue 18).
+   Scaling efficiency = compute / step time; speedup = N x efficiency.
 
 Compute time per step defaults (override with --compute-ms):
   alexnet 38.8 ms: 128 images per GPU at 3,297 images/s. The rate is derived
@@ -53,11 +69,19 @@ import numpy as np
 
 from benchmarks import report
 from benchmarks.workers import gradients, methods
+from gf_tf import planner
 from gf_tf.cross_device_ops import DEFAULT_BYTES_PER_PACK
 from gf_tf.sparsity import DEFAULT_CHUNK_SIZE, selected_chunk_count
 
-PARAMETERS = ("alpha", "kappa", "gamma", "delta_tf", "delta_gf", "delta_csc")
-PROJECTED_METHODS = ("tf_fp32", "gf_fp16", "csc_1", "csc_0.1")
+PARAMETERS = ("alpha", "rho", "kappa", "gamma", "delta_tf", "delta_gf", "delta_csc")
+AUTO = "auto"   # gf_tf's default: the planner's pick
+PROJECTED_METHODS = ("tf_fp32", "gf_fp16", "gf_fp16_rd", "csc_1", "csc_1_rd", "csc_0.1", AUTO)
+COMPARED_METHODS = ("tf_fp32", "gf_fp16", "csc_1", "csc_0.1", AUTO)   # alpha matters to them
+MODELLED_METHODS = ("tf_fp32", "gf_fp16", "gf_fp16_rd", *methods.CSC_DENSITY)
+DEFAULT_CALIBRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration",
+                                   "allreduce.json")
+LOCAL_PARAMETERS = ("gamma", "delta_tf", "delta_gf", "delta_csc")   # scaled by --local-scale
+VALIDATION_TARGETS = {"median": 0.15, "worst": 0.35}   # issue 17: |error| on held-out cells
 PAPER_SPEEDUP = {"workers": 512, "link_gbit": 56.0, "model": "alexnet", "speedup": 410.2}
 OPEN_SOURCE_SPEEDUP = {"workers": 64, "link_gbit": 56.0, "speedup": 2.5}
 DEFAULT_COMPUTE_MS = {"alexnet": 38.8, "resnet50": 128.0}
@@ -70,6 +94,7 @@ class Case:
     workers: N. link_bps: ring goodput per link, bit/s. elements: E.
     payload_bytes: P, bytes each worker puts into collectives per step.
     collectives: c, collectives per step. cpu_share: s (>= 1).
+    The algorithm is the method's (benchmarks.workers.methods.algorithm).
     """
     method: str
     workers: int
@@ -83,11 +108,15 @@ class Case:
 def features(case: Case) -> np.ndarray:
     """The model's regressors, in PARAMETERS order: T = features . parameters (seconds)."""
     n, h = case.workers, case.workers - 1
+    if methods.algorithm(case.method) == planner.RECURSIVE_DOUBLING:
+        rounds = planner.recursive_doubling_rounds(n)
+        latency, share = [0.0, rounds * case.collectives], float(rounds)
+    else:
+        latency, share = [2.0 * h * case.collectives, 0.0], 2.0 * h / n
     local = np.zeros(3)
     local[_local_index(case.method)] = case.elements * case.cpu_share
-    return np.concatenate([[2.0 * h * case.collectives,
-                            2.0 * h / n * case.payload_bytes * 8.0 / case.link_bps,
-                            h / n * case.payload_bytes * case.cpu_share], local])
+    return np.concatenate([latency, [share * case.payload_bytes * 8.0 / case.link_bps,
+                                     share / 2 * case.payload_bytes * case.cpu_share], local])
 
 
 def all_reduce_seconds(case: Case, params: Dict[str, float]) -> float:
@@ -103,16 +132,17 @@ def step_seconds(comm_seconds: float, compute_seconds: float, overlapped_share: 
 def _local_index(method: str) -> int:
     if method == "tf_fp32":
         return 0
-    if method == "gf_fp16":
+    if method in ("gf_fp16", "gf_fp16_rd"):
         return 1
     if method in methods.CSC_DENSITY:
         return 2
-    raise ValueError(f"no model for method {method!r}; choose tf_fp32, gf_fp16 or csc_*")
+    raise ValueError(f"no model for method {method!r}; choose tf_fp32, gf_fp16(_rd) or csc_*")
 
 
 def fit(cases: Sequence[Case], seconds: Sequence[float]) -> Dict[str, float]:
     """Non-negative least squares on relative error: min sum((T_model / T - 1)^2), parameters >= 0.
 
+    rho without recursive-doubling cases is 2 alpha (a 2-member ring: module docstring).
     Raises ValueError with fewer cases than parameters.
     """
     if len(cases) < len(PARAMETERS):
@@ -124,28 +154,33 @@ def fit(cases: Sequence[Case], seconds: Sequence[float]) -> Dict[str, float]:
         coef = np.zeros(len(PARAMETERS))
         coef[free] = np.linalg.lstsq(x[:, free], y, rcond=None)[0]
         if coef.min() >= 0:
-            return dict(zip(PARAMETERS, coef.tolist()))
+            params = dict(zip(PARAMETERS, coef.tolist()))
+            if not x[:, PARAMETERS.index("rho")].any():
+                params["rho"] = 2.0 * params["alpha"]
+            return params
         free.remove(int(np.argmin(coef)))
 
 
 # -- what each method sends ---------------------------------------------------------------
 
-def pack_sizes(shapes: Sequence[Tuple[int, ...]]) -> List[int]:
+def pack_sizes(shapes: Sequence[Tuple[int, ...]], bytes_per_pack: int = DEFAULT_BYTES_PER_PACK
+               ) -> List[int]:
     """Elements per pack of a float32 gradient list on a float16 wire, as GradientFlow cuts it."""
     import tensorflow as tf
     from gf_tf import packing
     signature = [(tf.TensorShape(s), tf.float32) for s in shapes]
-    plan = packing.plan_packs(signature, DEFAULT_BYTES_PER_PACK, lambda dtype: tf.float16)
+    plan = packing.plan_packs(signature, bytes_per_pack, lambda dtype: tf.float16)
     return [p.num_elements for p in plan]
 
 
-def method_traffic(method: str, shapes) -> Tuple[float, int]:
+def method_traffic(method: str, shapes, bytes_per_pack: int = DEFAULT_BYTES_PER_PACK
+                   ) -> Tuple[float, int]:
     """(payload bytes per worker per step, collectives per step) of `method` on a gradient list."""
     elements = gradients.num_elements(shapes)
     if method == "tf_fp32":
         return 4.0 * elements, 1            # TF's batch all-reduce concatenates into one collective
-    packs = pack_sizes(shapes)
-    if method == "gf_fp16":
+    packs = pack_sizes(shapes, bytes_per_pack)
+    if method in ("gf_fp16", "gf_fp16_rd"):
         return 2.0 * elements + 4.0 * len(shapes), len(packs) + 1   # packs + the bounds' control
     density = methods.CSC_DENSITY[method]
     if density == "auto":
@@ -160,40 +195,75 @@ def method_traffic(method: str, shapes) -> Tuple[float, int]:
 
 
 def overlapped_share(method: str, backward_share: float) -> float:
-    return backward_share if method == "gf_fp16" else 0.0
+    """The share of compute FP16 packs may hide behind (--backward-share, 0 by default:
+    no overlap in the code yet); TF's default, CSC and the planner's pick hide nothing."""
+    return backward_share if method in ("gf_fp16", "gf_fp16_rd") else 0.0
+
+
+def planner_costs(params: Dict[str, float], link_bps: float, cpu_share: float = 1.0) -> planner.Costs:
+    """The fitted parameters as gf_tf.planner.Costs for links of `link_bps` bit/s.
+
+    The planner's beta carries the wire and the reduction: 2(N-1)/N B beta =
+    2(N-1)/N B kappa 8 / link + (N-1)/N B gamma s, so beta = kappa 8 / link + gamma s / 2;
+    the local costs are delta_tf (copy) and delta_gf (FP16) times s.
+    """
+    return planner.Costs(hop_s=params["alpha"], round_s=params["rho"],
+                         byte_s=params["kappa"] * 8.0 / link_bps + params["gamma"] * cpu_share / 2,
+                         copy_s=params["delta_tf"] * cpu_share, fp16_s=params["delta_gf"] * cpu_share)
 
 
 # -- measured cells -----------------------------------------------------------------------
 
+def modelled_method(cell: Dict) -> Optional[Tuple[str, int]]:
+    """(modelled method, bytes per pack) of a measured cell, or None when it has no fixed-traffic model.
+
+    An "auto" cell is modelled by the plan it recorded: TF's own all-reduce as tf_fp32,
+    FP16 packs as gf_fp16 / gf_fp16_rd; float32 or BF16 packs have no model.
+    """
+    method = cell["method"]
+    if method == AUTO:
+        plans = cell.get("plans") or []
+        if len(plans) != 1 or plans[0]["method"] not in ("tf", "fp16"):
+            return None
+        plan = plans[0]
+        if plan["method"] == "tf":
+            return "tf_fp32", DEFAULT_BYTES_PER_PACK
+        rd = plan["algorithm"] == planner.RECURSIVE_DOUBLING
+        return ("gf_fp16_rd" if rd else "gf_fp16"), int(plan["bytes_per_pack"])
+    if method not in MODELLED_METHODS or methods.CSC_DENSITY.get(method) == "auto":
+        return None   # csc_auto's traffic changes from step to step: not a fixed-traffic sample
+    return method, DEFAULT_BYTES_PER_PACK
+
+
 def measured_cases(path: str, cores: int) -> List[Tuple[Case, float, Dict]]:
-    """(case, measured seconds, cell) for every successful cell of a benchmarks.allreduce JSON."""
+    """(case, measured seconds, cell) for every successful, modelled cell of a benchmarks.allreduce JSON."""
     with open(path) as f:
         cells = json.load(f)["cells"]
     out = []
     for cell in cells:
-        if "median_s" not in cell or cell["method"] not in ("tf_fp32", "gf_fp16", *methods.CSC_DENSITY):
+        modelled = modelled_method(cell) if "median_s" in cell else None
+        if modelled is None:
             continue
-        if methods.CSC_DENSITY.get(cell["method"]) == "auto":
-            continue   # csc_auto's traffic changes from step to step: not a sample of a fixed-traffic model
-        shapes = gradients.GRADIENT_SETS[cell["set"]]
-        payload, collectives = method_traffic(cell["method"], shapes)
-        case = Case(cell["method"], cell["workers"], cell["goodput_bps"], cell["elements"],
+        method, bytes_per_pack = modelled
+        payload, collectives = method_traffic(method, gradients.GRADIENT_SETS[cell["set"]],
+                                              bytes_per_pack)
+        case = Case(method, cell["workers"], cell["goodput_bps"], cell["elements"],
                     cell.get("payload_bytes", payload), collectives,
                     max(1.0, cell["workers"] / cores))
         out.append((case, cell["median_s"], cell))
     return out
 
 
-_MEASURE_HINT = ("measure them first: `sudo python -m benchmarks.allreduce` (the full preset, about "
-                 "30 minutes; `--quick` is a smoke test of 3 cells, too few to fit) writes "
-                 "benchmarks/results/allreduce.json")
+_MEASURE_HINT = ("measure them first: `sudo python -m benchmarks.allreduce --preset scale --out "
+                 "benchmarks/calibration/allreduce.json` (about 30 minutes on 2 cores; `--quick` "
+                 "is a smoke test of 3 cells, too few to fit)")
 
 
 def load_cells(paths: Sequence[str], cores: int, need: int = 0) -> List[Tuple[Case, float, Dict]]:
     """The measured cells of every benchmarks.allreduce JSON in `paths`.
 
     Raises SystemExit with what to run when a file is missing or unreadable, or
-    when fewer than `need` usable cells (fixed-traffic methods that succeeded) remain.
+    when fewer than `need` usable cells (modelled methods that succeeded) remain.
     """
     cells = []
     for path in paths:
@@ -201,9 +271,12 @@ def load_cells(paths: Sequence[str], cores: int, need: int = 0) -> List[Tuple[Ca
             cells += measured_cases(path, cores)
         except FileNotFoundError:
             raise SystemExit(f"benchmarks.projection: no measurements at {path}; {_MEASURE_HINT}") from None
-        except (json.JSONDecodeError, KeyError) as e:
+        except OSError as e:
+            raise SystemExit(f"benchmarks.projection: cannot read {path} ({e.strerror or e}); "
+                             f"{_MEASURE_HINT}") from None
+        except (ValueError, KeyError, TypeError, AttributeError) as e:   # JSON errors are ValueErrors
             raise SystemExit(f"benchmarks.projection: {path} is not a benchmarks.allreduce result "
-                             f"({type(e).__name__}: {e})") from None
+                             f"({type(e).__name__}: {e}); {_MEASURE_HINT}") from None
     if len(cells) < need:
         raise SystemExit(f"benchmarks.projection: {', '.join(paths)} hold {len(cells)} usable cells; "
                          f"fitting the {need} parameters ({', '.join(PARAMETERS)}) needs at least "
@@ -224,17 +297,45 @@ def validation_table(params, measured) -> Tuple[str, List[float]]:
     return table, errors
 
 
+def held_out_validation(measured, fit_workers: Sequence[int]) -> Dict:
+    """Fits on the cells with N in `fit_workers`, predicts the others.
+
+    Returns {"fit_workers", "held_out_workers", "cells", "median_abs_error",
+    "worst_abs_error", "table", "params"}, or {"skipped": why} when either side is too small.
+    """
+    inside = [m for m in measured if m[0].workers in fit_workers]
+    outside = [m for m in measured if m[0].workers not in fit_workers]
+    if len(inside) < len(PARAMETERS) or not outside:
+        return {"skipped": f"{len(inside)} cells with N in {sorted(fit_workers)} (need "
+                           f"{len(PARAMETERS)}) and {len(outside)} held out"}
+    params = fit([c for c, _, _ in inside], [t for _, t, _ in inside])
+    table, errors = validation_table(params, outside)
+    worst = float(np.max(np.abs(errors)))
+    return {"fit_workers": sorted(fit_workers),
+            "held_out_workers": sorted({c.workers for c, _, _ in outside}), "cells": len(outside),
+            "median_abs_error": float(np.median(np.abs(errors))), "worst_abs_error": worst,
+            "table": table, "params": params}
+
+
 # -- projection ---------------------------------------------------------------------------
 
 def project(params, model: str, method: str, workers: int, link_gbit: float, compute_s: float,
-            backward_share: float) -> Dict[str, float]:
+            backward_share: float) -> Dict:
+    """{"comm_s", "step_s", "efficiency", "speedup"} of `method` ("auto": the planner's pick,
+    then also "plan", its gf_tf.planner.Plan) on `workers` one-worker hosts."""
     shapes = gradients.GRADIENT_SETS[model]
-    payload, collectives = method_traffic(method, shapes)
-    case = Case(method, workers, link_gbit * 1e9, gradients.num_elements(shapes), payload, collectives)
-    comm = all_reduce_seconds(case, params)
+    elements = gradients.num_elements(shapes)
+    extra = {}
+    if method == AUTO:
+        plan = planner.choose(elements, len(shapes), workers, planner_costs(params, link_gbit * 1e9))
+        comm, extra["plan"] = plan.seconds or 0.0, plan
+    else:
+        payload, collectives = method_traffic(method, shapes)
+        comm = all_reduce_seconds(Case(method, workers, link_gbit * 1e9, elements, payload,
+                                       collectives), params)
     step = step_seconds(comm, compute_s, overlapped_share(method, backward_share))
     return {"comm_s": comm, "step_s": step, "efficiency": compute_s / step,
-            "speedup": workers * compute_s / step}
+            "speedup": workers * compute_s / step, **extra}
 
 
 def projection_table(params, compute_ms, worker_counts, links, backward_share) -> Tuple[str, List[Dict]]:
@@ -272,12 +373,12 @@ def comparison(params, compute_ms, backward_share) -> str:
     compute_s = compute_ms["alexnet"] / 1e3
     lines = [f"Paper: AlexNet, {n} GPUs, {link:g} Gbit/s: {target}x. Open-source systems it beat: "
              f"{OPEN_SOURCE_SPEEDUP['speedup']}x on {OPEN_SOURCE_SPEEDUP['workers']} GPUs."]
-    for method in PROJECTED_METHODS:
+    for method in COMPARED_METHODS:
         p = project(params, "alexnet", method, n, link, compute_s, backward_share)
         tf64 = project(params, "alexnet", method, OPEN_SOURCE_SPEEDUP["workers"], link, compute_s,
                        backward_share)
         alpha = alpha_for_speedup(params, target, "alexnet", method, n, link, compute_s, backward_share)
-        network_only = {**params, **dict.fromkeys(("gamma", "delta_tf", "delta_gf", "delta_csc"), 0.0)}
+        network_only = {**params, **dict.fromkeys(LOCAL_PARAMETERS, 0.0)}
         free = alpha_for_speedup(network_only, target, "alexnet", method, n, link, compute_s, backward_share)
         need = ("unreachable with the fitted local costs even at alpha = 0" if alpha is None
                 else f"needs alpha <= {alpha * 1e6:.2f} us per hop")
@@ -340,48 +441,106 @@ def _parse_compute(text: Optional[str]) -> Dict[str, float]:
     return compute
 
 
+def json_rows(points, alpha_s: float, local_scale: float) -> List[Dict]:
+    """The --json rows: one per (model, link, method, N); "auto" stands for gf_tf's default."""
+    return [{"model": p["model"], "method": p["method"], "workers": p["workers"],
+             "link_gbit": p["link_gbit"], "alpha_us": alpha_s * 1e6, "local_scale": local_scale,
+             "step_ms": p["step_s"] * 1e3, "speedup": p["speedup"], "efficiency": p["efficiency"]}
+            for p in points]
+
+
+def _print_fit(params: Dict[str, float], cells) -> None:
+    print("Fitted on", len(cells), "cells:", ", ".join(f"{k} = {v:.4g}" for k, v in params.items()))
+    rd = sum(methods.algorithm(c.method) == planner.RECURSIVE_DOUBLING for c, _, _ in cells)
+    print(f"  alpha {params['alpha'] * 1e6:.1f} us per ring hop; rho {params['rho'] * 1e6:.1f} us per "
+          f"recursive-doubling round" + ("" if rd else " (no such cells: 2 alpha)") +
+          f"; kappa {params['kappa']:.3f} wire/payload; gamma {params['gamma'] * 1e9:.3f} ns/byte; "
+          f"local ns/element: TF {params['delta_tf'] * 1e9:.2f}, GF FP16 {params['delta_gf'] * 1e9:.2f}, "
+          f"CSC {params['delta_csc'] * 1e9:.2f}\n")
+    table, errors = validation_table(params, cells)
+    print(f"Fit residuals (median |error| {100 * np.median(np.abs(errors)):.1f}%):\n{table}\n")
+
+
+def _print_validation(held_out: Dict) -> None:
+    if "skipped" in held_out:
+        print(f"Validation on held-out N skipped: {held_out['skipped']}\n")
+        return
+    median, worst = held_out["median_abs_error"], held_out["worst_abs_error"]
+    verdict = ("met" if median <= VALIDATION_TARGETS["median"] and worst <= VALIDATION_TARGETS["worst"]
+               else "MISSED")
+    print(f"Validation: fitted on N in {held_out['fit_workers']} only, predicting the {held_out['cells']} "
+          f"cells with N in {held_out['held_out_workers']}: median |error| {100 * median:.1f}%, worst "
+          f"{100 * worst:.1f}% (target <= {100 * VALIDATION_TARGETS['median']:.0f}% / "
+          f"{100 * VALIDATION_TARGETS['worst']:.0f}%: {verdict})\n{held_out['table']}\n")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--fit", required=True, nargs="+", help="benchmarks.allreduce JSON(s) to calibrate on")
+    parser.add_argument("--fit", nargs="+", default=[DEFAULT_CALIBRATION],
+                        help="benchmarks.allreduce JSON(s) to calibrate on (default: the shipped "
+                             "benchmarks/calibration/allreduce.json)")
     parser.add_argument("--validate", nargs="*", default=[], help="JSON(s) of runs not fitted on")
+    parser.add_argument("--fit-workers", default="2,3,4",
+                        help="validation: fit on the cells with these N, predict the others")
     parser.add_argument("--cores", type=int, default=os.cpu_count(),
                         help="cores of the machine the JSONs were measured on (CPU contention)")
     parser.add_argument("--compute-ms", default=None, help="model=ms per step of one GPU, e.g. alexnet=38.8")
     parser.add_argument("--workers", default="8,16,32,64,128,256,512")
     parser.add_argument("--links", default="10,25,56,100", help="Gbit/s")
-    parser.add_argument("--backward-share", type=float, default=2 / 3,
-                        help="share of the compute time GradientFlow FP16's packs can hide behind")
-    parser.add_argument("--alpha-us", type=float, default=None, help="replace the fitted alpha (us per hop)")
+    parser.add_argument("--backward-share", type=float, default=0.0,
+                        help="share of the compute time GradientFlow FP16's packs can hide behind "
+                             "(default 0: the code does not overlap yet, issue 18)")
+    parser.add_argument("--alpha-us", type=float, default=None,
+                        help="replace the fitted alpha (us per hop); rho becomes 2 alpha unless --rho-us")
+    parser.add_argument("--rho-us", type=float, default=None,
+                        help="replace the fitted rho (us per recursive-doubling round)")
     parser.add_argument("--local-scale", type=float, default=1.0,
                         help="multiply the fitted local costs (gamma, delta_*): e.g. 0.01 for GPU kernels")
+    parser.add_argument("--json", default=None, help="write the projection's rows to this JSON path")
     parser.add_argument("--plot", default=os.path.join("benchmarks", "results", "projection.png"))
     args = parser.parse_args(argv)
+    try:
+        fit_workers = [int(x) for x in args.fit_workers.split(",")]
+        worker_counts = [int(x) for x in args.workers.split(",")]
+        links = [float(x) for x in args.links.split(",")]
+    except ValueError as e:
+        raise SystemExit(f"benchmarks.projection: --fit-workers, --workers and --links take "
+                         f"comma-separated numbers ({e})") from None
 
     fit_cells = load_cells(args.fit, args.cores, need=len(PARAMETERS))
     params = fit([c for c, _, _ in fit_cells], [s for _, s, _ in fit_cells])
-    print("Fitted on", len(fit_cells), "cells:", ", ".join(f"{k} = {v:.4g}" for k, v in params.items()))
-    print(f"  alpha {params['alpha'] * 1e6:.1f} us per hop; kappa {params['kappa']:.3f} wire/payload; "
-          f"gamma {params['gamma'] * 1e9:.3f} ns/byte; local ns/element: TF {params['delta_tf'] * 1e9:.2f}, "
-          f"GF FP16 {params['delta_gf'] * 1e9:.2f}, CSC {params['delta_csc'] * 1e9:.2f}\n")
-    table, errors = validation_table(params, fit_cells)
-    print(f"Fit residuals (median |error| {100 * np.median(np.abs(errors)):.1f}%):\n{table}\n")
+    _print_fit(params, fit_cells)
+    held_out = held_out_validation(fit_cells, fit_workers)
+    _print_validation(held_out)
     validate_cells = load_cells(args.validate, args.cores)
     if validate_cells:
         table, errors = validation_table(params, validate_cells)
         print(f"Validation on runs not fitted on (median |error| {100 * np.median(np.abs(errors)):.1f}%, "
               f"worst {100 * max(np.abs(errors)):.1f}%):\n{table}\n")
+    fitted = dict(params)
     if args.alpha_us is not None:
         params["alpha"] = args.alpha_us * 1e-6
-    for key in ("gamma", "delta_tf", "delta_gf", "delta_csc"):
+        params["rho"] = 2 * params["alpha"]
+    if args.rho_us is not None:
+        params["rho"] = args.rho_us * 1e-6
+    for key in LOCAL_PARAMETERS:
         params[key] *= args.local_scale
     compute = _parse_compute(args.compute_ms)
-    worker_counts = [int(x) for x in args.workers.split(",")]
-    links = [float(x) for x in args.links.split(",")]
     print(f"Projection: speedup (scaling efficiency); compute per step {compute} ms; "
-          f"alpha {params['alpha'] * 1e6:.1f} us; local costs x{args.local_scale:g}; one worker per host\n")
+          f"alpha {params['alpha'] * 1e6:.1f} us, rho {params['rho'] * 1e6:.1f} us; local costs "
+          f"x{args.local_scale:g}; FP16 overlap {args.backward_share:g} of compute; one worker per host; "
+          f"{methods.LABELS[AUTO]} = gf_tf.planner.choose on these constants\n")
     table, points = projection_table(params, compute, worker_counts, links, args.backward_share)
     print(table + "\n")
     print(comparison(params, compute, args.backward_share))
+    if args.json:
+        validation = {k: v for k, v in held_out.items() if k != "table"}
+        report.write_json(args.json, {
+            "rows": json_rows(points, params["alpha"], args.local_scale),
+            "fitted_parameters": fitted, "projected_parameters": params, "validation": validation,
+            "auto_plans": [{"model": p["model"], "workers": p["workers"], "link_gbit": p["link_gbit"],
+                            "plan": p["plan"].describe()} for p in points if "plan" in p]})
+        print(f"\nJSON: {args.json}")
     note = plot(points, args.plot)
     print(f"\nplot: {note}" if note else f"\nplot: {args.plot}")
     return 0

@@ -71,6 +71,68 @@ def test_global_csc_methods_select_globally_and_stay_out_of_the_presets():
         assert not any(l[3] in methods.CSC_SELECTION for l in fit.preset_launches(preset))
 
 
+def test_new_methods_pin_what_they_measure_and_auto_is_the_default():
+    from benchmarks.workers import methods
+    from gf_tf.cross_device_ops import DEFAULT_BYTES_PER_PACK
+    _, auto = methods.make_strategy("auto", 30.0, build_strategy=False)
+    assert (auto.compression, auto.bytes_per_pack, auto.algorithm, auto.sparsity) == \
+        ("auto", "auto", "auto", None)
+    for method, algorithm, density in (("gf_fp16", "ring", None), ("gf_fp16_rd", "recursive_doubling", None),
+                                       ("csc_1", "ring", 0.01), ("csc_1_rd", "recursive_doubling", 0.01)):
+        _, gf = methods.make_strategy(method, 30.0, build_strategy=False)
+        assert gf.compression.name == "fp16" and gf.bytes_per_pack == DEFAULT_BYTES_PER_PACK == 4 * 2 ** 20
+        assert gf.algorithm == algorithm, method
+        assert (gf.sparsity.density if gf.sparsity is not None else None) == density, method
+        assert methods.LABELS[method]
+    assert methods.LABELS["auto"] and methods.is_gradient_flow("auto")
+    assert not {"auto", "gf_fp16_rd", "csc_1_rd"} & set(methods.PRESET_METHODS)
+
+
+def test_tiny_gradient_set_is_a_few_kilobytes():
+    assert len(gradients.GRADIENT_SETS["tiny"]) == 3
+    assert gradients.num_elements(gradients.GRADIENT_SETS["tiny"]) == 996   # 3.9 kB of float32
+
+
+def test_scale_preset_covers_issue_17s_cells_and_estimates_its_time():
+    from benchmarks import allreduce
+    launches = allreduce.preset_launches("scale")
+    cells = {(n, rate, m, s) for n, rate, m, sets in launches for s in sets}
+    for s in ("resnet20", "resnet50"):
+        for rate in (100.0, 1000.0, None):
+            for n in (2, 3, 4):
+                for m in ("tf_fp32", "gf_fp16", "csc_1", "auto"):
+                    assert (n, rate, m, s) in cells
+    for s in ("resnet20", "tiny"):
+        for n in (6, 8):
+            for m in ("tf_fp32", "gf_fp16", "gf_fp16_rd", "csc_1", "csc_1_rd", "auto"):
+                assert (n, 1000.0, m, s) in cells
+    assert max(n for n, _, _, s in cells if s == "resnet50") == 4
+    assert max(n for n, *_ in launches) == 8
+    seconds = allreduce.estimate_matrix_seconds(launches, 5, 1, 3.0)
+    configurations = {(n, rate) for n, rate, _, _ in launches}
+    assert seconds == pytest.approx(sum(allreduce.estimate_launch_seconds(l, 5, 1) for l in launches)
+                                    + len(configurations) * 5.0)
+    assert [l[2] for l in allreduce.preset_launches("quick")] == ["tf_fp32", "gf_fp16", "csc_1"]
+
+
+def test_cells_carry_the_plan_and_costs_and_the_report_prints_them():
+    from benchmarks import allreduce
+    plan = {"method": "fp16", "algorithm": "recursive_doubling", "bytes_per_pack": 0, "seconds": 0.002,
+            "describe": "fp16 packs (one pack per dtype), recursive doubling, predicted 2.00 ms per step"}
+    chief = {"median_s": 0.01, "times_s": [0.01], "warmup_s": 1.0, "tx_bytes_per_iter": 1000.0,
+             "rx_bytes_per_iter": 1000.0, "max_rel_error": 1e-4, "plans": [plan]}
+    workers = [{"worker": w, "sets": {"tiny": chief}, "costs": [1e-3, 8e-3, 1e-9, 1e-9, 2e-9]}
+               for w in range(2)]
+    (cell,) = allreduce.derive_cells((2, 1000.0, "auto", ["tiny"]), {"error": None, "workers": workers}, 9e8)
+    assert cell["plans"] == [plan] and cell["costs"] == [1e-3, 8e-3, 1e-9, 1e-9, 2e-9]
+    assert allreduce.short_plan(cell["plans"]) == "fp16 rd 1 pack"
+    assert allreduce.short_plan([dict(plan, method="tf", algorithm="ring")]) == "tf"
+    assert allreduce.short_plan([dict(plan, algorithm="ring", bytes_per_pack=4 * 2 ** 20)]) == "fp16 ring 4MiB"
+    report_text = allreduce.plans_report([cell])
+    assert "tiny, N=2, 1 Gbit/s, auto: fp16 packs" in report_text and "1.000 ms/hop, 8.000 ms/round" in report_text
+    assert "fp16 rd 1 pack" in allreduce.results_table([cell])
+
+
 def test_token_bucket_is_deep_enough_for_the_rate():
     for rate in (10, 100, 1000, 10000):
         assert netem.tbf_burst_bytes(rate) >= rate * 1e6 / 8 / 250

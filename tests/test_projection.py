@@ -8,9 +8,10 @@ import pytest
 
 from benchmarks import projection
 from benchmarks.workers import gradients
+from gf_tf import planner
 
-PARAMS = {"alpha": 1e-3, "kappa": 1.1, "gamma": 2e-10, "delta_tf": 1e-9, "delta_gf": 3e-9,
-          "delta_csc": 5e-9}
+PARAMS = {"alpha": 1e-3, "rho": 7e-3, "kappa": 1.1, "gamma": 2e-10, "delta_tf": 1e-9,
+          "delta_gf": 3e-9, "delta_csc": 5e-9}
 
 
 def test_all_reduce_seconds_by_hand():
@@ -27,6 +28,21 @@ def test_all_reduce_seconds_by_hand():
     csc = projection.Case("csc_1", 4, 8e7, 200_000, 1e6, 3, cpu_share=2.0)
     assert projection.all_reduce_seconds(csc, PARAMS) == pytest.approx(0.018 + 0.165 + 0.0003 + 0.002,
                                                                        rel=1e-12)
+
+
+def test_recursive_doubling_seconds_by_hand():
+    # N = 6 (not a power of two): 2 rounds of pairs + fold + unfold = 4 rounds; 3 collectives,
+    # 1e6 payload bytes, 80 Mbit/s, 2e5 elements, s = 3:
+    #   rho:   7e-3 * 4 * 3                     = 0.084
+    #   wire:  1.1 * 4 * 1e6 * 8 / 8e7          = 0.44
+    #   gamma: 2e-10 * 4/2 * 1e6 * 3            = 0.0012
+    #   local (GF FP16): 3e-9 * 2e5 * 3         = 0.0018
+    case = projection.Case("gf_fp16_rd", 6, 8e7, 200_000, 1e6, 3, cpu_share=3.0)
+    assert projection.all_reduce_seconds(case, PARAMS) == pytest.approx(0.084 + 0.44 + 0.0012 + 0.0018,
+                                                                        rel=1e-12)
+    # alpha does not enter: the rounds have their own latency.
+    assert projection.all_reduce_seconds(case, PARAMS | {"alpha": 1.0}) == pytest.approx(
+        projection.all_reduce_seconds(case, PARAMS), rel=1e-12)
 
 
 def test_step_time_hides_only_the_overlapped_share():
@@ -66,10 +82,11 @@ def test_method_traffic_matches_the_packing_and_chunk_rules():
 def test_fit_recovers_known_parameters():
     rng = np.random.default_rng(0)
     cases = []
-    for method in ("tf_fp32", "gf_fp16", "csc_1"):
-        for n in (2, 3, 4):
+    for method in ("tf_fp32", "gf_fp16", "csc_1", "gf_fp16_rd", "csc_1_rd"):
+        for n in (2, 3, 4, 6, 8):
             for link in (1e8, 1e9, 8e9):
-                payload = {"tf_fp32": 1e8, "gf_fp16": 5e7, "csc_1": 6e5}[method] * rng.uniform(0.5, 2)
+                payload = {"tf_fp32": 1e8, "gf_fp16": 5e7, "csc_1": 6e5, "gf_fp16_rd": 5e7,
+                           "csc_1_rd": 6e5}[method] * rng.uniform(0.5, 2)
                 cases.append(projection.Case(method, n, link, 25_000_000, payload,
                                              int(rng.integers(1, 16)), max(1.0, n / 2)))
     seconds = [projection.all_reduce_seconds(c, PARAMS) for c in cases]
@@ -79,11 +96,12 @@ def test_fit_recovers_known_parameters():
 
 
 def test_fit_keeps_parameters_non_negative_and_needs_enough_cells():
-    cases = [projection.Case("tf_fp32", n, 1e9, 1000, 4000.0, 1) for n in (2, 3, 4, 5, 6, 7)]
+    cases = [projection.Case("tf_fp32", n, 1e9, 1000, 4000.0, 1) for n in (2, 3, 4, 5, 6, 7, 8)]
     # Times that fall with N would need a negative alpha: it is held at 0.
-    fitted = projection.fit(cases, [1.0, 0.9, 0.8, 0.7, 0.6, 0.5])
+    fitted = projection.fit(cases, [1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4])
     assert min(fitted.values()) >= 0.0
-    with pytest.raises(ValueError, match="at least 6"):
+    assert fitted["rho"] == pytest.approx(2 * fitted["alpha"])   # no recursive-doubling cells
+    with pytest.raises(ValueError, match="at least 7"):
         projection.fit(cases[:3], [1.0, 1.0, 1.0])
 
 
@@ -104,17 +122,145 @@ def test_missing_or_small_calibration_fails_with_what_to_run(tmp_path, capsys):
     assert f"no measurements at {missing}" in str(exc.value)
     assert "python -m benchmarks.allreduce" in str(exc.value)
 
-    # What `benchmarks.allreduce --quick` writes: 3 cells, fewer than the 6 parameters.
+    # What `benchmarks.allreduce --quick` writes: 3 cells, fewer than the 7 parameters.
     cell = {"set": "resnet20", "workers": 2, "goodput_bps": 9.56e7, "median_s": 0.05,
             "elements": 270_000}
     quick = tmp_path / "quick.json"
     quick.write_text(json.dumps({"cells": [dict(cell, method=m) for m in ("tf_fp32", "gf_fp16", "csc_1")]}))
     with pytest.raises(SystemExit) as exc:
         projection.main(["--fit", str(quick)])
-    assert "hold 3 usable cells" in str(exc.value) and "needs at least 6" in str(exc.value)
+    assert "hold 3 usable cells" in str(exc.value) and "needs at least 7" in str(exc.value)
 
     broken = tmp_path / "broken.json"
     broken.write_text("{}")
     with pytest.raises(SystemExit) as exc:
         projection.main(["--fit", str(broken)])
     assert "is not a benchmarks.allreduce result" in str(exc.value)
+
+
+# -- gf_tf's default ("auto"): the planner's pick on the fitted constants ---------------------
+
+def test_planner_costs_carry_the_same_model():
+    # TF's default and one-pack FP16 (ring or recursive doubling): the planner's predicted
+    # seconds on planner_costs(...) are the projection's own model of the same traffic.
+    shapes = gradients.GRADIENT_SETS["resnet20"]
+    elements, tensors = gradients.num_elements(shapes), len(shapes)
+    for n in (3, 8, 64):
+        costs = projection.planner_costs(PARAMS, 2e9, cpu_share=1.5)
+        for method, wire, algorithm in (("tf_fp32", "tf", "ring"), ("gf_fp16", "fp16", "ring"),
+                                        ("gf_fp16_rd", "fp16", "recursive_doubling")):
+            payload, collectives = projection.method_traffic(method, shapes, bytes_per_pack=0)
+            case = projection.Case(method, n, 2e9, elements, payload, collectives, cpu_share=1.5)
+            assert planner.predict_seconds(wire, algorithm, elements, tensors, n, costs) == \
+                pytest.approx(projection.all_reduce_seconds(case, PARAMS), rel=1e-12), (method, n)
+
+
+def test_auto_is_the_planners_pick_on_hand_made_costs():
+    # Latency-bound (hops of 10 ms, rounds of 1 s, a free wire): one ring collective; TF's own
+    # and one float32 pack then cost the same, and ties go to TF's own.
+    latency = dict.fromkeys(projection.PARAMETERS, 0.0) | {"alpha": 1e-2, "rho": 1.0, "kappa": 1e-6}
+    p = projection.project(latency, "resnet50", "auto", 64, 56.0, 0.128, 0.0)
+    assert (p["plan"].method, p["plan"].algorithm) == ("tf", "ring")
+    tf_fp32 = projection.project(latency, "resnet50", "tf_fp32", 64, 56.0, 0.128, 0.0)
+    assert p["comm_s"] == pytest.approx(tf_fp32["comm_s"], rel=1e-12)
+    # Bandwidth-bound (1 Gbit/s, no latency): FP16 halves the bytes; the ring sends 2(N-1)/N of
+    # them, recursive doubling log2(N) times them: FP16 over the ring, as one pack.
+    wire = dict.fromkeys(projection.PARAMETERS, 0.0) | {"kappa": 1.0}
+    p = projection.project(wire, "resnet50", "auto", 64, 1.0, 0.128, 0.0)
+    assert (p["plan"].method, p["plan"].algorithm, p["plan"].bytes_per_pack) == ("fp16", "ring", 0)
+    e, t = 25_557_032, 161
+    assert p["comm_s"] == pytest.approx(2 * 63 / 64 * (2 * e + 4 * t) * 8 / 1e9, rel=1e-12)
+    # Rounds cheap, hops dear, a tiny set: float32 packs (one collective, no scale bounds)
+    # over recursive doubling: 6 rounds of (10 us + 4 * 996 B * 8 / 10 Gbit/s); FP16 would
+    # pay 6 more rounds for its scale bounds to save 6 * 3.2 us of wire.
+    rounds = dict.fromkeys(projection.PARAMETERS, 0.0) | {"alpha": 1e-3, "rho": 1e-5, "kappa": 1.0}
+    p = projection.project(rounds, "tiny", "auto", 64, 10.0, 0.01, 0.0)
+    assert (p["plan"].method, p["plan"].algorithm) == ("none", "recursive_doubling")
+    assert p["comm_s"] == pytest.approx(6 * (1e-5 + 4 * 996 * 8 / 1e10), rel=1e-12)
+    # And in general it is exactly gf_tf.planner.choose on planner_costs.
+    for model in ("alexnet", "resnet50"):
+        for n in (8, 64, 512):
+            chosen = planner.choose(gradients.num_elements(gradients.GRADIENT_SETS[model]),
+                                    len(gradients.GRADIENT_SETS[model]), n,
+                                    projection.planner_costs(PARAMS, 25e9))
+            p = projection.project(PARAMS, model, "auto", n, 25.0, 0.05, 0.0)
+            assert p["plan"] == chosen and p["comm_s"] == chosen.seconds
+
+
+# -- the shipped calibration, --json, held-out validation --------------------------------------
+
+def _synthetic_calibration(path, params, cores=2):
+    """A benchmarks.allreduce-shaped JSON whose times are the model's own for `params`."""
+    cells = []
+    for method in ("tf_fp32", "gf_fp16", "csc_1", "gf_fp16_rd", "csc_1_rd"):
+        for name in ("tiny", "resnet20"):
+            for n in (2, 3, 4, 6, 8):
+                for rate, goodput in ((100.0, 9.5e7), (1000.0, 9.4e8), (None, 8e9)):
+                    shapes = gradients.GRADIENT_SETS[name]
+                    payload, collectives = projection.method_traffic(method, shapes)
+                    case = projection.Case(method, n, goodput, gradients.num_elements(shapes), payload,
+                                           collectives, max(1.0, n / cores))
+                    cells.append({"set": name, "workers": n, "rate_mbit": rate, "method": method,
+                                  "elements": case.elements, "goodput_bps": goodput,
+                                  "median_s": projection.all_reduce_seconds(case, params)})
+    # An "auto" cell is modelled by its recorded plan; tf_fp16 has no model and is skipped.
+    auto = dict(cells[0], method="auto", plans=[{"method": "tf", "algorithm": "ring", "bytes_per_pack": 0}])
+    path.write_text(json.dumps({"cells": cells + [auto, dict(cells[0], method="tf_fp16")]}))
+    return len(cells) + 1
+
+
+def test_no_arguments_read_the_shipped_calibration_and_json_rows(tmp_path, monkeypatch, capsys):
+    calibration = tmp_path / "allreduce.json"
+    count = _synthetic_calibration(calibration, PARAMS)
+    monkeypatch.setattr(projection, "DEFAULT_CALIBRATION", str(calibration))
+    out = tmp_path / "out.json"
+    assert projection.main(["--cores", "2", "--json", str(out), "--plot", str(tmp_path / "p.png")]) == 0
+    printed = capsys.readouterr().out
+    assert f"Fitted on {count} cells" in printed and "N=512" in printed and " alexnet |" in printed
+    data = json.loads(out.read_text())
+    keys = {"model", "method", "workers", "link_gbit", "alpha_us", "local_scale", "step_ms", "speedup",
+            "efficiency"}
+    assert data["rows"] and all(set(row) == keys for row in data["rows"])
+    assert {r["workers"] for r in data["rows"]} == {8, 16, 32, 64, 128, 256, 512}
+    assert {r["method"] for r in data["rows"]} == set(projection.PROJECTED_METHODS)
+    assert {r["model"] for r in data["rows"]} == {"alexnet", "resnet50"}
+    # Fitting on the model's own times recovers its parameters.
+    for name, value in PARAMS.items():
+        assert data["fitted_parameters"][name] == pytest.approx(value, rel=1e-6), name
+    # Held out: fitted on N <= 4, N = 6 and 8 predicted to rounding.
+    validation = data["validation"]
+    assert validation["fit_workers"] == [2, 3, 4] and validation["held_out_workers"] == [6, 8]
+    assert validation["worst_abs_error"] < 1e-6 and validation["median_abs_error"] < 1e-6
+    # No FP16 overlap credit by default: every step is compute + all-reduce.
+    params = data["projected_parameters"]
+    for row in data["rows"]:
+        if row["method"] == "gf_fp16" and row["link_gbit"] == 56.0:
+            p = projection.project(params, row["model"], "gf_fp16", row["workers"], 56.0,
+                                   projection.DEFAULT_COMPUTE_MS[row["model"]] / 1e3, 0.0)
+            assert row["step_ms"] == pytest.approx(p["step_s"] * 1e3, rel=1e-12)
+            assert row["step_ms"] == pytest.approx(projection.DEFAULT_COMPUTE_MS[row["model"]]
+                                                   + p["comm_s"] * 1e3, rel=1e-12)
+        if row["method"] == "auto":
+            p = projection.project(params, row["model"], "auto", row["workers"], row["link_gbit"],
+                                   projection.DEFAULT_COMPUTE_MS[row["model"]] / 1e3, 0.0)
+            assert row["speedup"] == pytest.approx(p["speedup"], rel=1e-12)
+
+
+def test_shipped_calibration_missing_or_unreadable_says_what_to_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(projection, "DEFAULT_CALIBRATION", str(tmp_path / "absent.json"))
+    with pytest.raises(SystemExit) as exc:
+        projection.main([])
+    assert "no measurements at" in str(exc.value) and "--preset scale" in str(exc.value)
+    with pytest.raises(SystemExit) as exc:
+        projection.main(["--fit", str(tmp_path)])            # a directory: unreadable
+    assert "cannot read" in str(exc.value) and "\n" not in str(exc.value)
+    odd = tmp_path / "odd.json"
+    odd.write_text(json.dumps({"cells": [1, 2]}))
+    with pytest.raises(SystemExit) as exc:
+        projection.main(["--fit", str(odd)])
+    assert "is not a benchmarks.allreduce result" in str(exc.value)
+
+
+def test_held_out_validation_needs_both_sides():
+    cells = [(projection.Case("tf_fp32", 2, 1e9, 1000, 4000.0, 1), 1.0, {})] * 3
+    assert "skipped" in projection.held_out_validation(cells, [2, 3, 4])

@@ -8,8 +8,11 @@ worker, so the exact sum is known), a tf.function that all-reduces them with
 `gf_tf.all_reduce_gradients` (the Keras optimizer's gradient all-reduce; stock
 `ReplicaContext.all_reduce(SUM, ...)` without GradientFlow),
 `warmup` untimed calls, then `iters` timed calls. Bytes on the wire are the
-delta of this namespace's eth0 counters over the timed calls. Prints one line
-`RESULT <json>` at the end.
+delta of this namespace's eth0 counters over the timed calls. For GradientFlow
+methods each set also records the plan its gradients travelled by
+(`GradientFlowAllReduce.plans()`) and the worker records the planner's measured
+constants (`GradientFlowAllReduce.costs`, None when every setting is pinned).
+Prints one line `RESULT <json>` at the end.
 """
 
 import argparse
@@ -176,6 +179,22 @@ def stats_totals(gradient_flow):
             "dense_bytes": float(s.dense_bytes.numpy())}
 
 
+def plan_records(gradient_flow, variables):
+    """The gf_tf.planner.Plan of each variable set serving exactly `variables`, as JSON records."""
+    states = gradient_flow.states()
+    return [{"method": plan.method, "algorithm": plan.algorithm,
+             "bytes_per_pack": plan.bytes_per_pack, "seconds": plan.seconds,
+             "describe": plan.describe()}
+            for name, plan in gradient_flow.plans().items()
+            if plan is not None and states[name].serves(variables)]
+
+
+def costs_record(gradient_flow):
+    """GradientFlowAllReduce.costs as [hop_s, round_s, byte_s, copy_s, fp16_s], or None."""
+    costs = getattr(gradient_flow, "costs", None)
+    return None if costs is None else costs.as_list()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--method", required=True, choices=methods.METHODS)
@@ -201,6 +220,7 @@ def main():
         import gf_tf
         results["gradient_flow"] = repr(gradient_flow)
         results["ops_library"] = gf_tf.ops.library_status()
+        results["costs"] = costs_record(gradient_flow)
     for name in args.sets.split(","):
         shapes = gradients.GRADIENT_SETS[name]
         values = make_values(shapes, seed=len(shapes))
@@ -231,6 +251,8 @@ def main():
             entry["dense_payload_bytes_per_iter"] = (after_stats["dense_bytes"] - before_stats["dense_bytes"]) / args.iters
         local = [strategy.experimental_local_results(r)[0] for r in out]
         entry.update(check_result(args.method, values, local, num_workers))
+        if gradient_flow is not None:
+            entry["plans"] = plan_records(gradient_flow, values)
         if args.profile and task == 0:
             entry["profile"] = profile_step(step, os.path.join(args.profile, f"{name}_w{task}"))
         elif args.profile:

@@ -1,11 +1,13 @@
-"""Gradient lists shaped like three reference networks (Keras layouts, forward order).
+"""Gradient lists shaped like three reference networks (Keras layouts, forward order), and a tiny one.
 
 The shapes follow the networks as published, so the tensor counts match the
 usual parameter lists (ResNet-50: 161 tensors, 25,557,032 elements; AlexNet:
 16 tensors, 61,100,840; ResNet-20 for CIFAR with parameter-free shortcuts:
 59 tensors, 269,722). Convolution kernels are (kh, kw, in, out) as in Keras;
 batch norm contributes gamma and beta; convolutions followed by batch norm
-have no bias.
+have no bias. "tiny" (3 tensors, 996 elements, about 4 kB in float32: a
+3x3 convolution of 8 to 12 channels, its bias and a 12 x 10 dense kernel) is a
+purely latency-bound all-reduce.
 """
 
 from typing import Dict, List, Tuple
@@ -55,7 +57,10 @@ def resnet20_shapes() -> List[Shape]:
     return shapes
 
 
+TINY_SHAPES: List[Shape] = [(3, 3, 8, 12), (12,), (12, 10)]
+
 GRADIENT_SETS: Dict[str, List[Shape]] = {
+    "tiny": TINY_SHAPES,
     "resnet20": resnet20_shapes(),
     "resnet50": resnet50_shapes(),
     "alexnet": alexnet_shapes(),

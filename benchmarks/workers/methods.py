@@ -3,29 +3,45 @@
     tf_fp32   TensorFlow's MultiWorkerMirroredStrategy, float32, RING (the baseline)
     tf_fp16   the same strategy, gradients cast to float16 by hand before the
               all-reduce and back after (separates the dtype from our overhead)
-    gf_fp16   gf_tf.GradientFlowAllReduce(compression="fp16"), dense
+    gf_fp16   gf_tf.GradientFlowAllReduce(compression="fp16"), dense, in packs of
+              gf_tf.cross_device_ops.DEFAULT_BYTES_PER_PACK (4 MiB) over TF's ring
     csc_10 / csc_1 / csc_0.1
               gf_tf.GradientFlowAllReduce(compression="fp16",
-              sparsity=gf_tf.ChunkSparsity(density=0.1 / 0.01 / 0.001, warmup_steps=0))
+              sparsity=gf_tf.ChunkSparsity(density=0.1 / 0.01 / 0.001, warmup_steps=0)),
+              4 MiB packs over TF's ring
     csc_auto  the same with ChunkSparsity(density="auto", warmup_steps=0): each step the
               largest density whose communication costs at most 5% of the measured compute
     csc_1_global / csc_0.1_global
               the same at density 0.01 / 0.001 with selection="global" (one top-K over
               the chunks of all packs instead of k per pack); not in the presets' loops
               over every method: ask for them with --methods
+    auto      gf_tf.GradientFlowAllReduce() with no arguments: gf_tf's default, the
+              planner's choice of method, pack size and algorithm (gf_tf.planner)
+    gf_fp16_rd / csc_1_rd
+              gf_fp16 / csc_1 over recursive doubling (algorithm="recursive_doubling",
+              gf_tf.collectives) instead of TF's ring
+
+Every GradientFlow method but `auto` pins bytes_per_pack and algorithm, so that
+it measures the same transport whatever the planner's defaults. The last three
+are not in the presets' loops over every method either: the `scale` preset of
+benchmarks.allreduce names them.
 """
 
 from typing import Dict, Optional, Union
 
 METHODS = ["tf_fp32", "tf_fp16", "gf_fp16", "csc_10", "csc_1", "csc_0.1", "csc_auto",
-           "csc_1_global", "csc_0.1_global"]
+           "csc_1_global", "csc_0.1_global", "auto", "gf_fp16_rd", "csc_1_rd"]
 CSC_DENSITY: Dict[str, Union[float, str]] = {"csc_10": 0.10, "csc_1": 0.01, "csc_0.1": 0.001,
                                              "csc_auto": "auto",
-                                             "csc_1_global": 0.01, "csc_0.1_global": 0.001}
+                                             "csc_1_global": 0.01, "csc_0.1_global": 0.001,
+                                             "csc_1_rd": 0.01}
 # ChunkSparsity(selection=...) of the CSC methods not selecting per pack.
 CSC_SELECTION: Dict[str, str] = {"csc_1_global": "global", "csc_0.1_global": "global"}
 # The methods the presets loop over when they take "every method".
-PRESET_METHODS = [m for m in METHODS if m not in CSC_SELECTION]
+# GradientFlowAllReduce(algorithm=...) of the methods not on TF's ring ("auto": the planner's).
+ALGORITHM: Dict[str, str] = {"auto": "auto", "gf_fp16_rd": "recursive_doubling",
+                             "csc_1_rd": "recursive_doubling"}
+PRESET_METHODS = [m for m in METHODS if m not in CSC_SELECTION and m not in ALGORITHM]
 LABELS = {
     "tf_fp32": "TF default fp32",
     "tf_fp16": "TF default, fp16 by hand",
@@ -36,6 +52,9 @@ LABELS = {
     "csc_auto": "GradientFlow CSC auto",
     "csc_1_global": "GradientFlow CSC 1% global",
     "csc_0.1_global": "GradientFlow CSC 0.1% global",
+    "auto": "gf_tf default (planner)",
+    "gf_fp16_rd": "GradientFlow fp16, recursive doubling",
+    "csc_1_rd": "GradientFlow CSC 1%, recursive doubling",
 }
 
 
@@ -44,8 +63,14 @@ def csc_selection(method: str) -> str:
     return CSC_SELECTION.get(method, "per_pack")
 
 
+def algorithm(method: str) -> str:
+    """GradientFlowAllReduce(algorithm=...) of a GradientFlow method: "ring", "recursive_doubling"
+    or "auto" (the planner's)."""
+    return ALGORITHM.get(method, "ring")
+
+
 def is_gradient_flow(method: str) -> bool:
-    return method.startswith("gf_") or method in CSC_DENSITY
+    return method.startswith("gf_") or method in CSC_DENSITY or method == "auto"
 
 
 def largest_density(method: str) -> float:
@@ -80,7 +105,13 @@ def make_strategy(method: str, timeout_seconds: float, keras_fit: bool = False,
     if method in CSC_DENSITY:
         sparsity = gf_tf.ChunkSparsity(density=CSC_DENSITY[method], warmup_steps=0,
                                        selection=csc_selection(method))
-    gradient_flow = gf_tf.GradientFlowAllReduce(compression="fp16", sparsity=sparsity)
+    if method == "auto":
+        gradient_flow = gf_tf.GradientFlowAllReduce()
+    else:
+        from gf_tf.cross_device_ops import DEFAULT_BYTES_PER_PACK
+        gradient_flow = gf_tf.GradientFlowAllReduce(compression="fp16", sparsity=sparsity,
+                                                    bytes_per_pack=DEFAULT_BYTES_PER_PACK,
+                                                    algorithm=algorithm(method))
     if not build_strategy:
         return None, gradient_flow
     strategy = gf_tf.MultiWorkerMirroredStrategy(communication_options=options, gradient_flow=gradient_flow)
