@@ -20,13 +20,15 @@ rho, the latency of one round, is measured on its own: ideally 2 alpha (a
 machine, a round costs about a whole collective's scheduling (8-15 ms at
 N = 8 on 2 cores, against 1.5 ms per ring hop).
   TF's own ("tf")       = ring(4E) + copy E                (concat + split)
-  GradientFlow packs    = [ctl(4T)] + sum over packs coll(bytes) + local E
+  GradientFlow packs    = [ctl(4T)] + P lat + max(W, L) + min(W, L) / P
 
-where ctl is the FP16 scale bounds' collective (T tensors, scaled wires only)
-and local the measured per-element cost of the wire format's pack + unpack.
+where ctl is the FP16 scale bounds' collective (T tensors, scaled wires only),
+P the pack count, lat one collective's latency, W the wire time of all packs
+and L the measured local cost of the wire format's pack + unpack of E elements.
 Packs leave after the step's last gradient (the control all-reduce waits for
-every pack), so no local work is hidden behind communication and more packs
-only add latency: the planner's pack size is one pack per dtype.
+every pack), but within the all-reduce they form a pipeline: one pack is
+packed or unpacked while another is on the wire. More packs hide more of the
+local work and add one latency each; `choose` picks the count.
 
 The constants (`Costs`) are measured by `gf_tf.probe` when a
 gf_tf.MultiWorkerMirroredStrategy starts and averaged over the workers, so
@@ -36,7 +38,7 @@ projection (benchmarks/projection.py) uses the same model.
 
 import dataclasses
 import math
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 AUTO = "auto"
 RING, RECURSIVE_DOUBLING = "ring", "recursive_doubling"
@@ -46,6 +48,9 @@ ALGORITHMS = (RING, RECURSIVE_DOUBLING)   # the order breaks ties: the ring firs
 # doubling) or FP16 packs. BF16 (8-bit significand) only when a user asks for it.
 AUTO_METHODS = ("tf", "none", "fp16")
 FLOAT32_BYTES, WIRE16_BYTES = 4, 2
+PACK_COUNTS = (1, 2, 4, 8, 16, 32)    # bytes_per_pack="auto" chooses among these pack counts
+MIN_PACK_BYTES = 256 * 1024           # ... keeping packs at least this large
+MARGIN = 0.8   # compression="auto": a GradientFlow wire must be predicted this much faster than TF's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,22 +130,26 @@ def collective_seconds(algorithm: str, nbytes: float, workers: int, costs: Costs
 
 
 def predict_seconds(method: str, algorithm: str, elements: int, tensors: int, workers: int,
-                    costs: Costs, pack_elements: Sequence[int] = ()) -> float:
+                    costs: Costs, packs: int = 1) -> float:
     """Predicted seconds of one step's all-reduce of `elements` float32 gradients in `tensors`
-    tensors by `method` ("tf", "fp16", "bf16", "none") over `algorithm`.
+    tensors by `method` ("tf", "fp16", "bf16", "none") over `algorithm`, in `packs` packs.
 
-    pack_elements: elements per pack (default: one pack of all of them).
+    GradientFlow's packs form a two-stage pipeline (the local pack/unpack of one pack runs
+    while another is on the wire): with W the wire time and L the local time of the
+    whole set, T = [control] + packs x latency + max(W, L) + min(W, L) / packs.
+    TF's own batch all-reduce is one collective after one concat: ring(4E) + copy E.
     """
-    packs = list(pack_elements) or [elements]
     if method == "tf":
         return collective_seconds("ring", FLOAT32_BYTES * elements, workers, costs) \
             + costs.copy_s * elements
     wire = FLOAT32_BYTES if method == "none" else WIRE16_BYTES
-    seconds = sum(collective_seconds(algorithm, wire * n, workers, costs) for n in packs)
-    if method == "fp16":
-        seconds += collective_seconds(algorithm, FLOAT32_BYTES * tensors, workers, costs)
-        return seconds + costs.fp16_s * elements
-    return seconds + costs.copy_s * elements   # bf16 costs about a copy too
+    latency = collective_seconds(algorithm, 0, workers, costs)
+    wire_s = collective_seconds(algorithm, wire * elements, workers, costs) - latency
+    local_s = (costs.fp16_s if method == "fp16" else costs.copy_s) * elements
+    control = collective_seconds(algorithm, FLOAT32_BYTES * tensors, workers, costs) \
+        if method == "fp16" else 0.0
+    packs = max(1, packs)
+    return control + packs * latency + max(wire_s, local_s) + min(wire_s, local_s) / packs
 
 
 def choose(elements: int, tensors: int, workers: int, costs: Optional[Costs],
@@ -155,31 +164,44 @@ def choose(elements: int, tensors: int, workers: int, costs: Optional[Costs],
         without a network), the ring, and one pack per dtype.
       method: "auto" or a pinned "fp16" / "bf16" / "none".
       algorithm: "auto" or a pinned one of ALGORITHMS.
-      bytes_per_pack: "auto" or a pinned number of bytes (>= 0).
+      bytes_per_pack: "auto" (a pack count from PACK_COUNTS) or a pinned number of bytes.
 
-    Returns: the Plan with the lowest predicted seconds (ties: the earlier of
-      "tf", then the ring), the same on every worker given the same arguments.
+    Returns: the Plan with the lowest predicted seconds, except that with method "auto" a
+      GradientFlow wire must be predicted to take at most MARGIN of TF's own seconds (the
+      model's validation error is 15-35%: an uncertain gain is not worth a slower step);
+      ties go to the earlier candidate ("tf", the ring, fewer packs). The same on every
+      worker given the same arguments.
     """
     methods = AUTO_METHODS if method == AUTO else (method,)
     algorithms = ALGORITHMS if algorithm == AUTO else (algorithm,)
-    pack = 0 if bytes_per_pack == AUTO else int(bytes_per_pack)
     if costs is None or workers <= 1:
+        pack = 0 if bytes_per_pack == AUTO else int(bytes_per_pack)
         return Plan("tf" if method == AUTO else method, pack, algorithms[0])
-    candidates: Tuple[Plan, ...] = tuple(
-        Plan(m, pack, a, predict_seconds(m, a, elements, tensors, workers, costs,
-                                         _pack_elements(elements, pack, m)))
-        for m in methods for a in (("ring",) if m == "tf" else algorithms))
-    return min(candidates, key=lambda plan: plan.seconds)
+    candidates: List[Plan] = []
+    for m in methods:
+        for a in (RING,) if m == "tf" else algorithms:
+            for count, pack in _pack_options(elements, m, bytes_per_pack):
+                candidates.append(Plan(m, pack, a, predict_seconds(
+                    m, a, elements, tensors, workers, costs, count) / (
+                        MARGIN if m != "tf" and method == AUTO else 1.0)))
+    best = min(candidates, key=lambda plan: plan.seconds)
+    if best.method != "tf" and method == AUTO:   # undo the margin: report the prediction
+        best = dataclasses.replace(best, seconds=best.seconds * MARGIN)
+    return best
 
 
-def _pack_elements(elements: int, bytes_per_pack: int, method: str) -> Sequence[int]:
-    """Elements per pack of a pinned pack size (approximate: tensors are not split)."""
+def _pack_options(elements: int, method: str, bytes_per_pack) -> List[Tuple[int, int]]:
+    """(pack count, bytes_per_pack) to consider: PACK_COUNTS for "auto" (bytes_per_pack 0 for
+    one pack), else the pinned size and the count it gives (tensors are not split: approximate)."""
     wire = FLOAT32_BYTES if method in ("tf", "none") else WIRE16_BYTES
-    if not bytes_per_pack or elements * wire <= bytes_per_pack:
-        return [elements]
-    per_pack = max(1, bytes_per_pack // wire)
-    full, last = divmod(elements, per_pack)
-    return [per_pack] * full + ([last] if last else [])
+    total = wire * elements
+    if method == "tf":
+        return [(1, 0 if bytes_per_pack == AUTO else int(bytes_per_pack))]
+    if bytes_per_pack != AUTO:
+        pinned = int(bytes_per_pack)
+        return [(max(1, math.ceil(total / pinned)) if pinned else 1, pinned)]
+    return [(count, 0 if count == 1 else math.ceil(total / count))
+            for count in PACK_COUNTS if count == 1 or total / count >= MIN_PACK_BYTES]
 
 
 def choose_sparse_algorithm(norm_bytes: int, chunk_bytes: int, workers: int,
