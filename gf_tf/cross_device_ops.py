@@ -15,12 +15,11 @@ import tensorflow as tf
 from gf_tf import agreement, collectives, integrations, packing, planner, probe, tf_internal
 from gf_tf.agreement import hex_text
 from gf_tf.compression import as_compression
-from gf_tf.planner import ALGORITHMS, AUTO, Plan
+from gf_tf.planner import ALGORITHMS, AUTO, DEFAULT_BYTES_PER_PACK, Plan  # noqa: F401
 from gf_tf.reducers import Communicator, DenseReducer, PackStep, Sent, StepInput
 from gf_tf.state import StateRegistry, VariableSetState
 from gf_tf.stats import CommStats
 
-DEFAULT_BYTES_PER_PACK = 4 * 1024 * 1024   # the pack size of benchmarks and pinned settings
 _METHOD_CODES = ("tf", "fp16", "bf16", "none")   # Plan.method, as a number for the handshake
 
 _log = logging.getLogger("gf_tf.planner")
@@ -76,9 +75,8 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         "auto" is "fp16".
       bytes_per_pack: lazy all-reduce threshold in wire bytes (>= 0); 0 = one
         pack per dtype. A tensor larger than it gets a pack of its own.
-        "auto" (default): one pack per dtype for dense packs (`gf_tf.planner`:
-        without overlap more packs only add latency), 4 MiB with `sparsity`
-        (CSC's two collectives per step do not grow with the pack count).
+        "auto" (default): 4 MiB (`gf_tf.planner.PACK_SIZES`: measured faster
+        than one pack here on ResNet-50-sized gradients).
       sparsity: optional `gf_tf.ChunkSparsity` (CSC), applied to every pack.
       cross_device_ops: the TensorFlow cross-device ops that carry the packs;
         None = the one the strategy would use by itself (MirroredStrategy's
@@ -344,7 +342,6 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         if self.sparsity is None:
             return planner.choose(elements, len(packable), workers, self._costs, method,
                                   self.algorithm, self.bytes_per_pack)
-        # CSC sends its two collectives whatever the pack count: its packs keep today's size.
         bytes_per_pack = DEFAULT_BYTES_PER_PACK if self.bytes_per_pack == AUTO else self.bytes_per_pack
         norm_bytes, chunk_bytes = self.sparsity.step_bytes(elements)
         algorithm = planner.choose_sparse_algorithm(norm_bytes, chunk_bytes, workers, self._costs,

@@ -28,7 +28,7 @@ and L the measured local cost of the wire format's pack + unpack of E elements.
 Packs leave after the step's last gradient (the control all-reduce waits for
 every pack), but within the all-reduce they form a pipeline: one pack is
 packed or unpacked while another is on the wire. More packs hide more of the
-local work and add one latency each; `choose` picks the count.
+local work and add one latency each.
 
 The constants (`Costs`) are measured by `gf_tf.probe` when a
 gf_tf.MultiWorkerMirroredStrategy starts and averaged over the workers, so
@@ -48,9 +48,16 @@ ALGORITHMS = (RING, RECURSIVE_DOUBLING)   # the order breaks ties: the ring firs
 # doubling) or FP16 packs. BF16 (8-bit significand) only when a user asks for it.
 AUTO_METHODS = ("tf", "none", "fp16")
 FLOAT32_BYTES, WIRE16_BYTES = 4, 2
-PACK_COUNTS = (1, 2, 4, 8, 16, 32)    # bytes_per_pack="auto" chooses among these pack counts
-MIN_PACK_BYTES = 256 * 1024           # ... keeping packs at least this large
-MARGIN = 0.8   # compression="auto": a GradientFlow wire must be predicted this much faster than TF's
+DEFAULT_BYTES_PER_PACK = 4 * 1024 * 1024
+# bytes_per_pack="auto" is 4 MiB packs (a set below 4 MiB is one pack). Measured here on
+# ResNet-50 (benchmarks.allreduce): 4 MiB packs (13) beat one pack by 11-15% at N = 2 and 4,
+# 1 Gbit/s, and 4 packs of 12.8 MB by 3-29% at N = 3 and 4, where the model below called
+# one pack and 4 MiB packs a tie: it does not see everything the pipeline hides.
+PACK_SIZES = (DEFAULT_BYTES_PER_PACK,)
+# compression="auto": a GradientFlow wire must be predicted at most this share of TF's own
+# seconds. Measured here, the model undercounts GradientFlow's extra collective in a step:
+# ResNet-20 FP16 at N = 2, 1 Gbit/s was predicted at 0.79x TF's time and took 1.1-1.25x.
+MARGIN = 0.6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,22 +168,23 @@ def choose(elements: int, tensors: int, workers: int, costs: Optional[Costs],
       workers: N.
       costs: the measured constants, or None (one worker, or not measured): then
         "auto" means TF's own all-reduce when the method is "auto" (nothing to save
-        without a network), the ring, and one pack per dtype.
+        without a network), the ring, and 4 MiB packs.
       method: "auto" or a pinned "fp16" / "bf16" / "none".
       algorithm: "auto" or a pinned one of ALGORITHMS.
-      bytes_per_pack: "auto" (a pack count from PACK_COUNTS) or a pinned number of bytes.
+      bytes_per_pack: "auto" (one of PACK_SIZES) or a pinned number of bytes.
 
     Returns: the Plan with the lowest predicted seconds, except that with method "auto" a
-      GradientFlow wire must be predicted to take at most MARGIN of TF's own seconds (the
-      model's validation error is 15-35%: an uncertain gain is not worth a slower step);
+      GradientFlow wire must be predicted to take at most MARGIN of TF's own seconds (an
+      uncertain gain is not worth a slower step);
       ties go to the earlier candidate ("tf", the ring, fewer packs). The same on every
       worker given the same arguments.
     """
     methods = AUTO_METHODS if method == AUTO else (method,)
     algorithms = ALGORITHMS if algorithm == AUTO else (algorithm,)
     if costs is None or workers <= 1:
-        pack = 0 if bytes_per_pack == AUTO else int(bytes_per_pack)
-        return Plan("tf" if method == AUTO else method, pack, algorithms[0])
+        if method == AUTO:
+            return Plan("tf", 0 if bytes_per_pack == AUTO else int(bytes_per_pack), algorithms[0])
+        return Plan(method, _pack_options(elements, method, bytes_per_pack)[0][1], algorithms[0])
     candidates: List[Plan] = []
     for m in methods:
         for a in (RING,) if m == "tf" else algorithms:
@@ -191,17 +199,17 @@ def choose(elements: int, tensors: int, workers: int, costs: Optional[Costs],
 
 
 def _pack_options(elements: int, method: str, bytes_per_pack) -> List[Tuple[int, int]]:
-    """(pack count, bytes_per_pack) to consider: PACK_COUNTS for "auto" (bytes_per_pack 0 for
-    one pack), else the pinned size and the count it gives (tensors are not split: approximate)."""
+    """(pack count, bytes_per_pack) to consider: PACK_SIZES for "auto", else the pinned size
+    (0: one pack), with the count it gives (tensors are not split: approximate)."""
     wire = FLOAT32_BYTES if method in ("tf", "none") else WIRE16_BYTES
-    total = wire * elements
-    if method == "tf":
+    sizes = PACK_SIZES if bytes_per_pack == AUTO else (int(bytes_per_pack),)
+    if method == "tf":   # TF's own batch all-reduce: one collective, no pack size of ours
         return [(1, 0 if bytes_per_pack == AUTO else int(bytes_per_pack))]
-    if bytes_per_pack != AUTO:
-        pinned = int(bytes_per_pack)
-        return [(max(1, math.ceil(total / pinned)) if pinned else 1, pinned)]
-    return [(count, 0 if count == 1 else math.ceil(total / count))
-            for count in PACK_COUNTS if count == 1 or total / count >= MIN_PACK_BYTES]
+    options = {}
+    for size in sizes:
+        count = max(1, math.ceil(wire * elements / size)) if size else 1
+        options.setdefault(count, size)   # equal counts: the first size
+    return sorted(options.items())
 
 
 def choose_sparse_algorithm(norm_bytes: int, chunk_bytes: int, workers: int,

@@ -164,10 +164,10 @@ def test_auto_is_the_planners_pick_on_hand_made_costs():
     tf_fp32 = projection.project(latency, "resnet50", "tf_fp32", 64, 56.0, 0.128, 0.0)
     assert p["comm_s"] == pytest.approx(tf_fp32["comm_s"], rel=1e-12)
     # Bandwidth-bound (1 Gbit/s, no latency): FP16 halves the bytes; the ring sends 2(N-1)/N of
-    # them, recursive doubling log2(N) times them: FP16 over the ring, as one pack.
+    # them, recursive doubling log2(N) times them: FP16 over the ring, in 4 MiB packs (auto's size).
     wire = dict.fromkeys(projection.PARAMETERS, 0.0) | {"kappa": 1.0}
     p = projection.project(wire, "resnet50", "auto", 64, 1.0, 0.128, 0.0)
-    assert (p["plan"].method, p["plan"].algorithm, p["plan"].bytes_per_pack) == ("fp16", "ring", 0)
+    assert (p["plan"].method, p["plan"].algorithm, p["plan"].bytes_per_pack) == ("fp16", "ring", 4 << 20)
     e, t = 25_557_032, 161
     assert p["comm_s"] == pytest.approx(2 * 63 / 64 * (2 * e + 4 * t) * 8 / 1e9, rel=1e-12)
     # Rounds cheap, hops dear, a tiny set: float32 packs (one collective, no scale bounds)
