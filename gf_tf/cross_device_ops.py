@@ -62,8 +62,8 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
 
     The defaults are the planner's (`gf_tf.planner`): when a
     gf_tf.MultiWorkerMirroredStrategy starts, `gf_tf.probe` measures the
-    link's per-hop latency and bandwidth and the local packing cost (about a
-    second), and each variable set then travels the way the cost model
+    link's per-hop latency and bandwidth and the local packing cost (1-4 s
+    here), and each variable set then travels the way the cost model
     predicts is fastest: FP16 packs, or TensorFlow's own float32 all-reduce
     where latency outweighs bytes (small sets, fast links, many workers), over
     the ring or recursive doubling. With one worker there is no network to

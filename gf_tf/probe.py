@@ -6,7 +6,7 @@ all-reduces (the wrapped TF collectives) and a chain of small recursive-doubling
 all-reduces (`gf_tf.collectives`); it then all-reduces the figures so
 every worker returns the same `gf_tf.planner.Costs` (their mean). Each timing
 is the best of a few runs of a traced `tf.function`, so Python and eager
-dispatch are not counted. About 1 s at 2 workers; every worker issues the same
+dispatch are not counted. 1-4 s here at 2 workers; every worker issues the same
 collectives in the same order (the same code, no data-dependent branch).
 """
 
