@@ -22,7 +22,7 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         `tf.distribute.MultiWorkerMirroredStrategy` (TF_CONFIG by default). Set
         `CommunicationOptions(timeout_seconds=...)` so a lost worker fails fast.
       gradient_flow: the `gf_tf.GradientFlowAllReduce` carrying the gradients
-        (default: `GradientFlowAllReduce()`, packed FP16), or None for plain
+        (default: `GradientFlowAllReduce()`, the planner), or None for plain
         TensorFlow all-reduce. The strategy's own CollectiveAllReduce is wrapped,
         so instance keys, RING/NCCL and timeouts stay TensorFlow's. Create it
         outside any strategy scope; one instance serves one strategy.
