@@ -21,6 +21,8 @@ from gf_tf.state import StateRegistry, VariableSetState
 from gf_tf.stats import CommStats
 
 _METHOD_CODES = ("tf", "fp16", "bf16", "none")   # Plan.method, as a number for the handshake
+# ... and as the handshake prints it: the compression name a user passes (None: packing only).
+_METHOD_TEXT = ("'tf' (TensorFlow's own all-reduce)", "'fp16'", "'bf16'", "None")
 
 _log = logging.getLogger("gf_tf.planner")
 _SUM = tf.distribute.ReduceOp.SUM
@@ -386,7 +388,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         transport = state.transport
         return [
             ("compression", _METHOD_CODES.index(transport.method),
-             lambda c: repr(_METHOD_CODES[int(c)])),
+             lambda c: _METHOD_TEXT[int(c)]),
             ("bytes_per_pack", transport.bytes_per_pack, lambda b: str(int(b))),
             ("algorithm", ALGORITHMS.index(transport.algorithm),
              lambda a: repr(ALGORITHMS[int(a)])),
