@@ -113,7 +113,9 @@ def test_the_default_is_the_planner():
 
 def test_one_worker_default_sends_through_tensorflow_and_counts_it():
     devices = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
-    gfar = gf_tf.GradientFlowAllReduce()
+    # TF's ReductionToOneDevice, as test_cross_device_ops.py: CollectiveAllReduce instances of
+    # earlier tests in this process would share its collective keys.
+    gfar = gf_tf.GradientFlowAllReduce(cross_device_ops=tf.distribute.ReductionToOneDevice())
     strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=gfar)
     rng = np.random.default_rng()
     values = [[rng.normal(size=(7,)).astype(np.float32), rng.normal(size=(3, 5)).astype(np.float32)]
