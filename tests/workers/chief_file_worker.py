@@ -27,10 +27,7 @@ from gf_tf import checkpoint
 
 tf.config.experimental.enable_op_determinism()
 rank = worker_util.task_index()
-sparsity = gf_tf.ChunkSparsity(density=0.1, chunk_size=16, warmup_steps=3, momentum=0.5)
-gradient_flow = gf_tf.GradientFlowAllReduce(sparsity=sparsity)
-strategy = gf_tf.MultiWorkerMirroredStrategy(
-    communication_options=worker_util.communication_options(), gradient_flow=gradient_flow)
+gradient_flow, strategy = worker_util.csc_checkpoint_strategy()
 x, y = worker_util.regression_data(16 * 4)
 dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
 

@@ -80,3 +80,14 @@ def collective_reduces(model):
 
     walk(model.train_function)
     return found
+
+
+def csc_checkpoint_strategy():
+    """(GradientFlowAllReduce, gf_tf.MultiWorkerMirroredStrategy) of the checkpoint workers:
+    CSC at density 0.1 in chunks of 16, 3 warm-up steps, momentum correction 0.5."""
+    import gf_tf  # pylint: disable=import-outside-toplevel
+    sparsity = gf_tf.ChunkSparsity(density=0.1, chunk_size=16, warmup_steps=3, momentum=0.5)
+    gradient_flow = gf_tf.GradientFlowAllReduce(sparsity=sparsity)
+    strategy = gf_tf.MultiWorkerMirroredStrategy(communication_options=communication_options(),
+                                                 gradient_flow=gradient_flow)
+    return gradient_flow, strategy
