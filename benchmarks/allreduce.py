@@ -271,6 +271,31 @@ def derive_cells(launch: Launch, outcome: Dict, goodput_bps: float) -> List[Dict
     return cells
 
 
+def merge_launches(cells: List[Dict]) -> List[Dict]:
+    """One cell per (set, N, rate, method) from repeated launches (`--launches K`).
+
+    The merged cell is the launch whose median is the median of the launch medians (for
+    an even K, the lower middle one), with `launch_medians_s` (every launch's median, in
+    launch order) and `launch_spread` ((max - min) / median over the launches) added. A
+    failed launch is kept as a cell with "error" only when every launch of it failed.
+    """
+    groups: Dict[Tuple, List[Dict]] = {}
+    for c in cells:
+        groups.setdefault((c["set"], c["workers"], c["rate_mbit"], c["method"]), []).append(c)
+    merged = []
+    for group in groups.values():
+        timed = [c for c in group if "median_s" in c]
+        if not timed:
+            merged.append(group[0])
+            continue
+        medians = [c["median_s"] for c in timed]
+        middle = sorted(timed, key=lambda c: c["median_s"])[(len(timed) - 1) // 2]
+        cell = dict(middle, launch_medians_s=medians,
+                    launch_spread=(max(medians) - min(medians)) / middle["median_s"])
+        merged.append(cell)
+    return merged
+
+
 def add_speedups(cells: List[Dict]) -> None:
     base = {(c["set"], c["workers"], c["rate_mbit"]): c["median_s"]
             for c in cells if c["method"] == "tf_fp32" and "median_s" in c}
@@ -469,6 +494,9 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
     parser.add_argument("--profile", action="store_true",
                         help="profile one extra step per cell (worker 0's op summary goes into the JSON)")
+    parser.add_argument("--launches", type=int, default=1,
+                        help="launch every cell K times, interleaved with the other methods of its "
+                             "N and link; a cell is the launch with the median median (default 1)")
     parser.add_argument("--dry-run", action="store_true", help="print the matrix and its time estimate only")
     args = parser.parse_args(argv)
 
@@ -487,8 +515,9 @@ def main(argv=None) -> int:
             keep = parse_list(args.methods, methods.METHODS, "--methods")
             launches = [l for l in launches if l[2] in keep]
     iters = args.iters if args.iters is not None else (2 if preset == "quick" else 5)
-    if iters < 1:
-        raise SystemExit("--iters must be >= 1")
+    if iters < 1 or args.launches < 1:
+        raise SystemExit("--iters and --launches must be >= 1")
+    launches = launches * args.launches   # run_launches interleaves the repeats per (N, rate)
     estimate = estimate_matrix_seconds(launches, iters, args.warmup, args.goodput_seconds)
     print(f"matrix '{preset}': {len(launches)} launches, estimated {estimate / 60:.1f} min "
           f"(rough, 2-core machine)", flush=True)
@@ -508,7 +537,8 @@ def main(argv=None) -> int:
     launches = [l for l in launches if l[2] not in missing]
     command = "python -m benchmarks.allreduce " + " ".join(sys.argv[1:] if argv is None else argv)
     meta = report.machine_description(command)
-    meta.update({"iters": iters, "warmup": args.warmup, "preset": preset, "skipped_methods": missing})
+    meta.update({"iters": iters, "warmup": args.warmup, "preset": preset, "skipped_methods": missing,
+                 "launches_per_cell": args.launches})
     cells: List[Dict] = []
     goodputs: List[Dict] = []
     log_dir = tempfile.mkdtemp(prefix="gf_allreduce_logs_")
@@ -536,6 +566,7 @@ def main(argv=None) -> int:
                     print(f"  {launch[2]:8s} {summary}  [{time.time() - t0:.0f}s]"
                           + (f"  error: {outcome['error']}" if outcome["error"] else ""), flush=True)
                     report.write_json(out_path, {"meta": meta, "goodput": goodputs, "cells": cells})
+    cells = merge_launches(cells)
     add_speedups(cells)
     meta["wall_seconds"] = time.time() - started
     meta["worker_logs"] = log_dir

@@ -133,6 +133,25 @@ def test_cells_carry_the_plan_and_costs_and_the_report_prints_them():
     assert "fp16 rd 1 pack" in allreduce.results_table([cell])
 
 
+def test_repeated_launches_merge_into_the_median_launch_with_its_spread():
+    from benchmarks import allreduce
+    def cell(method, median, **extra):
+        return {"set": "tiny", "workers": 2, "rate_mbit": None, "method": method, "median_s": median,
+                **extra}
+    cells = [cell("auto", 0.30, launch=0), cell("tf_fp32", 0.2), cell("auto", 0.10, launch=1),
+             cell("tf_fp32", 0.4), cell("auto", 0.20, launch=2), cell("tf_fp32", 0.3),
+             {"set": "tiny", "workers": 2, "rate_mbit": None, "method": "csc_1", "error": "boom"}]
+    merged = {c["method"]: c for c in allreduce.merge_launches(cells)}
+    assert merged["auto"]["launch"] == 2 and merged["auto"]["median_s"] == 0.20
+    assert merged["auto"]["launch_medians_s"] == [0.30, 0.10, 0.20]
+    assert merged["auto"]["launch_spread"] == pytest.approx((0.30 - 0.10) / 0.20)
+    assert merged["tf_fp32"]["median_s"] == 0.3 and merged["csc_1"]["error"] == "boom"
+    two = allreduce.merge_launches([cell("auto", 0.4), cell("auto", 0.2)])
+    assert [c["median_s"] for c in two] == [0.2]   # an even count takes the lower middle launch
+    allreduce.add_speedups(list(merged.values()))
+    assert merged["auto"]["speedup_vs_tf_fp32"] == pytest.approx(0.3 / 0.2)
+
+
 def test_token_bucket_is_deep_enough_for_the_rate():
     for rate in (10, 100, 1000, 10000):
         assert netem.tbf_burst_bytes(rate) >= rate * 1e6 / 8 / 250
