@@ -28,7 +28,8 @@ pieces used for that:
   orders its subgroup collectives with TF's),
 - `context.context().configure_coordination_service` and `coordination_config_pb2`
   (how long workers wait for a peer that never starts; the leader is `gf_tf.cluster`'s,
-  which mirrors `multi_worker_util.coordination_leader`).
+  which mirrors `multi_worker_util.coordination_leader`); `context.context().wait_at_barrier`
+  (workers leave together, `gf_tf.worker.exit_together`).
 
 This module imports nothing of gf_tf.
 """
@@ -226,6 +227,20 @@ def configure_peer_startup_timeout(cluster, seconds: float) -> bool:
         service_leader=cluster.leader_task_name,
         coordinated_jobs=jobs,
         cluster_register_timeout_in_ms=int(seconds * 1000))
+    return True
+
+
+def wait_at_coordination_barrier(barrier_id: str, timeout_seconds: float) -> bool:
+    """Blocks until every task of the coordination service reaches `barrier_id`.
+
+    Returns False at once when this process has no coordination service (one worker,
+    MirroredStrategy); True after the barrier. Raises TensorFlow's error when a task is
+    unhealthy or the barrier times out (`tf.errors.DeadlineExceededError`).
+    """
+    from tensorflow.python.eager import context  # pylint: disable=import-outside-toplevel
+    if context.context().coordination_service is None:
+        return False
+    context.context().wait_at_barrier(barrier_id, int(timeout_seconds * 1000))
     return True
 
 

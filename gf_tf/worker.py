@@ -4,7 +4,7 @@
 calls (`python -m models.train` does). Its companion `gf_tf.watchdog` runs as
 a separate process beside the worker, importing nothing of gf_tf or
 TensorFlow, to do what the worker cannot while TensorFlow holds its GIL.
-This module imports no TensorFlow either.
+This module imports no TensorFlow either (`exit_together` imports it when called).
 """
 
 import os
@@ -99,6 +99,24 @@ def lost_worker_message(error: BaseException, tf_config_text: Optional[str] = No
     names = ", ".join(f"{job} {i}" for job, i in peers)
     return (f"lost {names}: it stopped or became unreachable ({cause}); the job cannot continue "
             f"without it: restart every worker (with --model_dir, training resumes from the last epoch)")
+
+
+def exit_together(timeout_seconds: float = 300.0) -> bool:
+    """Waits until every worker of the cluster reaches this call; call it last, before exiting.
+
+    TensorFlow's coordination service (on the leader, worker 0 or the chief) takes a
+    worker that has exited for a crashed one once its heartbeats stop (about 10 s), and a
+    worker still running then (say, evaluating on its own) logs `BaseCollectiveExecutor::
+    StartAbort UNAVAILABLE: ... tasks are unhealthy (stopped sending heartbeats)`, and its
+    collectives would fail. After this barrier every worker exits within moments of the others.
+
+    Returns False (and waits for nothing) without a coordination service: one worker,
+    MirroredStrategy. Raises TensorFlow's error when a peer is lost or does not arrive
+    within `timeout_seconds` (`lost_worker_message` turns it into one line). Used by
+    `python -m models.train`; mirrors the shutdown barrier of TensorFlow's coordination agent.
+    """
+    from gf_tf import tf_internal  # pylint: disable=import-outside-toplevel  (imports TensorFlow)
+    return tf_internal.wait_at_coordination_barrier("gf_tf/exit_together", timeout_seconds)
 
 
 def _reason(message: str) -> str:

@@ -128,6 +128,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # TF's per-collective INFO lines drown the results
     import keras
     import gf_tf
+    from gf_tf import worker
     from models import datasets, factory
 
     say = lambda *a: print(*a, flush=True)
@@ -218,6 +219,7 @@ def main(argv):
             json.dump(results, f, indent=1)
         if not is_chief:
             shutil.rmtree(write_dir, ignore_errors=True)
+    worker.exit_together(FLAGS.collective_timeout)   # no worker leaves while another still evaluates
     return 0
 
 

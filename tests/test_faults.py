@@ -20,6 +20,7 @@ import time
 import pytest
 
 from gf_tf import launch, watchdog, worker
+import cluster
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WAIT = 240   # seconds: generous bound on any one wait, only to avoid hanging
@@ -382,3 +383,30 @@ def test_an_inf_on_replica_1_only_is_skipped_by_every_replica_and_halves_the_los
     assert all(np.all(np.isfinite(w.numpy())) for w in model.trainable_weights)
     assert float(optimizer.dynamic_scale.numpy()) == 2.0 ** 9   # halved once
     assert int(optimizer.iterations.numpy()) == 3               # 4 steps, one skipped
+
+
+# --- leaving together (issue 19, item 6) ----------------------------------------------------
+
+_HEARTBEAT_LOST = "stopped sending heartbeats"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("barrier", ["no-barrier", "barrier"])
+def test_a_worker_that_finishes_late_is_not_told_its_peer_crashed_when_they_exit_together(barrier):
+    """Worker 1 is done at once, worker 0 works 16 s longer (past TF's 10 s heartbeat timeout).
+
+    Without the barrier worker 1 exits first and worker 0's coordination service reports it
+    crashed (the README ResNet-50 example's `StartAbort UNAVAILABLE` line); with
+    `gf_tf.worker.exit_together` both leave at the same moment and nothing is reported.
+    """
+    results = cluster.run_workers("exit_worker.py", 2, per_worker_args=[[barrier, "16"], [barrier, "0"]],
+                                  timeout=120.0)
+    assert all(r.returncode == 0 for r in results), cluster.describe(results)
+    assert all("all-reduced 2.0" in r.output for r in results), cluster.describe(results)
+    left = [float(r.output.split("leaving at ")[1].split()[0]) for r in results]
+    if barrier == "barrier":
+        assert _HEARTBEAT_LOST not in results[0].output, cluster.describe(results)
+        assert "(barrier: True)" in results[1].output and abs(left[0] - left[1]) < 3.0
+    else:
+        assert left[0] - left[1] > 10.0
+        assert _HEARTBEAT_LOST in results[0].output, cluster.describe(results)
