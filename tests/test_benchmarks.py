@@ -185,7 +185,7 @@ def test_fit_cells_carry_compute_all_reduce_step_and_overlap_into_json_and_table
     assert "unrelated" not in kept and kept["compute_s"] == 0.08 and kept["allreduce_times_s"] == [0.05] * 3
     assert kept["profile_dir"] == "/tmp/p"
     cells = [_fit_cell("gf_fp16", compute_s=0.08, allreduce_s=0.05), _fit_cell("tf_fp32"),
-             _fit_cell("csc_1", error="boom")]
+             {"model": "digits_cnn", "workers": 2, "rate_mbit": 100.0, "method": "csc_1", "error": "boom"}]
     fit.derive(cells, {}, 2)
     assert cells[0]["step_s"] == 0.11
     assert cells[0]["overlap"] == pytest.approx((0.08 + 0.05 - 0.11) / 0.05)

@@ -69,8 +69,8 @@ LABELS = {
     "gf_fp16_rd": "GradientFlow fp16, recursive doubling",
     "csc_1_rd": "GradientFlow CSC 1%, recursive doubling",
 }
-for _m in METHODS:   # a method added by one OVERRIDES line is labelled by its keywords
-    LABELS.setdefault(_m, "GradientFlow " + ", ".join(f"{k}={v!r}" for k, v in OVERRIDES[_m].items()))
+for _m in [m for m in OVERRIDES if m not in LABELS]:   # a method added by one OVERRIDES line:
+    LABELS[_m] = "GradientFlow " + ", ".join(f"{k}={v!r}" for k, v in OVERRIDES[_m].items())   # its keywords
 
 
 def csc_selection(method: str) -> str:
