@@ -49,10 +49,13 @@ def local_ops() -> tf.distribute.CrossDeviceOps:
 
 
 def _plan_of(gradient_flow, variables):
-    """The gf_tf.planner.Plan of the real run's variable set serving `variables`, or None."""
+    """The gf_tf.planner.Plan of the real run's variable set holding `variables` (Keras
+    Variables: the optimizer all-reduces for their tf.Variables, `.value`), or None."""
+    import keras
+    variables = [v.value if isinstance(v, keras.Variable) else v for v in variables]
     states = gradient_flow.states()
     for name, plan in gradient_flow.plans().items():
-        if plan is not None and states[name].serves(list(variables)):
+        if plan is not None and states[name].overlaps(variables):
             return plan
     return None
 
