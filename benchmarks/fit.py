@@ -250,7 +250,7 @@ def targets_table(cells: List[Dict]) -> str:
     return report.markdown_table(["where", "target", "measured", "verdict"], rows)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke test: digits_cnn, N=2, 100 Mbit/s, few steps")
     parser.add_argument("--preset", default=None, help="quick | targets | full")
@@ -266,7 +266,11 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="worker 0 of each cell writes a tf.profiler trace of one step to DIR/<cell>")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/fit.json)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
 
     custom = any([args.models, args.workers, args.rates]) or (args.methods and not (args.quick or args.preset))
     preset = "quick" if args.quick else (args.preset or ("custom" if custom else "targets"))
