@@ -19,6 +19,14 @@ the step function and is not timed), worker 0's median step time, and:
   the best possible is min(N, cores) x the reference.
 - vs unshaped: images/s / the same model, N and method on the unshaped link.
 - speedup vs TF fp32: images/s / TF default's on the same link.
+- compute_s, allreduce_s, step_s and overlap (benchmarks.overlap; skipped with
+  --no-overlap): the same step with the collectives replaced by a local reduce,
+  the all-reduce of the model's gradients alone, the fit's median step time, and
+  (compute_s + allreduce_s - step_s) / min(compute_s, allreduce_s), 0 when a step
+  costs their sum, 1 when the shorter is fully hidden. All worker 0's, measured
+  in the same worker processes after the timed fit.
+With --profile DIR, worker 0 of every cell writes a tf.profiler trace of one
+step to DIR/<cell> (README, "Reading a step's trace").
 Methods as in benchmarks.allreduce, except tf_fp16 (casting by hand needs a
 custom train step; benchmarks.allreduce measures it).
 
@@ -32,7 +40,7 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Tuple
 
-from benchmarks import netem, report
+from benchmarks import netem, overlap, report
 from benchmarks.allreduce import parse_list, parse_rates, unavailable_methods
 from benchmarks.workers import methods
 
@@ -46,6 +54,13 @@ MODELS: Dict[str, Tuple[int, int, int]] = {
     "resnet50": (8, 1, 3),
 }
 Launch = Tuple[str, int, Optional[float], str]   # (model, num_workers, rate_mbit, method)
+# Worker 0's figures a cell keeps (those of the first list always, the second when measured).
+CHIEF_KEYS = ("images_per_s", "median_step_s", "step_times_s", "global_batch", "steps", "params",
+              "warmup_epoch_s", "loss_first", "loss_last", "losses_finite")
+OPTIONAL_CHIEF_KEYS = ("sent_payload_bytes_per_step", "dense_payload_bytes_per_step",
+                       "wire_tx_bytes_per_step", "wire_rx_bytes_per_step", "gradient_flow", "ops_library",
+                       "compute_s", "compute_step_times_s", "allreduce_s", "allreduce_times_s",
+                       "profile_dir")
 
 
 def preset_launches(name: str) -> List[Launch]:
@@ -68,16 +83,26 @@ def preset_launches(name: str) -> List[Launch]:
 
 
 def worker_argv(model: str, method: Optional[str], steps_override: Optional[Tuple[int, int]],
-                cpu: int, timeout: float) -> List[str]:
+                cpu: int, timeout: float, measure_overlap: bool = False,
+                profile_dir: Optional[str] = None) -> List[str]:
     batch, warmup, steps = MODELS[model]
     if steps_override:
         warmup, steps = steps_override
     argv = [sys.executable, "-m", "benchmarks.workers.fit_worker", "--model", model, "--batch", str(batch),
             "--warmup-steps", str(warmup), "--steps", str(steps), "--timeout", str(timeout), "--cpu", str(cpu)]
-    return argv + (["--reference"] if method is None else ["--method", method])
+    if method is None:
+        return argv + ["--reference"]
+    return (argv + ["--method", method] + (["--overlap"] if measure_overlap else [])
+            + (["--profile", profile_dir] if profile_dir else []))
 
 
-def run_cells(launches: List[Launch], steps_override, log_dir: str, goodput_seconds: float):
+def chief_fields(chief: Dict) -> Dict:
+    """The figures of worker 0's RESULT that its cell keeps (CHIEF_KEYS, OPTIONAL_CHIEF_KEYS)."""
+    return {**{k: chief[k] for k in CHIEF_KEYS}, **{k: chief[k] for k in OPTIONAL_CHIEF_KEYS if k in chief}}
+
+
+def run_cells(launches: List[Launch], steps_override, log_dir: str, goodput_seconds: float,
+              measure_overlap: bool = True, profile_dir: Optional[str] = None):
     cores = os.cpu_count() or 1
     cells: List[Dict] = []
     references: Dict[str, Dict] = {}
@@ -105,28 +130,24 @@ def run_cells(launches: List[Launch], steps_override, log_dir: str, goodput_seco
                     port += 1
                     t0 = time.time()
                     timeout = 120.0 if rate is None else max(120.0, 2.5 * 61e6 * 4 * 8 / (rate * 1e6 * 0.9))
-                    argvs = [worker_argv(model, method, steps_override, i % cores, timeout) for i in range(n)]
-                    job = cluster.run_job(argvs, port, timeout=3600, log_dir=log_dir,
-                                          tag=f"{model}_{method}_n{n}_{report.link_label(rate).replace(' ', '').replace('/', '')}")
+                    tag = f"{model}_{method}_n{n}_{report.link_label(rate).replace(' ', '').replace('/', '')}"
+                    argvs = [worker_argv(model, method, steps_override, i % cores, timeout, measure_overlap,
+                                         os.path.join(profile_dir, tag) if profile_dir else None)
+                             for i in range(n)]
+                    job = cluster.run_job(argvs, port, timeout=3600, log_dir=log_dir, tag=tag)
                     cell = {"model": model, "workers": n, "rate_mbit": rate, "method": method,
                             "goodput_bps": max(gp["per_link_bps"]), "load_average_1min": os.getloadavg()[0]}
                     if job["error"] or len(job["results"]) != n:
                         cell["error"] = job["error"] or "missing worker results"
                     else:
-                        chief = job["results"][0]
-                        cell.update({k: chief[k] for k in ("images_per_s", "median_step_s", "step_times_s",
-                                                           "global_batch", "steps", "params", "warmup_epoch_s",
-                                                           "loss_first", "loss_last", "losses_finite")})
+                        cell.update(chief_fields(job["results"][0]))
                         cell["images_per_s_per_worker_view"] = [r["images_per_s"] for r in job["results"]]
-                        for key in ("sent_payload_bytes_per_step", "dense_payload_bytes_per_step",
-                                    "wire_tx_bytes_per_step", "wire_rx_bytes_per_step",
-                                    "gradient_flow", "ops_library"):
-                            if key in chief:
-                                cell[key] = chief[key]
                     cells.append(cell)
                     print(f"  {model:10s} {method:8s} "
                           + (f"{cell['images_per_s']:.1f} images/s, step {cell['median_step_s']:.3f}s"
                              if "images_per_s" in cell else f"FAILED: {cell['error']}")
+                          + (f", compute {cell['compute_s']:.3f}s, all-reduce {cell['allreduce_s']:.3f}s"
+                             if "compute_s" in cell and "allreduce_s" in cell else "")
                           + f"  [{time.time() - t0:.0f}s]", flush=True)
     derive(cells, references, cores)
     return cells, references, goodputs
@@ -143,6 +164,7 @@ def derive(cells: List[Dict], references: Dict[str, Dict], cores: int) -> None:
     for c in cells:
         if "images_per_s" not in c:
             continue
+        overlap.add_overlap(c)
         ref = references.get(c["model"], {}).get("images_per_s")
         if ref:
             c["reference_images_per_s"] = ref
@@ -178,8 +200,9 @@ def sanity_notes(cells: List[Dict]) -> List[str]:
 
 
 def results_table(cells: List[Dict], references: Dict[str, Dict]) -> str:
-    headers = ["model", "params", "N", "link", "method", "images/s", "step s", "scaling eff.",
-               "vs unshaped", "speedup vs TF fp32", "MB sent/step", "wire MB/step", "loss first->last"]
+    headers = ["model", "params", "N", "link", "method", "images/s", "step s", "compute s", "all-reduce s",
+               "overlap", "scaling eff.", "vs unshaped", "speedup vs TF fp32", "MB sent/step", "wire MB/step",
+               "loss first->last"]
     model_order = list(MODELS)
     order = {m: i for i, m in enumerate(methods.METHODS)}
     rows = []
@@ -187,17 +210,18 @@ def results_table(cells: List[Dict], references: Dict[str, Dict]) -> str:
         ref = references.get(model)
         if ref and "images_per_s" in ref:
             rows.append([model, f"{ref['params'] / 1e6:.2f}M", 1, "-", "reference (1 core, no comm.)",
-                         ref["images_per_s"], ref["median_step_s"], 1.0, None, None, None, None,
+                         ref["images_per_s"], ref["median_step_s"], None, None, None, 1.0, None, None, None, None,
                          f"{ref['loss_first']:.3g}->{ref['loss_last']:.3g}"])
     for c in sorted(cells, key=lambda c: (model_order.index(c["model"]), c["workers"], c["rate_mbit"] is None,
                                           c["rate_mbit"] or 0, order[c["method"]])):
         if "error" in c:
             rows.append([c["model"], None, c["workers"], report.link_label(c["rate_mbit"]), c["method"],
-                         "FAILED", None, None, None, None, None, None, c["error"][:60]])
+                         "FAILED", *[None] * 9, c["error"][:60]])
             continue
         sent = c.get("sent_payload_bytes_per_step")
         rows.append([c["model"], f"{c['params'] / 1e6:.2f}M", c["workers"], report.link_label(c["rate_mbit"]),
-                     c["method"], c["images_per_s"], c["median_step_s"], c.get("scaling_efficiency"),
+                     c["method"], c["images_per_s"], c["median_step_s"], c.get("compute_s"), c.get("allreduce_s"),
+                     c.get("overlap"), c.get("scaling_efficiency"),
                      c.get("vs_unshaped"), c.get("speedup_vs_tf_fp32"),
                      sent / 1e6 if sent is not None else None,
                      c["wire_tx_bytes_per_step"] / 1e6 if "wire_tx_bytes_per_step" in c else None,
@@ -226,7 +250,7 @@ def targets_table(cells: List[Dict]) -> str:
     return report.markdown_table(["where", "target", "measured", "verdict"], rows)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke test: digits_cnn, N=2, 100 Mbit/s, few steps")
     parser.add_argument("--preset", default=None, help="quick | targets | full")
@@ -237,8 +261,16 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup-steps", type=int, default=None, help="override the per-model defaults")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (>= 2); override the per-model defaults")
     parser.add_argument("--goodput-seconds", type=float, default=3.0)
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="skip compute_s / allreduce_s / overlap (each cell runs about half as long)")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="worker 0 of each cell writes a tf.profiler trace of one step to DIR/<cell>")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/fit.json)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
 
     custom = any([args.models, args.workers, args.rates]) or (args.methods and not (args.quick or args.preset))
     preset = "quick" if args.quick else (args.preset or ("custom" if custom else "targets"))
@@ -276,11 +308,14 @@ def main(argv=None) -> int:
                  "batch_warmup_steps": {k: list(v) for k, v in MODELS.items()}, "steps_override": steps_override})
     log_dir = tempfile.mkdtemp(prefix="gf_fit_logs_")
     started = time.time()
-    cells, references, goodputs = run_cells(launches, steps_override, log_dir, args.goodput_seconds)
+    cells, references, goodputs = run_cells(launches, steps_override, log_dir, args.goodput_seconds,
+                                            not args.no_overlap,
+                                            os.path.abspath(args.profile) if args.profile else None)
     meta["wall_seconds"] = time.time() - started
     meta["worker_logs"] = log_dir
     report.write_json(out_path, {"meta": meta, "references": references, "goodput": goodputs, "cells": cells})
-    print(f"\nJSON: {out_path}\nworker logs: {log_dir}")
+    print(f"\nJSON: {out_path}\nworker logs: {log_dir}"
+          + (f"\nprofiles (tensorboard --logdir): {os.path.abspath(args.profile)}" if args.profile else ""))
     print(f"\nmodel.fit benchmark, {meta['date_utc']}, {meta['cpu']} x{meta['logical_cpus']}, "
           f"TF {meta['tensorflow']}, wall {meta['wall_seconds'] / 60:.1f} min\n")
     loads = [c["load_average_1min"] for c in cells if "load_average_1min" in c]

@@ -4,6 +4,7 @@ r"""A calibrated model of step time, from 2 to 512 workers: `python -m benchmark
     python -m benchmarks.projection --json out.json       # the same, and its rows as JSON
     python -m benchmarks.projection --fit benchmarks/results/allreduce.json \
         [--validate other.json] [--fit-workers 2,3,4] [--compute-ms alexnet=38.8,resnet50=110]
+    python -m benchmarks.projection --fit-json benchmarks/results/fit.json   # measured overlap
 
 With no --fit it reads the calibration shipped with the repository,
 benchmarks/calibration/allreduce.json (`sudo python -m benchmarks.allreduce
@@ -42,9 +43,13 @@ to run, never a traceback.
 3. Project. Step time = compute + the all-reduce. "auto" (gf_tf's default,
    GradientFlowAllReduce() with no arguments) is literally the planner's pick:
    `gf_tf.planner.choose` with `Costs` derived from the fitted parameters
-   (`planner_costs`), its predicted seconds the all-reduce. FP16 overlap credit
-   is OFF by default (--backward-share 0): the code does not overlap packs with
-   backprop yet (the control all-reduce waits for every gradient; issue 18).
+   (`planner_costs`), its predicted seconds the all-reduce. Overlap with
+   backprop is OFF by default (--backward-share 0: the control all-reduce
+   waits for every gradient; issue 18). `--fit-json F` takes it as measured
+   instead: per (model, method) the median `overlap` of F's cells
+   (benchmarks.overlap: (compute + all-reduce - step) / the shorter, clamped to
+   [0, 1]), so step = compute + all-reduce - overlap x min(compute, all-reduce);
+   a (model, method) F does not hold hides nothing.
    Scaling efficiency = compute / step time; speedup = N x efficiency.
 
 Compute time per step defaults (override with --compute-ms):
@@ -67,6 +72,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from benchmarks import overlap as overlap_lib
 from benchmarks import report
 from benchmarks.workers import gradients, methods
 from gf_tf import planner
@@ -127,6 +133,12 @@ def all_reduce_seconds(case: Case, params: Dict[str, float]) -> float:
 def step_seconds(comm_seconds: float, compute_seconds: float, overlapped_share: float) -> float:
     """Step time: compute plus the communication not hidden behind `overlapped_share` of it."""
     return compute_seconds + max(0.0, comm_seconds - overlapped_share * compute_seconds)
+
+
+def measured_step_seconds(comm_seconds: float, compute_seconds: float, overlap: float) -> float:
+    """Step time with a measured overlap fraction (benchmarks.overlap): compute plus
+    communication, less `overlap` of the shorter of the two."""
+    return compute_seconds + comm_seconds - overlap * min(comm_seconds, compute_seconds)
 
 
 def _local_index(method: str) -> int:
@@ -320,9 +332,12 @@ def held_out_validation(measured, fit_workers: Sequence[int]) -> Dict:
 # -- projection ---------------------------------------------------------------------------
 
 def project(params, model: str, method: str, workers: int, link_gbit: float, compute_s: float,
-            backward_share: float) -> Dict:
+            overlap) -> Dict:
     """{"comm_s", "step_s", "efficiency", "speedup"} of `method` ("auto": the planner's pick,
-    then also "plan", its gf_tf.planner.Plan) on `workers` one-worker hosts."""
+    then also "plan", its gf_tf.planner.Plan) on `workers` one-worker hosts.
+
+    overlap: a float, the share of compute FP16 packs hide behind (--backward-share), or
+    {(model, method): measured overlap fraction} (--fit-json; absent: 0)."""
     shapes = gradients.GRADIENT_SETS[model]
     elements = gradients.num_elements(shapes)
     extra = {}
@@ -333,19 +348,22 @@ def project(params, model: str, method: str, workers: int, link_gbit: float, com
         payload, collectives = method_traffic(method, shapes)
         comm = all_reduce_seconds(Case(method, workers, link_gbit * 1e9, elements, payload,
                                        collectives), params)
-    step = step_seconds(comm, compute_s, overlapped_share(method, backward_share))
+    if isinstance(overlap, dict):
+        step = measured_step_seconds(comm, compute_s, overlap.get((model, method), 0.0))
+    else:
+        step = step_seconds(comm, compute_s, overlapped_share(method, overlap))
     return {"comm_s": comm, "step_s": step, "efficiency": compute_s / step,
             "speedup": workers * compute_s / step, **extra}
 
 
-def projection_table(params, compute_ms, worker_counts, links, backward_share) -> Tuple[str, List[Dict]]:
+def projection_table(params, compute_ms, worker_counts, links, overlap) -> Tuple[str, List[Dict]]:
     rows, points = [], []
     for model in compute_ms:
         for link in links:
             for method in PROJECTED_METHODS:
                 row = [model, f"{link:g} Gbit/s", methods.LABELS[method]]
                 for n in worker_counts:
-                    p = project(params, model, method, n, link, compute_ms[model] / 1e3, backward_share)
+                    p = project(params, model, method, n, link, compute_ms[model] / 1e3, overlap)
                     points.append({"model": model, "link_gbit": link, "method": method, "workers": n, **p})
                     row.append(f"{p['speedup']:.1f}x ({100 * p['efficiency']:.0f}%)")
                 rows.append(row)
@@ -354,11 +372,11 @@ def projection_table(params, compute_ms, worker_counts, links, backward_share) -
 
 
 def alpha_for_speedup(params, target: float, model: str, method: str, workers: int, link_gbit: float,
-                      compute_s: float, backward_share: float) -> Optional[float]:
+                      compute_s: float, overlap) -> Optional[float]:
     """The largest alpha (s per hop) at which `method` still reaches `target` speedup, or None."""
     def speedup(alpha):
         return project({**params, "alpha": alpha}, model, method, workers, link_gbit, compute_s,
-                       backward_share)["speedup"]
+                       overlap)["speedup"]
     if speedup(0.0) < target:
         return None
     lo, hi = 0.0, 1.0
@@ -368,18 +386,18 @@ def alpha_for_speedup(params, target: float, model: str, method: str, workers: i
     return lo
 
 
-def comparison(params, compute_ms, backward_share) -> str:
+def comparison(params, compute_ms, overlap) -> str:
     n, link, target = PAPER_SPEEDUP["workers"], PAPER_SPEEDUP["link_gbit"], PAPER_SPEEDUP["speedup"]
     compute_s = compute_ms["alexnet"] / 1e3
     lines = [f"Paper: AlexNet, {n} GPUs, {link:g} Gbit/s: {target}x. Open-source systems it beat: "
              f"{OPEN_SOURCE_SPEEDUP['speedup']}x on {OPEN_SOURCE_SPEEDUP['workers']} GPUs."]
     for method in COMPARED_METHODS:
-        p = project(params, "alexnet", method, n, link, compute_s, backward_share)
+        p = project(params, "alexnet", method, n, link, compute_s, overlap)
         tf64 = project(params, "alexnet", method, OPEN_SOURCE_SPEEDUP["workers"], link, compute_s,
-                       backward_share)
-        alpha = alpha_for_speedup(params, target, "alexnet", method, n, link, compute_s, backward_share)
+                       overlap)
+        alpha = alpha_for_speedup(params, target, "alexnet", method, n, link, compute_s, overlap)
         network_only = {**params, **dict.fromkeys(LOCAL_PARAMETERS, 0.0)}
-        free = alpha_for_speedup(network_only, target, "alexnet", method, n, link, compute_s, backward_share)
+        free = alpha_for_speedup(network_only, target, "alexnet", method, n, link, compute_s, overlap)
         need = ("unreachable with the fitted local costs even at alpha = 0" if alpha is None
                 else f"needs alpha <= {alpha * 1e6:.2f} us per hop")
         need += ("; with free reduction and local work (gamma = delta = 0) " +
@@ -441,6 +459,15 @@ def _parse_compute(text: Optional[str]) -> Dict[str, float]:
     return compute
 
 
+def _overlap_setting(backward_share: float, fit_json: Optional[str]):
+    """(project's overlap argument, how the projection's header names it)."""
+    if fit_json is None:
+        return backward_share, f"FP16 overlap {backward_share:g} of compute"
+    measured = overlap_lib.measured_overlaps(fit_json)
+    listed = ", ".join(f"{m}/{meth} {f:.2f}" for (m, meth), f in sorted(measured.items())) or "none"
+    return measured, f"overlap measured in {fit_json} ({listed}; others 0)"
+
+
 def json_rows(points, alpha_s: float, local_scale: float) -> List[Dict]:
     """The --json rows: one per (model, link, method, N); "auto" stands for gf_tf's default."""
     return [{"model": p["model"], "method": p["method"], "workers": p["workers"],
@@ -487,9 +514,13 @@ def main(argv=None) -> int:
     parser.add_argument("--compute-ms", default=None, help="model=ms per step of one GPU, e.g. alexnet=38.8")
     parser.add_argument("--workers", default="8,16,32,64,128,256,512")
     parser.add_argument("--links", default="10,25,56,100", help="Gbit/s")
-    parser.add_argument("--backward-share", type=float, default=0.0,
+    assumed = parser.add_mutually_exclusive_group()
+    assumed.add_argument("--backward-share", type=float, default=0.0,
                         help="share of the compute time GradientFlow FP16's packs can hide behind "
                              "(default 0: the code does not overlap yet, issue 18)")
+    assumed.add_argument("--fit-json", default=None, metavar="F",
+                         help="benchmarks.fit JSON: each model/method's measured overlap instead of "
+                              "an assumed share (none measured: no overlap)")
     parser.add_argument("--alpha-us", type=float, default=None,
                         help="replace the fitted alpha (us per hop); rho becomes 2 alpha unless --rho-us")
     parser.add_argument("--rho-us", type=float, default=None,
@@ -526,18 +557,21 @@ def main(argv=None) -> int:
     for key in LOCAL_PARAMETERS:
         params[key] *= args.local_scale
     compute = _parse_compute(args.compute_ms)
+    overlap, overlap_text = _overlap_setting(args.backward_share, args.fit_json)
     print(f"Projection: speedup (scaling efficiency); compute per step {compute} ms; "
           f"alpha {params['alpha'] * 1e6:.1f} us, rho {params['rho'] * 1e6:.1f} us; local costs "
-          f"x{args.local_scale:g}; FP16 overlap {args.backward_share:g} of compute; one worker per host; "
+          f"x{args.local_scale:g}; {overlap_text}; one worker per host; "
           f"{methods.LABELS[AUTO]} = gf_tf.planner.choose on these constants\n")
-    table, points = projection_table(params, compute, worker_counts, links, args.backward_share)
+    table, points = projection_table(params, compute, worker_counts, links, overlap)
     print(table + "\n")
-    print(comparison(params, compute, args.backward_share))
+    print(comparison(params, compute, overlap))
     if args.json:
         validation = {k: v for k, v in held_out.items() if k != "table"}
         report.write_json(args.json, {
             "rows": json_rows(points, params["alpha"], args.local_scale),
             "fitted_parameters": fitted, "projected_parameters": params, "validation": validation,
+            "overlap": overlap if not isinstance(overlap, dict) else
+            [{"model": m, "method": meth, "overlap": f} for (m, meth), f in sorted(overlap.items())],
             "auto_plans": [{"model": p["model"], "workers": p["workers"], "link_gbit": p["link_gbit"],
                             "plan": p["plan"].describe()} for p in points if "plan" in p]})
         print(f"\nJSON: {args.json}")

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from benchmarks import netem, report
@@ -174,6 +175,83 @@ def test_fit_report_flags_implausible_scaling_and_only_that():
     assert "csc_1" in notes[0] and "scaling efficiency 1.63 > 1.3" in notes[0] and "load" in notes[0]
 
 
+def test_overlap_is_the_hidden_share_of_the_shorter_of_compute_and_all_reduce():
+    from benchmarks import overlap
+    rng = np.random.default_rng()
+    compute, comm = rng.uniform(0.01, 1.0, 2)
+    shorter, longer = sorted((compute, comm))
+    assert overlap.overlap_fraction(compute, comm, compute + comm) == pytest.approx(0.0, abs=1e-12)
+    assert overlap.overlap_fraction(compute, comm, longer) == pytest.approx(1.0, rel=1e-12)
+    step = longer + 0.25 * shorter                      # three quarters of the shorter hidden
+    assert overlap.overlap_fraction(compute, comm, step) == pytest.approx(0.75, rel=1e-9)
+    assert overlap.overlap_fraction(compute, comm, compute + comm + 0.1 * shorter) == pytest.approx(-0.1)
+    assert overlap.overlap_fraction(0.0, comm, comm) is None   # nothing to hide
+
+
+def _fit_cell(method, **extra):
+    cell = {"model": "digits_cnn", "workers": 2, "rate_mbit": 100.0, "method": method, "params": 540_000,
+            "images_per_s": 600.0, "median_step_s": 0.11, "steps": 4, "global_batch": 64,
+            "loss_first": 2.3, "loss_last": 1.9, "losses_finite": True}
+    return {**cell, **extra}
+
+
+def test_fit_cells_carry_compute_all_reduce_step_and_overlap_into_json_and_table():
+    from benchmarks import fit
+    chief = {**_fit_cell("gf_fp16"), "step_times_s": [0.1, 0.11, 0.12], "warmup_epoch_s": 1.0,
+             "compute_s": 0.08, "compute_step_times_s": [0.08] * 3, "allreduce_s": 0.05,
+             "allreduce_times_s": [0.05] * 3, "profile_dir": "/tmp/p", "unrelated": 1}
+    kept = fit.chief_fields(chief)
+    assert "unrelated" not in kept and kept["compute_s"] == 0.08 and kept["allreduce_times_s"] == [0.05] * 3
+    assert kept["profile_dir"] == "/tmp/p"
+    cells = [_fit_cell("gf_fp16", compute_s=0.08, allreduce_s=0.05), _fit_cell("tf_fp32"),
+             {"model": "digits_cnn", "workers": 2, "rate_mbit": 100.0, "method": "csc_1", "error": "boom"}]
+    fit.derive(cells, {}, 2)
+    assert cells[0]["step_s"] == 0.11
+    assert cells[0]["overlap"] == pytest.approx((0.08 + 0.05 - 0.11) / 0.05)
+    assert "overlap" not in cells[1] and cells[1]["step_s"] == 0.11   # measured with --no-overlap
+    assert "step_s" not in cells[2]
+    json.dumps(cells)                                   # the JSON holds them as they are
+    table = fit.results_table(cells, {}).splitlines()
+    header = [h.strip() for h in table[0].strip("|").split("|")]
+    assert header[6:10] == ["step s", "compute s", "all-reduce s", "overlap"]
+    row = [v.strip() for v in next(line for line in table if "gf_fp16" in line).strip("|").split("|")]
+    assert [float(v) for v in row[6:10]] == pytest.approx([0.11, 0.08, 0.05, 0.4], abs=1e-3)
+    failed = [v.strip() for v in next(line for line in table if "csc_1" in line).strip("|").split("|")]
+    assert failed[5] == "FAILED" and failed[-1] == "boom" and len(failed) == len(header)
+
+
+def test_fit_workers_get_the_overlap_and_profile_flags_and_methods_one_line_overrides(monkeypatch):
+    from benchmarks import fit
+    from benchmarks.workers import methods
+    argv = fit.worker_argv("digits_cnn", "gf_fp16", None, 0, 60.0, True, "/tmp/prof/cell")
+    assert "--overlap" in argv and argv[argv.index("--profile") + 1] == "/tmp/prof/cell"
+    argv = fit.worker_argv("digits_cnn", "tf_fp32", None, 0, 60.0)
+    assert "--overlap" not in argv and "--profile" not in argv
+    assert "--overlap" not in fit.worker_argv("digits_cnn", None, None, 0, 60.0, True)   # the reference
+    # One OVERRIDES entry is a method: its keywords reach GradientFlowAllReduce, on top of PINNED.
+    assert methods.gradient_flow_settings("gf_fp16_rd") == {**methods.PINNED, "algorithm": "recursive_doubling"}
+    monkeypatch.setitem(methods.OVERRIDES, "gf_fp16_big", {"bytes_per_pack": 8 * 2 ** 20})
+    _, gf = methods.make_strategy("gf_fp16", 30.0, build_strategy=False)
+    kwargs = methods.gradient_flow_kwargs("gf_fp16_big")
+    assert kwargs == {"compression": "fp16", "bytes_per_pack": 8 * 2 ** 20, "algorithm": "ring"}
+    assert gf.bytes_per_pack == 4 * 2 ** 20 and methods.is_gradient_flow("gf_fp16_big")
+
+
+def test_compute_only_ops_keep_the_methods_local_work_and_pin_the_ring():
+    import tensorflow as tf
+    import gf_tf
+    from benchmarks.workers import local_only
+    assert isinstance(local_only.compute_only_ops("tf_fp32"), tf.distribute.ReductionToOneDevice)
+    for method, density in (("gf_fp16_rd", None), ("csc_1", 0.01)):
+        ops = local_only.compute_only_ops(method)
+        assert isinstance(ops, gf_tf.GradientFlowAllReduce) and ops.algorithm == "ring"
+        assert ops.compression.name == "fp16" and ops.bytes_per_pack == 4 * 2 ** 20
+        assert isinstance(ops._wrapped, tf.distribute.ReductionToOneDevice)   # pylint: disable=protected-access
+        assert (ops.sparsity.density if ops.sparsity is not None else None) == density
+    with pytest.raises(ValueError, match="no plan"):
+        local_only.compute_only_ops("auto")     # "auto" pins the real run's plan
+
+
 def test_bad_cluster_arguments_are_rejected_before_touching_anything():
     with pytest.raises(ValueError, match="num_hosts"):
         netem.EmulatedCluster(0)
@@ -291,4 +369,8 @@ def test_fit_quick_runs_every_cell_with_finite_losses(tmp_path):
         assert c["images_per_s"] > 0 and c["losses_finite"]
         assert c["global_batch"] == 2 * 32
         assert c["scaling_efficiency"] > 0   # its sanity is the report's job (fit.sanity_notes)
+        assert c["compute_s"] > 0 and c["allreduce_s"] > 0 and c["step_s"] == c["median_step_s"]
+        assert c["overlap"] == pytest.approx((c["compute_s"] + c["allreduce_s"] - c["step_s"])
+                                             / min(c["compute_s"], c["allreduce_s"]))
+        assert len(c["compute_step_times_s"]) == c["steps"] - 1 and len(c["allreduce_times_s"]) == c["steps"]
     assert not [n for n in _namespaces() if n.startswith(PREFIX)]

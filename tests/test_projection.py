@@ -264,3 +264,44 @@ def test_shipped_calibration_missing_or_unreadable_says_what_to_run(tmp_path, mo
 def test_held_out_validation_needs_both_sides():
     cells = [(projection.Case("tf_fp32", 2, 1e9, 1000, 4000.0, 1), 1.0, {})] * 3
     assert "skipped" in projection.held_out_validation(cells, [2, 3, 4])
+
+
+def test_measured_overlap_from_a_fit_json_replaces_the_assumed_share(tmp_path, monkeypatch, capsys):
+    from benchmarks import overlap
+    cell = {"model": "alexnet", "workers": 2, "rate_mbit": 100.0}
+    fit_json = tmp_path / "fit.json"
+    fit_json.write_text(json.dumps({"cells": [
+        dict(cell, method="gf_fp16", overlap=0.5), dict(cell, method="gf_fp16", overlap=0.7),
+        dict(cell, method="gf_fp16", overlap=0.9),               # median 0.7
+        dict(cell, method="csc_1", overlap=1.4),                  # clamped to 1
+        dict(cell, method="tf_fp32", error="boom"),               # no overlap measured: skipped
+        dict(cell, model="resnet50", method="csc_1", overlap=-0.2)]}))   # clamped to 0
+    measured = overlap.measured_overlaps(str(fit_json))
+    assert measured == {("alexnet", "gf_fp16"): pytest.approx(0.7), ("alexnet", "csc_1"): 1.0,
+                        ("resnet50", "csc_1"): 0.0}
+    params = dict.fromkeys(projection.PARAMETERS, 0.0) | {"alpha": 1e-4, "kappa": 1.0}
+    for method, fraction in (("gf_fp16", 0.7), ("csc_1", 1.0), ("tf_fp32", 0.0)):
+        p = projection.project(params, "alexnet", method, 64, 10.0, 0.04, measured)
+        hidden = fraction * min(p["comm_s"], 0.04)
+        assert p["step_s"] == pytest.approx(0.04 + p["comm_s"] - hidden, rel=1e-12), method
+    # A measured model/method is not the assumed share: csc_1 hides nothing under --backward-share.
+    assumed = projection.project(params, "alexnet", "csc_1", 64, 10.0, 0.04, 2 / 3)
+    assert assumed["step_s"] == pytest.approx(0.04 + assumed["comm_s"], rel=1e-12)
+    calibration = tmp_path / "allreduce.json"
+    _synthetic_calibration(calibration, PARAMS)
+    monkeypatch.setattr(projection, "DEFAULT_CALIBRATION", str(calibration))
+    out = tmp_path / "out.json"
+    assert projection.main(["--cores", "2", "--fit-json", str(fit_json), "--json", str(out),
+                            "--plot", str(tmp_path / "p.png")]) == 0
+    assert "alexnet/gf_fp16 0.70" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert {"model": "alexnet", "method": "csc_1", "overlap": 1.0} in data["overlap"]
+    row = next(r for r in data["rows"] if (r["model"], r["method"], r["workers"], r["link_gbit"])
+               == ("resnet50", "gf_fp16", 8, 10.0))     # nothing measured for it: no overlap
+    p = projection.project(data["projected_parameters"], "resnet50", "gf_fp16", 8, 10.0,
+                           projection.DEFAULT_COMPUTE_MS["resnet50"] / 1e3, 0.0)
+    assert row["step_ms"] == pytest.approx(p["step_s"] * 1e3, rel=1e-12)
+    with pytest.raises(SystemExit):                        # either the assumed share or the measured one
+        projection.main(["--fit-json", str(fit_json), "--backward-share", "0.5"])
+    with pytest.raises(SystemExit, match="cannot read"):
+        overlap.measured_overlaps(str(tmp_path / "absent.json"))

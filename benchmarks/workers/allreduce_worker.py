@@ -72,6 +72,22 @@ def check_result(method, values, reduced, num_workers):
     return {"max_rel_error": worst}
 
 
+def timed_calls(step, warmup, iters):
+    """(seconds of each of `iters` timed calls of `step`, the last call's output, seconds of
+    the `warmup` untimed calls before them, the first of which traces): how every set is timed."""
+    out = None
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        out = step()
+    warmup_s = time.perf_counter() - t0
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        out = step()
+        times.append(time.perf_counter() - t0)
+    return times, out, warmup_s
+
+
 def median_seconds(fn, iters):
     """Median wall seconds of `iters` calls of `fn`, after one untimed call (the trace)."""
     fn()
@@ -225,17 +241,10 @@ def main():
         shapes = gradients.GRADIENT_SETS[name]
         values = make_values(shapes, seed=len(shapes))
         step = build_step(strategy, values, args.method)
-        t0 = time.perf_counter()
-        for _ in range(args.warmup):
-            out = step()
-        warmup_s = time.perf_counter() - t0
+        out, warmup_s = timed_calls(step, args.warmup, 0)[1:]
         before_stats = stats_totals(gradient_flow)
         before = read_counters()
-        times = []
-        for _ in range(args.iters):
-            t0 = time.perf_counter()
-            out = step()
-            times.append(time.perf_counter() - t0)
+        times, out, _ = timed_calls(step, 0, args.iters)
         after = read_counters()
         after_stats = stats_totals(gradient_flow)
         entry = {

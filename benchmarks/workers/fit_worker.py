@@ -9,6 +9,17 @@ gf_tf.MultiWorkerMirroredStrategy(gradient_flow=None) because Keras 3 `fit`
 needs its multi-worker fixes). With --reference: one process, no strategy, no
 communication (the compute-only reference).
 
+With --overlap, after the timed fit, in the same processes: `allreduce_s`, the
+median of `steps` all-reduces of gradients shaped like the model's trainable
+variables alone (benchmarks.workers.allreduce_worker's step and timing: one
+untimed call, then the timed ones), then `compute_s`, the median step time of a
+fresh copy of the model fitted (`warmup-steps`, then `steps`) with every
+collective replaced by a local reduce (benchmarks.workers.local_only).
+With --profile DIR, one more 3-step fit under the method's strategy runs before
+those, and worker 0 writes a tf.profiler trace of its second step to DIR
+(gf_tf.keras.callbacks.StepProfile; the others run the same steps unprofiled:
+TF's profiler stop() crashed a second profiled worker, issue 20).
+
 `fit` runs two epochs: the first (`warmup-steps` steps) traces the step
 function and is not timed; the second (`steps` steps) is. Throughput is
 global batch x (steps - 1) / (end of the last step - end of the first step)
@@ -33,6 +44,8 @@ def parse_args():
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--cpu", type=int, default=None, help="pin this process to one logical CPU")
+    parser.add_argument("--overlap", action="store_true", help="also measure allreduce_s and compute_s")
+    parser.add_argument("--profile", default=None, help="directory: worker 0 traces one step there")
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be >= 2 (throughput is measured between the first and the last step)")
@@ -106,6 +119,7 @@ def main():
     model.fit(data, initial_epoch=1, epochs=2, steps_per_epoch=args.steps, verbose=0, callbacks=[clock])
     stats_after = _stats(gradient_flow)
     wire_after = _wire_counters()
+    extra = {} if strategy is None else _after_the_fit(strategy, gradient_flow, model, build, data)
     # Steady state: from the end of the first step of the timed fit (which also creates the
     # input iterator) to the end of its last step.
     ends = clock.batch_end[1]
@@ -120,7 +134,7 @@ def main():
         "loss_first": clock.losses[0] if clock.losses else None,
         "loss_last": clock.losses[-1] if clock.losses else None,
         "losses_finite": bool(np.all(np.isfinite(clock.losses))),
-        "cpu": args.cpu,
+        "cpu": args.cpu, **extra,
     }
     if wire_before and wire_after:   # all steps of the timed fit, measured on this namespace's eth0
         result["wire_tx_bytes_per_step"] = (wire_after[0] - wire_before[0]) / args.steps
@@ -135,6 +149,49 @@ def main():
         result["dense_payload_bytes_per_step"] = (stats_after["dense_bytes"] - stats_before["dense_bytes"]) / steps
         result["density_per_step"] = (stats_after["densities"] - stats_before["densities"]) / steps
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def _after_the_fit(strategy, gradient_flow, model, build, data):
+    """--profile's trace, then --overlap's allreduce_s and compute_s (module docstring)."""
+    extra = {}
+    if args.profile:
+        extra["profile_dir"] = _profile(model, data)
+    if args.overlap:
+        from benchmarks.workers import local_only
+        extra["allreduce_times_s"] = _allreduce_times(strategy, model.trainable_variables)
+        extra["allreduce_s"] = statistics.median(extra["allreduce_times_s"])
+        with local_only.swapped(strategy, local_only.compute_only_ops(
+                args.method, gradient_flow, model.trainable_variables)):
+            extra["compute_step_times_s"] = _fit_step_times(strategy, build, data)
+        extra["compute_s"] = statistics.median(extra["compute_step_times_s"])
+    return extra
+
+
+def _allreduce_times(strategy, variables):
+    """Seconds of each of `steps` all-reduces of gradients shaped like `variables`, alone."""
+    from benchmarks.workers import allreduce_worker
+    values = allreduce_worker.make_values([tuple(v.shape) for v in variables], seed=len(variables))
+    step = allreduce_worker.build_step(strategy, values, args.method)
+    return allreduce_worker.timed_calls(step, 1, args.steps)[0]
+
+
+def _fit_step_times(strategy, build, data):
+    """Step times of a fresh model's timed fit (after its traced warm-up fit), as main measures them."""
+    with strategy.scope():
+        model = build()
+    clock = StepClock()
+    model.fit(data, epochs=1, steps_per_epoch=args.warmup_steps, verbose=0, callbacks=[clock])
+    model.fit(data, initial_epoch=1, epochs=2, steps_per_epoch=args.steps, verbose=0, callbacks=[clock])
+    return np.diff(clock.batch_end[1]).tolist()
+
+
+def _profile(model, data):
+    """3 more steps; worker 0 traces the second into args.profile (returned), the others none."""
+    from gf_tf.keras.callbacks import StepProfile
+    task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    callbacks = [StepProfile(args.profile, batch=1)] if task == 0 else []
+    model.fit(data, initial_epoch=2, epochs=3, steps_per_epoch=3, verbose=0, callbacks=callbacks)
+    return args.profile if task == 0 else None
 
 
 def _wire_counters():

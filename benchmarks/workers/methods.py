@@ -15,8 +15,8 @@
               the same at density 0.01 / 0.001 with selection="global" (one top-K over
               the chunks of all packs instead of k per pack); not in the presets' loops
               over every method: ask for them with --methods
-    auto      gf_tf.GradientFlowAllReduce() with no arguments: gf_tf's default, the
-              planner's choice of method, pack size and algorithm (gf_tf.planner)
+    auto      gf_tf.GradientFlowAllReduce() with every setting "auto" (its defaults): gf_tf's
+              default, the planner's choice of method, pack size and algorithm (gf_tf.planner)
     gf_fp16_rd / csc_1_rd
               gf_fp16 / csc_1 over recursive doubling (algorithm="recursive_doubling",
               gf_tf.collectives) instead of TF's ring
@@ -25,23 +25,36 @@ Every GradientFlow method but `auto` pins bytes_per_pack and algorithm, so that
 it measures the same transport whatever the planner's defaults. The last three
 are not in the presets' loops over every method either: the `scale` preset of
 benchmarks.allreduce names them.
+
+A GradientFlow method's GradientFlowAllReduce keywords are PINNED, with its
+sparsity (CSC_DENSITY, CSC_SELECTION), updated by its entry in OVERRIDES: the
+one place a method's settings differ. A method named only in OVERRIDES joins
+METHODS (outside the presets' loops), so measuring a new GradientFlowAllReduce
+keyword is one line there, e.g. `"gf_fp16_overlap": {"overlap": True},`.
 """
 
-from typing import Dict, Optional, Union
+from typing import Dict, Union
 
-METHODS = ["tf_fp32", "tf_fp16", "gf_fp16", "csc_10", "csc_1", "csc_0.1", "csc_auto",
-           "csc_1_global", "csc_0.1_global", "auto", "gf_fp16_rd", "csc_1_rd"]
+_BASE_METHODS = ["tf_fp32", "tf_fp16", "gf_fp16", "csc_10", "csc_1", "csc_0.1", "csc_auto",
+                 "csc_1_global", "csc_0.1_global"]
 CSC_DENSITY: Dict[str, Union[float, str]] = {"csc_10": 0.10, "csc_1": 0.01, "csc_0.1": 0.001,
                                              "csc_auto": "auto",
                                              "csc_1_global": 0.01, "csc_0.1_global": 0.001,
                                              "csc_1_rd": 0.01}
 # ChunkSparsity(selection=...) of the CSC methods not selecting per pack.
 CSC_SELECTION: Dict[str, str] = {"csc_1_global": "global", "csc_0.1_global": "global"}
+# GradientFlowAllReduce keywords of every GradientFlow method ("default" bytes_per_pack:
+# gf_tf.planner.DEFAULT_BYTES_PER_PACK, 4 MiB), before its OVERRIDES.
+PINNED: Dict[str, object] = {"compression": "fp16", "bytes_per_pack": "default", "algorithm": "ring"}
+# Per method: the GradientFlowAllReduce keywords that differ from PINNED.
+OVERRIDES: Dict[str, Dict[str, object]] = {
+    "auto": {"compression": "auto", "bytes_per_pack": "auto", "algorithm": "auto"},  # the defaults
+    "gf_fp16_rd": {"algorithm": "recursive_doubling"},
+    "csc_1_rd": {"algorithm": "recursive_doubling"},
+}
+METHODS = _BASE_METHODS + [m for m in OVERRIDES if m not in _BASE_METHODS]
 # The methods the presets loop over when they take "every method".
-# GradientFlowAllReduce(algorithm=...) of the methods not on TF's ring ("auto": the planner's).
-ALGORITHM: Dict[str, str] = {"auto": "auto", "gf_fp16_rd": "recursive_doubling",
-                             "csc_1_rd": "recursive_doubling"}
-PRESET_METHODS = [m for m in METHODS if m not in CSC_SELECTION and m not in ALGORITHM]
+PRESET_METHODS = [m for m in METHODS if m not in CSC_SELECTION and m not in OVERRIDES]
 LABELS = {
     "tf_fp32": "TF default fp32",
     "tf_fp16": "TF default, fp16 by hand",
@@ -56,6 +69,8 @@ LABELS = {
     "gf_fp16_rd": "GradientFlow fp16, recursive doubling",
     "csc_1_rd": "GradientFlow CSC 1%, recursive doubling",
 }
+for _m in [m for m in OVERRIDES if m not in LABELS]:   # a method added by one OVERRIDES line:
+    LABELS[_m] = "GradientFlow " + ", ".join(f"{k}={v!r}" for k, v in OVERRIDES[_m].items())   # its keywords
 
 
 def csc_selection(method: str) -> str:
@@ -66,11 +81,31 @@ def csc_selection(method: str) -> str:
 def algorithm(method: str) -> str:
     """GradientFlowAllReduce(algorithm=...) of a GradientFlow method: "ring", "recursive_doubling"
     or "auto" (the planner's)."""
-    return ALGORITHM.get(method, "ring")
+    return str(gradient_flow_settings(method)["algorithm"])
 
 
 def is_gradient_flow(method: str) -> bool:
-    return method.startswith("gf_") or method in CSC_DENSITY or method == "auto"
+    return method.startswith("gf_") or method in CSC_DENSITY or method in OVERRIDES
+
+
+def gradient_flow_settings(method: str) -> Dict[str, object]:
+    """PINNED updated by OVERRIDES[method]: the GradientFlowAllReduce keywords of a
+    GradientFlow method, without its sparsity (no TensorFlow import)."""
+    return {**PINNED, **OVERRIDES.get(method, {})}
+
+
+def gradient_flow_kwargs(method: str) -> Dict[str, object]:
+    """The GradientFlowAllReduce keywords of a GradientFlow method, sparsity included (a new
+    gf_tf.ChunkSparsity each call: its state is per GradientFlowAllReduce)."""
+    import gf_tf
+    from gf_tf.planner import DEFAULT_BYTES_PER_PACK
+    kwargs = gradient_flow_settings(method)
+    if kwargs["bytes_per_pack"] == "default":
+        kwargs["bytes_per_pack"] = DEFAULT_BYTES_PER_PACK
+    if method in CSC_DENSITY:
+        kwargs["sparsity"] = gf_tf.ChunkSparsity(density=CSC_DENSITY[method], warmup_steps=0,
+                                                 selection=csc_selection(method))
+    return kwargs
 
 
 def largest_density(method: str) -> float:
@@ -101,17 +136,7 @@ def make_strategy(method: str, timeout_seconds: float, keras_fit: bool = False,
             return gf_tf.MultiWorkerMirroredStrategy(communication_options=options, gradient_flow=None), None
         return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options), None
     import gf_tf
-    sparsity: Optional[object] = None
-    if method in CSC_DENSITY:
-        sparsity = gf_tf.ChunkSparsity(density=CSC_DENSITY[method], warmup_steps=0,
-                                       selection=csc_selection(method))
-    if method == "auto":
-        gradient_flow = gf_tf.GradientFlowAllReduce()
-    else:
-        from gf_tf.cross_device_ops import DEFAULT_BYTES_PER_PACK
-        gradient_flow = gf_tf.GradientFlowAllReduce(compression="fp16", sparsity=sparsity,
-                                                    bytes_per_pack=DEFAULT_BYTES_PER_PACK,
-                                                    algorithm=algorithm(method))
+    gradient_flow = gf_tf.GradientFlowAllReduce(**gradient_flow_kwargs(method))
     if not build_strategy:
         return None, gradient_flow
     strategy = gf_tf.MultiWorkerMirroredStrategy(communication_options=options, gradient_flow=gradient_flow)

@@ -1,0 +1,104 @@
+"""The compute-only step of benchmarks.fit: the same strategy, every collective replaced by a local reduce.
+
+`compute_only_ops(method, gradient_flow, variables)` gives the cross-device ops
+to swap into the fit's own strategy (`swapped`) before a fresh copy of the
+model is built and fitted: its median step time is the cell's `compute_s`.
+
+- TF's method: `local_ops()` is the strategy's communication itself.
+- GradientFlow methods: `gf_tf.GradientFlowAllReduce(..., cross_device_ops=local_ops())`
+  with the method's own keywords (benchmarks.workers.methods), so its local
+  work stays in the step: packing, FP16 scaling, CSC's accumulate, norms,
+  top-k, gather and scatter; only the collectives are gone.
+
+How GradientFlowAllReduce then behaves (gf_tf/cross_device_ops.py): its packs,
+control values and every other all-reduce go through
+`strategy.extended.batch_reduce_to`, hence through itself to the wrapped ops
+(`_cross_ops()`, here `local_ops()`). It is not attached to the strategy
+(`_attach` is what gf_tf.MultiWorkerMirroredStrategy does at construction), so
+it knows no workers: no settings handshake (`gf_tf.agreement`, whose table would
+hold this worker's row only and fail), no `gf_tf.probe` measurement, and the
+planner sees one worker (pinned settings are kept as they are). algorithm is
+pinned to "ring": recursive doubling (`gf_tf.collectives`) issues TF's
+subgroup collectives itself, around the wrapped ops, and would need a
+CollectiveAllReduce. With `auto` settings the real run's plan of the model's
+variables (`GradientFlowAllReduce.plans()`) is pinned instead ("tf": `local_ops()`).
+
+With no collective in the step, the workers do not wait for each other; the
+model's variables are still created through the strategy (its initial-value
+broadcast), on every worker alike. One replica per worker only: with several,
+TF sends values living on one device through its host cross-device ops, which
+are not swapped.
+"""
+
+import contextlib
+from typing import Optional
+
+import tensorflow as tf
+
+from benchmarks.workers import methods
+from gf_tf import tf_internal
+
+AUTO = "auto"
+
+
+def local_ops() -> tf.distribute.CrossDeviceOps:
+    """TF's ReductionToOneDevice: a reduce over this worker's replicas only (SUM: their sum,
+    MEAN: their mean; with one replica, the value itself), broadcast back to them. It never
+    leaves the process."""
+    return tf.distribute.ReductionToOneDevice()
+
+
+def _plan_of(gradient_flow, variables):
+    """The gf_tf.planner.Plan of the real run's variable set holding `variables` (Keras
+    Variables: the optimizer all-reduces for their tf.Variables, `.value`), or None."""
+    import keras
+    variables = [v.value if isinstance(v, keras.Variable) else v for v in variables]
+    states = gradient_flow.states()
+    for name, plan in gradient_flow.plans().items():
+        if plan is not None and states[name].overlaps(variables):
+            return plan
+    return None
+
+
+def compute_only_ops(method: str, gradient_flow=None, variables=()) -> tf.distribute.CrossDeviceOps:
+    """The cross-device ops of `method`'s compute-only step (module docstring).
+
+    gradient_flow / variables: the real run's GradientFlowAllReduce and the model's
+    trainable variables; needed only for settings left "auto" (their plan is pinned).
+
+    Raises ValueError when an "auto" setting has no plan to pin (the real run did not step).
+    """
+    if not methods.is_gradient_flow(method):
+        return local_ops()
+    import gf_tf
+    kwargs = methods.gradient_flow_kwargs(method)
+    if AUTO in (kwargs["compression"], kwargs["bytes_per_pack"]):
+        plan = _plan_of(gradient_flow, variables) if gradient_flow is not None else None
+        if plan is None:
+            raise ValueError(f"{method}: no plan of the model's variables to pin for the compute-only step")
+        if plan.method == "tf" and kwargs["compression"] == AUTO:
+            return local_ops()
+        if kwargs["compression"] == AUTO:
+            kwargs["compression"] = None if plan.method == "none" else plan.method
+        if kwargs["bytes_per_pack"] == AUTO:
+            kwargs["bytes_per_pack"] = plan.bytes_per_pack
+    kwargs["algorithm"] = "ring"
+    return gf_tf.GradientFlowAllReduce(cross_device_ops=local_ops(), **kwargs)
+
+
+@contextlib.contextmanager
+def swapped(strategy, ops: Optional[tf.distribute.CrossDeviceOps]):
+    """Within the block `strategy` reduces with `ops` (a step traced inside keeps them);
+    its own ops are put back after.
+
+    Raises ValueError for a strategy with several local replicas (module docstring).
+    """
+    if len(strategy.extended.worker_devices) != 1:
+        raise ValueError(f"the compute-only step needs one replica per worker, "
+                         f"got {len(strategy.extended.worker_devices)}")
+    own = tf_internal.cross_device_ops_of(strategy)
+    tf_internal.set_cross_device_ops(strategy, ops)
+    try:
+        yield
+    finally:
+        tf_internal.set_cross_device_ops(strategy, own)
