@@ -274,6 +274,8 @@ def main():
         results["sets"][name] = entry
         del values, step, out
     print("RESULT " + json.dumps(results), flush=True)
+    from gf_tf import worker
+    worker.exit_together(args.timeout)   # a worker left alone after its peer exits logs a crash
 
 
 if __name__ == "__main__":

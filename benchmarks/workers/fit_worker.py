@@ -149,6 +149,8 @@ def main():
         result["dense_payload_bytes_per_step"] = (stats_after["dense_bytes"] - stats_before["dense_bytes"]) / steps
         result["density_per_step"] = (stats_after["densities"] - stats_before["densities"]) / steps
     print("RESULT " + json.dumps(result), flush=True)
+    from gf_tf import worker
+    worker.exit_together(args.timeout)   # a worker left alone after its peer exits logs a crash
 
 
 def _after_the_fit(strategy, gradient_flow, model, build, data):
