@@ -40,15 +40,16 @@ def strategy_with(overlap):
         communication_options=worker_util.communication_options(), gradient_flow=gradient_flow)
 
 
-def nasty_gradients(rng):
-    """This worker's gradients: (name, NumPy value, dtype)."""
+def nasty_gradients(rng, replicas):
+    """This worker's gradients: (name, NumPy value, dtype); float16 sums stay below 65504."""
     def normal(n, scale=1.0):
         return rng.normal(size=n) * scale
     return [("f32_one", normal(1), tf.float32),
             ("f32_near_max", np.sign(normal(7)) * rng.uniform(60000, 65504, 7), tf.float32),
             ("f32_tiny", normal(1009, 1e-6), tf.float32),
             ("f16_subnormal", rng.uniform(-5e-5, 5e-5, 7), tf.float16),
-            ("f16_half_max", np.sign(normal(1009)) * rng.uniform(30000, 32000, 1009), tf.float16),
+            ("f16_near_max", np.sign(normal(1009)) * rng.uniform(0.9, 1, 1009) * 64000 / replicas,
+             tf.float16),
             ("bf16", normal(7, 1e3), tf.bfloat16),
             ("f32_wide", normal((9, 5)) * 10.0 ** rng.integers(-8, 8, (9, 5)), tf.float32),
             ("bf16_big", normal(1009), tf.bfloat16),
@@ -59,11 +60,12 @@ def nasty_gradients(rng):
 def run_values():
     strategy = strategy_with(True)
     gfar = strategy.gradient_flow
-    grads = nasty_gradients(np.random.default_rng())
+    grads = nasty_gradients(np.random.default_rng(), strategy.num_replicas_in_sync)
     # What each worker sends, exactly as its dtype holds it (the reference is computed from this).
     sent = [tf.cast(tf.constant(v, tf.float64), d) for _, v, d in grads]
-    with strategy.scope():
-        variables = [tf.Variable(tf.zeros(s.shape, s.dtype), name=n) for s, (n, _, _) in zip(sent, grads)]
+    with strategy.scope():   # float32: TF's initial-value broadcast takes no bfloat16 (the
+        # variables only name the set; the gradients keep their dtypes)
+        variables = [tf.Variable(tf.zeros(s.shape), name=n) for s, (n, _, _) in zip(sent, grads)]
 
     def traced_step():
         @tf.function
@@ -122,18 +124,16 @@ def graph_facts(model, recorded):
             "kernel_gradient_groups": np.array(groups_of_kernel),
             "last_group": np.array(last),
             "first_reached_from_kernel": np.array(gradient_op in ancestors(per_group[0])),
-            "last_reached_from_kernel": np.array(gradient_op in ancestors(per_group[last]))}
+            "last_reached_from_kernel": np.array(gradient_op in ancestors(per_group[last])),
+            # TF's ordering token chains a device's collectives in trace order: every group's
+            # collectives come after the previous group's (the same order on every worker).
+            "groups_in_trace_order": np.array(all(
+                set(per_group[g - 1]) & ancestors(per_group[g]) for g in sorted(per_group)[1:]))}
 
 
 def run_fit():
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(64, 12)).astype(np.float32)
-    y = (np.tanh(x @ rng.normal(size=(12, 3)))).astype(np.float32)
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
-    result = {}
-    if args.baseline:
-        model = build_model()
-    else:
+    result, strategy = {}, None
+    if not args.baseline:   # before any TF op: the strategy configures the collectives
         strategy = strategy_with(args.overlap == "on")
         gfar = strategy.gradient_flow
         recorded = {}
@@ -144,6 +144,13 @@ def run_fit():
                 recorded[tuple(v.shape)] = (g.graph, g.name)   # this model's shapes are distinct
             return original(replica_ctx, grads, variables, reduce_op, options)
         gfar.all_reduce_gradients = recording
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 12)).astype(np.float32)
+    y = (np.tanh(x @ rng.normal(size=(12, 3)))).astype(np.float32)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    if strategy is None:
+        model = build_model()
+    else:
         with strategy.scope():
             model = build_model()
     model.fit(dataset, epochs=2, verbose=0)
