@@ -30,7 +30,9 @@ same token, its broadcasts chained by data within that all-reduce. Every edge
 of the union over workers of these orders goes from an earlier (all-reduce,
 stage) to a later one, so there is no cycle. Grouping changes no bound:
 each tensor's scale comes from its own all-reduced max |g|, in whichever
-group's vector it travels, so the sums are the same bits.
+group's vector it travels, so the sums are the same bits (beyond N = 2 the
+ring may add a bound's float32 terms in another order, which moves its scale
+only if the bound lands exactly on a power of two).
 
 Source: GradientFlow (arXiv 1902.06855), lazy all-reduce and mixed-precision
 communication; PyTorch DDP communication hooks for the interface; TF's
