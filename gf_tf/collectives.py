@@ -38,8 +38,13 @@ order, or the job hangs until the timeout):
   worker they run in program order with TensorFlow's own collectives; the
   broadcasts are chained by data and control dependencies.
 Calls themselves come in the same order on every worker because every worker
-traces the same step (the model, the pack plan and the algorithm are compared
-by GradientFlowAllReduce's settings handshake).
+traces the same step (the model, the pack plan, the algorithm and the overlap
+groups are compared by GradientFlowAllReduce's settings handshake). With
+overlap groups (gf_tf.reducers) a group's bounds and packs are calls like any
+other, in pack order; a later group's broadcasts (fold, unfold) carry no token
+and may run before an earlier group's, which is safe: they are matched by
+their own instance key, and every dependency (the token chain, data within a
+call) goes from an earlier (call, stage) to a later one on every worker.
 
 Measured (2026-12-01, TF 2.21, 8 worker processes on 2 shared cores, loopback, load
 average 3-9; median of 20 calls after warm-up): float16[4], ring 20-28 ms, recursive

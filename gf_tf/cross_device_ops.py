@@ -56,7 +56,9 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
     - everything else (IndexedSlices, integers, float64, unknown shapes) goes
       to the strategy's own batch all-reduce untouched; None stays None.
     Per step: one float32 all-reduce of every pack's control values (FP16
-    scale bounds, CSC chunk norms), then one collective per pack.
+    scale bounds, CSC chunk norms), then one collective per pack; or, with
+    `overlap`, per group of FP16 packs its own bounds' all-reduce, then its
+    packs' (`gf_tf.reducers.group_ranges`).
 
     Across workers the settings and the gradient list must agree: before the
     first step of each trace a fixed-shape float64 all-reduce compares them
@@ -91,6 +93,14 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         gf_tf.MultiWorkerMirroredStrategy on the merge-call path (every CPU
         run); one worker has nothing to double and uses the ring, as does the
         replica-context path (XLA on all-GPU devices) with several local replicas.
+      overlap: FP16 packs in groups, each with its own scale bounds' all-reduce,
+        so a group's collectives wait only for its own gradients and can run
+        during the rest of backprop: "auto" (default: the planner's rule,
+        `gf_tf.planner.choose_overlap`, which may pick smaller packs when
+        bytes_per_pack is "auto"; one barrier when nothing was measured),
+        True (one group per pack) or False (one barrier: every pack waits for
+        the step's last gradient). Other wires (BF16, float32 packs) have no
+        bounds to wait for; TF's own all-reduce and CSC keep one barrier.
 
     Attributes:
       stats: `gf_tf.stats.CommStats`, updated once per gradient all-reduce.
@@ -99,13 +109,13 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         before a MultiWorkerMirroredStrategy configures its collectives.
 
     Raises:
-      ValueError: bad compression / bytes_per_pack / algorithm; settings
+      ValueError: bad compression / bytes_per_pack / algorithm / overlap; settings
         differing across workers.
     """
 
     def __init__(self, compression: Optional[str] = AUTO, bytes_per_pack=AUTO, sparsity=None,
                  cross_device_ops: Optional[tf.distribute.CrossDeviceOps] = None,
-                 algorithm: str = AUTO):
+                 algorithm: str = AUTO, overlap=AUTO):
         super().__init__()
         self.compression = AUTO if compression == AUTO else as_compression(compression)
         if bytes_per_pack != AUTO and (
@@ -121,6 +131,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
                              "not another GradientFlowAllReduce")
         self.bytes_per_pack = AUTO if bytes_per_pack == AUTO else int(bytes_per_pack)
         self.algorithm = algorithm
+        self.overlap = planner.check_overlap(overlap)
         self.sparsity = sparsity
         self._costs: Optional[planner.Costs] = None   # measured by gf_tf.probe at _attach
         self.reducer = sparsity.reducer() if sparsity is not None else DenseReducer()
@@ -137,7 +148,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         compression = self.compression if self.compression == AUTO else self.compression.name
         return (f"GradientFlowAllReduce(compression={compression!r}, "
                 f"bytes_per_pack={self.bytes_per_pack!r}, sparsity={self.sparsity!r}, "
-                f"algorithm={self.algorithm!r})")
+                f"algorithm={self.algorithm!r}, overlap={self.overlap!r})")
 
     @property
     def stats(self) -> CommStats:
@@ -329,8 +340,10 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         if transport.method == "tf":
             signature = [None] * len(signature)   # every gradient goes to TF's own all-reduce
         wire = as_compression(transport.compression)
-        return transport, signature, packing.plan_packs(signature, transport.bytes_per_pack,
-                                                        wire.wire_dtype)
+        packs = packing.plan_packs(signature, transport.bytes_per_pack, wire.wire_dtype)
+        overlap = self.overlap if self.sparsity is None else False   # CSC: one barrier
+        return planner.with_pack_count(transport, sum(1 for p in packs if p.num_elements),
+                                       overlap), signature, packs
 
     def _plan(self, signature) -> Plan:
         """The planner's transport of this gradient list (gf_tf.planner), the pinned settings kept."""
@@ -343,7 +356,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
             method = self.compression.name or "none"
         if self.sparsity is None:
             return planner.choose(elements, len(packable), workers, self._costs, method,
-                                  self.algorithm, self.bytes_per_pack)
+                                  self.algorithm, self.bytes_per_pack, self.overlap)
         bytes_per_pack = DEFAULT_BYTES_PER_PACK if self.bytes_per_pack == AUTO else self.bytes_per_pack
         norm_bytes, chunk_bytes = self.sparsity.step_bytes(elements)
         algorithm = planner.choose_sparse_algorithm(norm_bytes, chunk_bytes, workers, self._costs,
@@ -373,7 +386,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
             return Sent()
         step = StepInput(tuple(PackStep(state.plan[p], [[g[i] for i in state.plan[p].indices]
                                                         for g in grads], state.packs[p])
-                               for p in live), state.shared, comm)
+                               for p in live), state.shared, comm, state.transport.groups)
         outputs, sent = self.reducer.reduce(step)
         for pack, per_replica in zip(step.packs, outputs):
             for r, reduced in enumerate(per_replica):
@@ -392,6 +405,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
             ("bytes_per_pack", transport.bytes_per_pack, lambda b: str(int(b))),
             ("algorithm", ALGORITHMS.index(transport.algorithm),
              lambda a: repr(ALGORITHMS[int(a)])),
+            ("overlap groups", transport.groups, lambda g: str(int(g))),
             ("number of gradients", len(state.signature), lambda n: str(int(n))),
             ("gradient shapes/dtypes (CRC32)", zlib.crc32(shapes), hex_text),
         ] + self.reducer.handshake_settings()

@@ -25,15 +25,42 @@ N = 8 on 2 cores, against 1.5 ms per ring hop).
 where ctl is the FP16 scale bounds' collective (T tensors, scaled wires only),
 P the pack count, lat one collective's latency, W the wire time of all packs
 and L the measured local cost of the wire format's pack + unpack of E elements.
-Packs leave after the step's last gradient (the control all-reduce waits for
-every pack), but within the all-reduce they form a pipeline: one pack is
-packed or unpacked while another is on the wire. More packs hide more of the
-local work and add one latency each.
+In the one-barrier form packs leave after the step's last gradient (the
+control all-reduce waits for every pack), but within the all-reduce they form
+a pipeline: one pack is packed or unpacked while another is on the wire. More
+packs hide more of the local work and add one latency each. The overlapped
+form (`Plan.groups` > 1, "Overlap" below) cuts the packs into groups, each
+with a control collective of its own.
 
 The constants (`Costs`) are measured by `gf_tf.probe` when a
 gf_tf.MultiWorkerMirroredStrategy starts and averaged over the workers, so
 every worker computes the same plan from the same numbers. Pure Python: the
 projection (benchmarks/projection.py) uses the same model.
+
+Overlap (FP16 wires; issue 18). With G groups of the P packs (consecutive, in
+backprop order), group g's collectives depend only on group g's gradients, so
+they can run while backprop computes the later groups' gradients. What it
+costs and gains, in the same model, with C the control collective of T/G
+tensors:
+
+  all(G)  = G C + P lat + max(W, L) + min(W, L) G / P
+  last(G) = C + (P/G) lat + max(W, L) / G + min(W, L) / P
+
+all(G) is the step's all-reduce when nothing hides (every gradient ready at
+once: exactly what the one-barrier form, G = 1, always pays): one more control
+collective per group, and the pipeline refills in each group (a group's
+packing waits for its own scale). last(G) is the last group alone: what is
+left after backprop when every earlier group hid behind it. The planner knows
+no compute time, so it cannot tell which one a step will see. The rule
+(`choose_overlap`, overlap="auto"): take the G and pack size with the least
+last(G) among those with all(G) <= (1 + OVERLAP_SLACK) all(1) of the
+one-barrier plan. A step is C_b + all-reduce seconds at worst, so it is never
+predicted slower than the one-barrier form by more than OVERLAP_SLACK of its
+all-reduce (less of the step), and as fast as last(G) lets it be when backprop
+is long enough to hide the rest. With bytes_per_pack="auto" the pack sizes
+tried are OVERLAP_PACK_SIZES (smaller packs give more groups and a smaller last
+group, for more latency). Without measurements (one worker, or settings
+pinned so nothing was probed) "auto" keeps one barrier.
 """
 
 import dataclasses
@@ -58,6 +85,12 @@ PACK_SIZES = (DEFAULT_BYTES_PER_PACK,)
 # seconds. Measured here, the model undercounts GradientFlow's extra collective in a step:
 # ResNet-20 FP16 at N = 2, 1 Gbit/s was predicted at 0.79x TF's time and took 1.1-1.25x.
 MARGIN = 0.6
+# overlap="auto" (module docstring, "Overlap"): the overlapped form may be predicted at most this
+# share slower than the one-barrier form when nothing hides behind backprop ...
+OVERLAP_SLACK = 0.05
+# ... and with bytes_per_pack="auto" it tries these pack sizes (the first is the one-barrier one).
+OVERLAP_PACK_SIZES = (DEFAULT_BYTES_PER_PACK, 1 << 20, 256 << 10)
+OVERLAP_CHOICES = (AUTO, True, False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,13 +124,21 @@ class Plan:
       "fp16", "bf16" or "none" (packs in their own dtype).
     bytes_per_pack: pack threshold in wire bytes (0: one pack per dtype).
     algorithm: "ring" (the wrapped TF ops) or "recursive_doubling" (gf_tf.collectives).
-    seconds: predicted seconds of the step's all-reduce (None: not modelled,
-      e.g. one worker or settings pinned without measurements).
+    seconds: predicted seconds of the step's all-reduce when nothing hides behind
+      backprop (None: not modelled, e.g. one worker or settings pinned without
+      measurements).
+    groups: consecutive groups the packs are cut into, each with its own control
+      collective (FP16 wires; 1: one barrier, every pack waits for the step's
+      last gradient; `gf_tf.reducers.group_ranges`).
+    last_seconds: with groups > 1, the predicted seconds of the last group alone
+      (what is left after backprop at best), or None.
     """
     method: str
     bytes_per_pack: int
     algorithm: str
     seconds: Optional[float] = None
+    groups: int = 1
+    last_seconds: Optional[float] = None
 
     @property
     def compression(self) -> Optional[str]:
@@ -111,9 +152,14 @@ class Plan:
             packs = "one pack per dtype" if not self.bytes_per_pack else \
                 f"packs of {self.bytes_per_pack} bytes"
             what = f"{self.method} packs ({packs}), {self.algorithm.replace('_', ' ')}"
+            what += f", {self.groups} groups overlapped with backprop" if self.groups > 1 \
+                else ", one barrier" if self.method == "fp16" else ""
         if self.seconds is None:
             return what
-        return f"{what}, predicted {1000 * self.seconds:.2f} ms per step"
+        what = f"{what}, predicted {1000 * self.seconds:.2f} ms per step"
+        if self.last_seconds is None:
+            return what
+        return f"{what} ({1000 * self.last_seconds:.2f} ms after the last gradient at best)"
 
 
 def recursive_doubling_rounds(workers: int) -> int:
@@ -136,10 +182,11 @@ def collective_seconds(algorithm: str, nbytes: float, workers: int, costs: Costs
     raise ValueError(f"unknown algorithm {algorithm!r}; choose from {ALGORITHMS}")
 
 
-def predict_seconds(method: str, algorithm: str, elements: int, tensors: int, workers: int,
-                    costs: Costs, packs: int = 1) -> float:
+def predict_seconds(method: str, algorithm: str, elements: float, tensors: float, workers: int,
+                    costs: Costs, packs: float = 1, groups: int = 1) -> float:
     """Predicted seconds of one step's all-reduce of `elements` float32 gradients in `tensors`
-    tensors by `method` ("tf", "fp16", "bf16", "none") over `algorithm`, in `packs` packs.
+    tensors by `method` ("tf", "fp16", "bf16", "none") over `algorithm`, in `packs` packs,
+    cut into `groups` groups (FP16; module docstring, "Overlap"), nothing hidden by backprop.
 
     GradientFlow's packs form a two-stage pipeline (the local pack/unpack of one pack runs
     while another is on the wire): with W the wire time and L the local time of the
@@ -153,14 +200,23 @@ def predict_seconds(method: str, algorithm: str, elements: int, tensors: int, wo
     latency = collective_seconds(algorithm, 0, workers, costs)
     wire_s = collective_seconds(algorithm, wire * elements, workers, costs) - latency
     local_s = (costs.fp16_s if method == "fp16" else costs.copy_s) * elements
-    control = collective_seconds(algorithm, FLOAT32_BYTES * tensors, workers, costs) \
-        if method == "fp16" else 0.0
+    groups = max(1, groups) if method == "fp16" else 1   # other wires have no control barrier
+    control = groups * collective_seconds(algorithm, FLOAT32_BYTES * tensors / groups, workers,
+                                          costs) if method == "fp16" else 0.0
     packs = max(1, packs)
-    return control + packs * latency + max(wire_s, local_s) + min(wire_s, local_s) / packs
+    return control + packs * latency + max(wire_s, local_s) + min(wire_s, local_s) * groups / packs
+
+
+def last_group_seconds(method: str, algorithm: str, elements: float, tensors: float, workers: int,
+                       costs: Costs, packs: float, groups: int) -> float:
+    """Predicted seconds of the last of `groups` equal groups of `packs` packs on its own
+    (module docstring, "Overlap": last(G))."""
+    return predict_seconds(method, algorithm, elements / groups, tensors / groups, workers, costs,
+                           packs / groups)
 
 
 def choose(elements: int, tensors: int, workers: int, costs: Optional[Costs],
-           method: str = AUTO, algorithm: str = AUTO, bytes_per_pack=AUTO) -> Plan:
+           method: str = AUTO, algorithm: str = AUTO, bytes_per_pack=AUTO, overlap=False) -> Plan:
     """The plan of one variable set: the pinned settings kept, the "auto" ones chosen.
 
     Args:
@@ -172,6 +228,8 @@ def choose(elements: int, tensors: int, workers: int, costs: Optional[Costs],
       method: "auto" or a pinned "fp16" / "bf16" / "none".
       algorithm: "auto" or a pinned one of ALGORITHMS.
       bytes_per_pack: "auto" (one of PACK_SIZES) or a pinned number of bytes.
+      overlap: "auto", True or False (default): how an FP16 plan's packs are grouped
+        (`choose_overlap`).
 
     Returns: the Plan with the lowest predicted seconds, except that with method "auto" a
       GradientFlow wire must be predicted to take at most MARGIN of TF's own seconds (an
@@ -184,7 +242,9 @@ def choose(elements: int, tensors: int, workers: int, costs: Optional[Costs],
     if costs is None or workers <= 1:
         if method == AUTO:
             return Plan("tf", 0 if bytes_per_pack == AUTO else int(bytes_per_pack), algorithms[0])
-        return Plan(method, _pack_options(elements, method, bytes_per_pack)[0][1], algorithms[0])
+        return choose_overlap(Plan(method, _pack_options(elements, method, bytes_per_pack)[0][1],
+                                   algorithms[0]), elements, tensors, workers, costs, overlap,
+                              bytes_per_pack)
     candidates: List[Plan] = []
     for m in methods:
         for a in (RING,) if m == "tf" else algorithms:
@@ -195,7 +255,73 @@ def choose(elements: int, tensors: int, workers: int, costs: Optional[Costs],
     best = min(candidates, key=lambda plan: plan.seconds)
     if best.method != "tf" and method == AUTO:   # undo the margin: report the prediction
         best = dataclasses.replace(best, seconds=best.seconds * MARGIN)
-    return best
+    return choose_overlap(best, elements, tensors, workers, costs, overlap, bytes_per_pack)
+
+
+def check_overlap(overlap):
+    """`overlap` if it is one of OVERLAP_CHOICES ("auto", True, False), else ValueError."""
+    if not any(overlap is c or (isinstance(c, str) and overlap == c) for c in OVERLAP_CHOICES):
+        raise ValueError(f"overlap must be \"auto\", True or False, got {overlap!r}")
+    return overlap
+
+
+def with_pack_count(plan: Plan, packs: int, overlap) -> Plan:
+    """`plan` with its groups fitted to the `packs` packs (with elements) actually cut:
+    one per pack for overlap=True on FP16, else at most one per pack, at least 1."""
+    groups = packs if overlap is True and plan.method == "fp16" else min(plan.groups, packs)
+    return dataclasses.replace(plan, groups=max(1, groups))
+
+
+def choose_overlap(plan: Plan, elements: int, tensors: int, workers: int, costs: Optional[Costs],
+                   overlap=AUTO, bytes_per_pack=AUTO) -> Plan:
+    """`plan` with its packs grouped for overlap (module docstring, "Overlap").
+
+    Args:
+      plan: the one-barrier plan (`choose`); only an "fp16" plan has groups to choose.
+      overlap: False: one barrier (plan unchanged). True: one group per pack; with
+        bytes_per_pack "auto" and measurements, of the OVERLAP_PACK_SIZES that give 2
+        packs or more (if any), the one with the least all(G): the least harm when
+        nothing hides.
+        "auto": the rule: the least last(G) with all(G) <= (1 + OVERLAP_SLACK) all(1);
+        one barrier without measurements.
+      bytes_per_pack: the setting ("auto" or pinned bytes): whether the size may change.
+
+    Returns:
+      the Plan with groups (an estimate from the element count; the caller clamps it to
+      the packs it cuts), bytes_per_pack, seconds = all(G) and last_seconds = last(G)
+      (None for one group). Ties go to fewer groups, then to larger packs.
+    """
+    if plan.method != "fp16" or overlap is False:
+        return plan
+    modelled = costs is not None and workers > 1
+    sizes = OVERLAP_PACK_SIZES if bytes_per_pack == AUTO and modelled else (plan.bytes_per_pack,)
+    options = []   # (size, packs, groups)
+    for size in sizes:
+        count = _pack_options(elements, plan.method, size)[0][0]
+        options += [(size, count, g) for g in ((count,) if overlap is True else range(1, count + 1))]
+    if not modelled:
+        return dataclasses.replace(plan, groups=options[0][2] if overlap is True else 1)
+
+    def all_s(option):
+        return predict_seconds(plan.method, plan.algorithm, elements, tensors, workers, costs,
+                               option[1], option[2])
+
+    def last_s(option):
+        return last_group_seconds(plan.method, plan.algorithm, elements, tensors, workers, costs,
+                                  option[1], option[2])
+
+    if overlap is True:   # the least all(G) of one group per pack, 2 packs or more if any size gives them
+        options = [o for o in options if o[2] > 1] or options
+        size, count, groups = min(options, key=lambda o: (all_s(o), sizes.index(o[0])))
+    else:
+        barrier = (plan.bytes_per_pack, _pack_options(elements, plan.method,
+                                                      plan.bytes_per_pack)[0][0], 1)
+        budget = (1 + OVERLAP_SLACK) * all_s(barrier)
+        options = [o for o in options if all_s(o) <= budget] or [barrier]
+        size, count, groups = min(options, key=lambda o: (last_s(o), o[2], sizes.index(o[0])))
+    return dataclasses.replace(plan, bytes_per_pack=size, groups=groups,
+                               seconds=all_s((size, count, groups)),
+                               last_seconds=last_s((size, count, groups)) if groups > 1 else None)
 
 
 def _pack_options(elements: int, method: str, bytes_per_pack) -> List[Tuple[int, int]]:

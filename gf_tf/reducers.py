@@ -10,7 +10,29 @@ back per pack, per served replica, the reduced tensors.
 The small side information of every pack (FP16 scale bounds, CSC chunk norms,
 CSC density="auto" timing figures) travels in ONE float32 SUM all-reduce per
 step: `fuse_controls`, which every reducer uses, concatenates the vectors,
-all-reduces them once and splits them back.
+all-reduces them once and splits them back. The dense reducer can instead cut
+the packs into groups (`StepInput.groups`, `group_ranges`), each with its own
+control all-reduce, so that a group's collectives depend only on its own
+gradients and run while backprop computes the rest (overlap, issue 18).
+
+Deadlock-freedom of the groups: every worker must issue the same collectives
+in the same order. The groups are traced in pack order, and the packs and the
+group count depend only on the pack plan and `Plan.groups`, which the settings
+handshake compares (gf_tf.cross_device_ops `_settings`) before the first step.
+TF's CollectiveAllReduce draws each collective's instance key at call time in
+trace order (CollectiveReplicaLauncher._next_instance_key, a call-time capture
+inside a tf.function), and gives every collective on a device its launcher's
+ordering token, a resource, so automatic control dependencies chain them in
+trace order: group g + 1's control all-reduce waits for group g's packs, never
+the other way. gf_tf.collectives (recursive doubling) keeps this: one instance
+key per all-reduce from the same launcher, its 2-member all-reduces on the
+same token, its broadcasts chained by data within that all-reduce. Every edge
+of the union over workers of these orders goes from an earlier (all-reduce,
+stage) to a later one, so there is no cycle. Grouping changes no bound:
+each tensor's scale comes from its own all-reduced max |g|, in whichever
+group's vector it travels, so the sums are the same bits (beyond N = 2 the
+ring may add a bound's float32 terms in another order, which moves its scale
+only if the bound lands exactly on a power of two).
 
 Source: GradientFlow (arXiv 1902.06855), lazy all-reduce and mixed-precision
 communication; PyTorch DDP communication hooks for the interface; TF's
@@ -81,10 +103,14 @@ class StepInput:
     packs: the packs with elements, in all-reduce order.
     shared: the reducer's state of the whole set (`Reducer.create_states`), or None.
     comm: the collectives and the served replicas.
+    groups: how many consecutive groups the packs are cut into (`group_ranges`),
+      each with its own control all-reduce (1: one for the step). The dense
+      reducer uses it; CSC keeps one.
     """
     packs: Tuple[PackStep, ...]
     shared: Optional[tf.Module]
     comm: Communicator
+    groups: int = 1
 
 
 @dataclasses.dataclass
@@ -175,6 +201,14 @@ def fuse_controls(comm: Communicator, parts: Sequence[Sequence[tf.Tensor]]
     return [[split[i][j] for i in range(len(comm.replicas))] for j in range(len(parts))]
 
 
+def group_ranges(count: int, groups: int) -> List[Tuple[int, int]]:
+    """[start, end) of each of `groups` consecutive groups of `count` packs, in order, as
+    equal in pack count as they can be (group g: floor(g count / G) .. floor((g+1) count / G));
+    G = groups clipped to 1 .. count (no empty group). Pure: equal on every worker."""
+    groups = max(1, min(int(groups), count))
+    return [(g * count // groups, (g + 1) * count // groups) for g in range(groups)]
+
+
 def no_control(comm: Communicator) -> List[tf.Tensor]:
     """Per served replica an empty control vector (float32 [0])."""
     return [tf.zeros([0], tf.float32) for _ in comm.replicas]
@@ -196,16 +230,22 @@ class DenseReducer(Reducer):
     all-reduced SUM picks a power-of-two scale per tensor
     (`compression.power_of_two_scale`), so no partial sum of the ring
     overflows and small gradients keep full FP16 precision at any N.
+    With `step.groups` > 1 each group of packs (`group_ranges`) all-reduces its
+    own bounds, then its packs, under the name scope "gf_group<g>" (module
+    docstring: the order and why it cannot deadlock).
     """
 
     def reduce(self, step):
         comm = step.comm
-        bounds = fuse_controls(comm, [self._bounds(pack, comm) for pack in step.packs])
         outputs, sent = [], Sent()
-        for pack, bound in zip(step.packs, bounds):
-            reduced, pack_sent = self._reduce_pack(pack.spec, pack.grads, bound, comm)
-            outputs.append(reduced)
-            sent = sent + pack_sent
+        for g, (start, end) in enumerate(group_ranges(len(step.packs), step.groups)):
+            packs = step.packs[start:end]
+            with tf.name_scope(f"gf_group{g}"):
+                bounds = fuse_controls(comm, [self._bounds(pack, comm) for pack in packs])
+                for pack, bound in zip(packs, bounds):
+                    reduced, pack_sent = self._reduce_pack(pack.spec, pack.grads, bound, comm)
+                    outputs.append(reduced)
+                    sent = sent + pack_sent
         return outputs, sent
 
     @staticmethod

@@ -1,0 +1,215 @@
+"""Overlap (issue 18): FP16 packs in groups, each with its own scale bounds' all-reduce.
+
+Values and the traced step on 2 worker processes (tests/workers/overlap_worker.py,
+TF_CONFIG on 127.0.0.1); the planner's rule on hand-computed cost cases.
+"""
+
+import numpy as np
+import pytest
+
+import cluster
+import gf_tf
+from gf_tf import planner, reducers
+from gf_tf.planner import Costs, Plan
+
+TIMEOUT, COMM_TIMEOUT = 180, 30
+GIGABIT = Costs(hop_s=1.5e-3, round_s=3e-3, byte_s=8e-9, copy_s=1e-9, fp16_s=2e-9)
+
+
+def _run(*args, workers=2):
+    results = cluster.run_workers("overlap_worker.py", workers, list(args), timeout=TIMEOUT,
+                                  comm_timeout=COMM_TIMEOUT)
+    assert all(r.ok and r.result is not None for r in results), cluster.describe(results)
+    return [r.result for r in results]
+
+
+# -- values: overlapped and one barrier against a float64 reference ------------------------
+
+@pytest.mark.parametrize("algorithm,workers", [
+    ("ring", 2), ("recursive_doubling", 2),
+    ("recursive_doubling", 3),   # fold and unfold broadcasts, which carry no ordering token
+])
+def test_overlapped_and_one_barrier_sums_match_a_float64_reference(algorithm, workers):
+    results = _run("--mode", "values", "--algorithm", algorithm, "--bytes_per_pack", "2048",
+                   workers=workers)
+    first = results[0]
+    assert int(first["overlap_groups"]) > 2 and int(first["barrier_groups"]) == 1, \
+        (first["overlap_plan"], first["barrier_plan"])
+    assert "groups overlapped with backprop" in str(first["overlap_plan"])
+    assert "one barrier" in str(first["barrier_plan"])
+    names = [k[len("sent_"):] for k in first if k.startswith("sent_")]
+    assert len(names) == 10
+    for name in names:
+        reference = np.sum([r[f"sent_{name}"] for r in results], axis=0)   # float64
+        dtype = str(first[f"dtype_{name}"])
+        # FP16 wire (float32 and float16 values): each tensor is scaled to its own bound, so
+        # the error is a few float16 ulps of the tensor's largest sum, at any magnitude (f32_tiny:
+        # ~1e-8, where unscaled FP16 subnormals would be off by up to 3e-8); the
+        # float16 output adds its own rounding (subnormal ulp 2**-24). BF16: 8-bit significand.
+        bits = 7 if dtype == "bfloat16" else 10
+        atol = 2.0 ** -bits * len(results) * np.max(np.abs(reference))
+        atol += 2.0 ** -24 if dtype == "float16" else 0.0
+        for r in results:
+            for form in ("overlap", "barrier"):
+                got = r[f"{form}_{name}"]
+                assert np.all(np.isfinite(got)), (name, form)   # no partial sum overflowed
+                np.testing.assert_allclose(got, reference, rtol=0, atol=atol, err_msg=f"{name} {form}")
+                np.testing.assert_array_equal(got, first[f"{form}_{name}"])   # every worker alike
+            # A tensor's scale comes from its own bound in either form: the same bits.
+            np.testing.assert_array_equal(r[f"overlap_{name}"], r[f"barrier_{name}"], err_msg=name)
+
+
+# -- the traced step of model.fit: the first group does not wait for the last gradients ---
+
+@pytest.fixture(scope="module")
+def fits():
+    """(overlap on, overlap off, baseline) runs of the fit worker."""
+    on = _run("--mode", "fit", "--overlap", "on")
+    off = _run("--mode", "fit", "--overlap", "off")
+    baseline = cluster.run_process("overlap_worker.py", ["--mode", "fit", "--baseline"],
+                                   timeout=TIMEOUT)
+    assert baseline.ok, cluster.describe([baseline])
+    return on, off, baseline.result
+
+
+def test_first_group_has_no_path_from_the_first_layers_gradient(fits):
+    on, off, _ = fits
+    for r in on:
+        groups = int(r["groups"])
+        assert groups >= 4 and int(r["groups_seen"]) == groups, str(r["plan"])
+        # Per group: its bounds' float32 all-reduce, then its float16 packs (>= 1).
+        assert np.all(r["collectives_per_group"] >= 2), r["collectives_per_group"]
+        # The first layer's kernel gradient (computed last in backprop) is packed in the last
+        # group; no op of the first group's collectives depends on it, through data or control.
+        assert list(r["kernel_gradient_groups"]) == [groups - 1]
+        assert not bool(r["first_reached_from_kernel"])
+        assert bool(r["last_reached_from_kernel"])   # the walk does find paths that exist
+        assert bool(r["groups_in_trace_order"])
+    for r in off:
+        # One barrier: the one group's bounds concatenate every tensor's, so its collectives,
+        # the first ones of the step, wait for the first layer's gradient.
+        assert int(r["groups"]) == 1 and int(r["groups_seen"]) == 1, str(r["plan"])
+        assert list(r["kernel_gradient_groups"]) == [0]
+        assert bool(r["first_reached_from_kernel"])
+
+
+def test_fit_with_overlap_is_identical_across_workers_and_close_to_float32(fits):
+    on, off, baseline = fits
+    keys = sorted((k for k in baseline if k[0] == "w"), key=lambda k: int(k[1:]))
+    assert len(keys) == 8
+    for k in keys:
+        assert on[0][k].tobytes() == on[1][k].tobytes(), f"workers differ in {k}"
+        np.testing.assert_allclose(on[0][k], baseline[k], atol=2e-3, rtol=0, err_msg=k)
+        # Grouping changes no scale: the same bits as one barrier.
+        np.testing.assert_array_equal(on[0][k], off[0][k], err_msg=k)
+    assert any(np.any(on[0][k] != baseline[k]) for k in keys), "FP16 left no trace: did it run?"
+
+
+def test_workers_that_group_differently_fail_at_the_handshake():
+    results = cluster.run_workers("overlap_worker.py", 2, ["--mode", "fit"], timeout=TIMEOUT,
+                                  comm_timeout=COMM_TIMEOUT,
+                                  per_worker_args=[["--overlap", "on"], ["--overlap", "off"]])
+    for r in results:
+        assert r.returncode not in (0, None), cluster.describe(results)
+        assert "settings differ across workers" in r.output, cluster.describe(results)
+        # 6 packs of 1024 bytes (the MLP's 8 gradients), one group each, against one barrier.
+        assert "overlap groups: worker 0 = 6, worker 1 = 1" in r.output, cluster.describe(results)
+
+
+# -- grouping and the planner's rule, by hand ---------------------------------------------
+
+def test_group_ranges_are_consecutive_and_balanced():
+    assert reducers.group_ranges(6, 1) == [(0, 6)]
+    assert reducers.group_ranges(6, 4) == [(0, 1), (1, 3), (3, 4), (4, 6)]
+    assert reducers.group_ranges(3, 10) == [(0, 1), (1, 2), (2, 3)]   # never an empty group
+    assert reducers.group_ranges(1, 0) == [(0, 1)]
+
+
+def test_predicted_seconds_of_groups_by_hand():
+    e, t, n, p = 25_600_000, 160, 2, 13
+    lat = 2 * 1.5e-3                       # ring at N = 2: 2 hops
+    wire, local = 2 / 2 * 2 * e * 8e-9, 2e-9 * e
+
+    def control(tensors):
+        return lat + 2 / 2 * 4 * tensors * 8e-9
+    barrier = planner.predict_seconds("fp16", "ring", e, t, n, GIGABIT, p)
+    assert barrier == pytest.approx(control(t) + p * lat + wire + local / p)
+    # 4 groups: 4 control collectives of 40 tensors, the pipeline refills in each group.
+    four = planner.predict_seconds("fp16", "ring", e, t, n, GIGABIT, p, groups=4)
+    assert four == pytest.approx(4 * control(40) + p * lat + wire + local * 4 / p)
+    last = planner.last_group_seconds("fp16", "ring", e, t, n, GIGABIT, p, 4)
+    assert last == pytest.approx(control(40) + p / 4 * lat + wire / 4 + local / p)
+    # Wires without bounds have no barrier to cut: groups change nothing.
+    assert planner.predict_seconds("bf16", "ring", e, t, n, GIGABIT, p, groups=4) == \
+        planner.predict_seconds("bf16", "ring", e, t, n, GIGABIT, p)
+
+
+def _brute_force(e, t, n, costs, sizes):
+    barrier_packs = planner._pack_options(e, "fp16", sizes[0])[0][0]   # pylint: disable=protected-access
+    budget = (1 + planner.OVERLAP_SLACK) * planner.predict_seconds("fp16", "ring", e, t, n, costs,
+                                                                    barrier_packs)
+    best = None
+    for size in sizes:
+        packs = -(-2 * e // size)
+        for g in range(1, packs + 1):
+            if planner.predict_seconds("fp16", "ring", e, t, n, costs, packs, g) <= budget:
+                last = planner.last_group_seconds("fp16", "ring", e, t, n, costs, packs, g)
+                if best is None or last < best[0]:
+                    best = (last, size, g)
+    return best
+
+
+@pytest.mark.parametrize("elements,byte_s,expected", [
+    (270_000, 8e-9, (4 << 20, 1)),      # ResNet-20, 1 Gbit/s: 1 pack; more cost a 3 ms collective each
+    (270_000, 80e-9, (4 << 20, 1)),     # 100 Mbit/s: 3 small packs would add 9 ms to 50 ms (> 5%)
+    (25_600_000, 8e-9, (4 << 20, 4)),   # ResNet-50, 1 Gbit/s: 13 packs, 4 groups within 5%
+    (25_600_000, 80e-9, (1 << 20, 26)),  # 100 Mbit/s: the wire dominates, 1 MiB packs, 26 groups
+])
+def test_auto_overlap_takes_the_least_last_group_within_the_slack(elements, byte_s, expected):
+    costs = Costs(hop_s=1.5e-3, round_s=3e-3, byte_s=byte_s, copy_s=1e-9, fp16_s=2e-9)
+    plan = planner.choose(elements, 160, 2, costs, "fp16", "ring", overlap="auto")
+    assert (plan.bytes_per_pack, plan.groups) == expected, plan.describe()
+    best = _brute_force(elements, 160, 2, costs, planner.OVERLAP_PACK_SIZES)
+    assert (best[1], best[2]) == expected
+    barrier = planner.choose(elements, 160, 2, costs, "fp16", "ring", overlap=False)
+    assert barrier.groups == 1
+    assert plan.seconds <= (1 + planner.OVERLAP_SLACK) * barrier.seconds   # never more than 5% slower
+    if plan.groups > 1:
+        assert plan.last_seconds < barrier.seconds
+        assert f"{plan.groups} groups overlapped with backprop" in plan.describe()
+
+
+def test_pinned_and_unmeasured_settings_keep_their_form():
+    # Without measurements "auto" is one barrier; True is one group per pack of the given size.
+    assert planner.choose(10**7, 10, 2, None, "fp16", overlap="auto").groups == 1
+    unmeasured = planner.choose(10**7, 10, 2, None, "fp16", bytes_per_pack=1 << 20, overlap=True)
+    assert (unmeasured.bytes_per_pack, unmeasured.groups) == (1 << 20, 20)
+    # A pinned pack size is kept by "auto" and by True.
+    plan = planner.choose(25_600_000, 160, 2, GIGABIT, "fp16", "ring", 1 << 20, overlap="auto")
+    assert plan.bytes_per_pack == 1 << 20
+    forced = planner.choose(25_600_000, 160, 2, GIGABIT, "fp16", "ring", 1 << 20, overlap=True)
+    assert (forced.bytes_per_pack, forced.groups) == (1 << 20, 49)
+    # True with "auto" packs: the size whose per-pack groups cost least, of those giving >= 2.
+    small = planner.choose(270_000, 65, 2, GIGABIT, "fp16", "ring", overlap=True)
+    assert (small.bytes_per_pack, small.groups) == (256 << 10, 3)
+    # TF's own all-reduce and unscaled wires have nothing to group.
+    assert planner.choose(1_000, 10, 2, GIGABIT, overlap=True) == planner.choose(1_000, 10, 2, GIGABIT)
+    assert planner.choose(10**7, 10, 2, GIGABIT, "bf16", overlap=True).groups == 1
+    # The cut packs decide: one group per pack for True, never more groups than packs.
+    assert planner.with_pack_count(Plan("fp16", 64, "ring", groups=5), 3, "auto").groups == 3
+    assert planner.with_pack_count(Plan("fp16", 64, "ring", groups=2), 7, True).groups == 7
+    assert planner.with_pack_count(Plan("tf", 0, "ring"), 0, True).groups == 1
+
+
+def test_the_overlap_setting_is_checked_and_shown():
+    for bad in ("yes", 1, None, 0.5):
+        with pytest.raises(ValueError, match="overlap"):
+            gf_tf.GradientFlowAllReduce(overlap=bad)
+    gfar = gf_tf.GradientFlowAllReduce(compression="fp16", overlap=True)
+    assert gfar.overlap is True and "overlap=True" in repr(gfar)
+    assert gf_tf.GradientFlowAllReduce().overlap == "auto"
+    assert Plan("fp16", 1024, "ring", 0.01, groups=3, last_seconds=0.002).describe() == (
+        "fp16 packs (packs of 1024 bytes), ring, 3 groups overlapped with backprop, predicted "
+        "10.00 ms per step (2.00 ms after the last gradient at best)")
+    assert Plan("fp16", 1024, "ring").describe() == "fp16 packs (packs of 1024 bytes), ring, one barrier"
+

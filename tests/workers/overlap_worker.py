@@ -1,0 +1,169 @@
+"""One worker of tests/test_overlap.py: FP16 packs in groups (overlap) against one barrier.
+
+--mode values: gf_tf.all_reduce_gradients of this worker's fresh random gradients (sizes 1,
+  7, 1009, values near 65504, FP16 subnormals, float32/float16/bfloat16), once with
+  overlap=True and once with the same GradientFlowAllReduce set to one barrier (overlap=False,
+  a new trace). Writes what it sent, both sums and both plans' group counts.
+--mode fit: model.fit of a 4-layer MLP with overlap on or off (--overlap), or --baseline (one
+  process, no strategy, float32). Writes the final weights and, from the traced train step,
+  whether the first group's collectives have a data or control path from the gradient of the
+  first layer's kernel (which is in the last group when the packs are grouped).
+"""
+
+import argparse
+import re
+
+import numpy as np
+import tensorflow as tf
+
+import worker_util
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--mode", choices=["values", "fit"], default="values")
+parser.add_argument("--algorithm", default="ring")
+parser.add_argument("--bytes_per_pack", type=int, default=1024)
+parser.add_argument("--overlap", choices=["on", "off"], default="on")
+parser.add_argument("--baseline", action="store_true", help="fit in one process, no strategy")
+args = parser.parse_args()
+
+import gf_tf  # pylint: disable=wrong-import-position
+import keras  # pylint: disable=wrong-import-position
+
+COLLECTIVES = ("CollectiveReduceV2", "CollectiveBcastSendV2", "CollectiveBcastRecvV2")
+GROUP = re.compile(r"gf_group(\d+)/")
+
+
+def strategy_with(overlap):
+    gradient_flow = gf_tf.GradientFlowAllReduce(compression="fp16", bytes_per_pack=args.bytes_per_pack,
+                                                algorithm=args.algorithm, overlap=overlap)
+    return gf_tf.MultiWorkerMirroredStrategy(
+        communication_options=worker_util.communication_options(), gradient_flow=gradient_flow)
+
+
+def nasty_gradients(rng, replicas):
+    """This worker's gradients: (name, NumPy value, dtype); float16 sums stay below 65504."""
+    def normal(n, scale=1.0):
+        return rng.normal(size=n) * scale
+    return [("f32_one", normal(1), tf.float32),
+            ("f32_near_max", np.sign(normal(7)) * rng.uniform(60000, 65504, 7), tf.float32),
+            ("f32_tiny", normal(1009, 1e-6), tf.float32),
+            ("f16_subnormal", rng.uniform(-5e-5, 5e-5, 7), tf.float16),
+            ("f16_near_max", np.sign(normal(1009)) * rng.uniform(0.9, 1, 1009) * 64000 / replicas,
+             tf.float16),
+            ("bf16", normal(7, 1e3), tf.bfloat16),
+            ("f32_wide", normal((9, 5)) * 10.0 ** rng.integers(-8, 8, (9, 5)), tf.float32),
+            ("bf16_big", normal(1009), tf.bfloat16),
+            ("f16_one", normal(1), tf.float16),
+            ("f32_big", normal(1009), tf.float32)]
+
+
+def run_values():
+    strategy = strategy_with(True)
+    gfar = strategy.gradient_flow
+    grads = nasty_gradients(np.random.default_rng(), strategy.num_replicas_in_sync)
+    # What each worker sends, exactly as its dtype holds it (the reference is computed from this).
+    sent = [tf.cast(tf.constant(v, tf.float64), d) for _, v, d in grads]
+    with strategy.scope():   # float32: TF's initial-value broadcast takes no bfloat16 (the
+        # variables only name the set; the gradients keep their dtypes)
+        variables = [tf.Variable(tf.zeros(s.shape), name=n) for s, (n, _, _) in zip(sent, grads)]
+
+    def traced_step():
+        @tf.function
+        def step():
+            return strategy.run(lambda: gf_tf.all_reduce_gradients(list(sent), variables))
+        return [strategy.experimental_local_results(t)[0] for t in step()]
+
+    result = {}
+    for form, overlap in (("overlap", True), ("barrier", False)):
+        gfar.overlap = overlap   # the same GradientFlowAllReduce, retraced with one barrier
+        for (name, _, _), s, got in zip(grads, sent, traced_step()):
+            result[f"sent_{name}"] = tf.cast(s, tf.float64).numpy()
+            result[f"{form}_{name}"] = tf.cast(got, tf.float64).numpy()
+            result[f"dtype_{name}"] = np.array(s.dtype.name)
+        (plan,) = gfar.plans().values()
+        result[f"{form}_groups"] = np.array(plan.groups)
+        result[f"{form}_plan"] = np.array(plan.describe())
+    worker_util.write_result(**result)
+
+
+def build_model():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(48, activation="tanh"),
+                              keras.layers.Dense(40, activation="tanh"),
+                              keras.layers.Dense(32, activation="tanh"), keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    return model
+
+
+def ancestors(ops):
+    """Every op with a data or control path to one of `ops` (op.inputs, op.control_inputs)."""
+    seen, stack = set(), list(ops)
+    while stack:
+        op = stack.pop()
+        for parent in [t.op for t in op.inputs] + list(op.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen
+
+
+def graph_facts(model, recorded):
+    """(groups seen, collectives per group, first group reached from the first kernel's gradient)."""
+    graph, name = recorded[tuple(model.layers[0].kernel.shape)]
+    gradient_op = graph.get_tensor_by_name(name).op
+    per_group = {}
+    for op in graph.get_operations():
+        match = GROUP.search(op.name)
+        if match and op.type in COLLECTIVES:
+            per_group.setdefault(int(match.group(1)), []).append(op)
+    last = max(per_group)
+    groups_of_kernel = sorted({int(GROUP.search(c.name).group(1)) for c in graph.get_operations()
+                               if GROUP.search(c.name) and gradient_op in [t.op for t in c.inputs]})
+    return {"groups_seen": np.array(len(per_group)),
+            "collectives_per_group": np.array([len(per_group[g]) for g in sorted(per_group)]),
+            "kernel_gradient_groups": np.array(groups_of_kernel),
+            "last_group": np.array(last),
+            "first_reached_from_kernel": np.array(gradient_op in ancestors(per_group[0])),
+            "last_reached_from_kernel": np.array(gradient_op in ancestors(per_group[last])),
+            # TF's ordering token chains a device's collectives in trace order: every group's
+            # collectives come after the previous group's (the same order on every worker).
+            "groups_in_trace_order": np.array(all(
+                set(per_group[g - 1]) & ancestors(per_group[g]) for g in sorted(per_group)[1:]))}
+
+
+def run_fit():
+    result, strategy = {}, None
+    if not args.baseline:   # before any TF op: the strategy configures the collectives
+        strategy = strategy_with(args.overlap == "on")
+        gfar = strategy.gradient_flow
+        recorded = {}
+        original = gfar.all_reduce_gradients
+
+        def recording(replica_ctx, grads, variables, reduce_op, options=None):
+            for g, v in zip(grads, variables):   # the gradient tensors as the step traced them
+                recorded[tuple(v.shape)] = (g.graph, g.name)   # this model's shapes are distinct
+            return original(replica_ctx, grads, variables, reduce_op, options)
+        gfar.all_reduce_gradients = recording
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 12)).astype(np.float32)
+    y = (np.tanh(x @ rng.normal(size=(12, 3)))).astype(np.float32)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    if strategy is None:
+        model = build_model()
+    else:
+        with strategy.scope():
+            model = build_model()
+    model.fit(dataset, epochs=2, verbose=0)
+    result.update({f"w{i}": w for i, w in enumerate(model.get_weights())})
+    if not args.baseline:
+        (plan,) = gfar.plans().values()
+        result["groups"] = np.array(plan.groups)
+        result["plan"] = np.array(plan.describe())
+        result.update(graph_facts(model, recorded))
+    worker_util.write_result(**result)
+
+
+if args.mode == "values":
+    run_values()
+else:
+    run_fit()
