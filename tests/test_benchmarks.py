@@ -233,7 +233,8 @@ def test_fit_workers_get_the_overlap_and_profile_flags_and_methods_one_line_over
     monkeypatch.setitem(methods.OVERRIDES, "gf_fp16_big", {"bytes_per_pack": 8 * 2 ** 20})
     _, gf = methods.make_strategy("gf_fp16", 30.0, build_strategy=False)
     kwargs = methods.gradient_flow_kwargs("gf_fp16_big")
-    assert kwargs == {"compression": "fp16", "bytes_per_pack": 8 * 2 ** 20, "algorithm": "ring"}
+    assert kwargs == {"compression": "fp16", "bytes_per_pack": 8 * 2 ** 20, "algorithm": "ring",
+                      "overlap": False}
     assert gf.bytes_per_pack == 4 * 2 ** 20 and methods.is_gradient_flow("gf_fp16_big")
 
 

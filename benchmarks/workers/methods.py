@@ -20,8 +20,13 @@
     gf_fp16_rd / csc_1_rd
               gf_fp16 / csc_1 over recursive doubling (algorithm="recursive_doubling",
               gf_tf.collectives) instead of TF's ring
+    gf_fp16_overlap
+              gf_fp16 with overlap=True: one group of packs per pack, each with its own
+              scale-bounds all-reduce, so packs leave during backprop; bytes_per_pack
+              "auto" (the planner's pack size that gives 2 or more packs)
 
-Every GradientFlow method but `auto` pins bytes_per_pack and algorithm, so that
+Every GradientFlow method but `auto` and `gf_fp16_overlap` pins bytes_per_pack,
+algorithm and overlap (False), so that
 it measures the same transport whatever the planner's defaults. The last three
 are not in the presets' loops over every method either: the `scale` preset of
 benchmarks.allreduce names them.
@@ -45,10 +50,13 @@ CSC_DENSITY: Dict[str, Union[float, str]] = {"csc_10": 0.10, "csc_1": 0.01, "csc
 CSC_SELECTION: Dict[str, str] = {"csc_1_global": "global", "csc_0.1_global": "global"}
 # GradientFlowAllReduce keywords of every GradientFlow method ("default" bytes_per_pack:
 # gf_tf.planner.DEFAULT_BYTES_PER_PACK, 4 MiB), before its OVERRIDES.
-PINNED: Dict[str, object] = {"compression": "fp16", "bytes_per_pack": "default", "algorithm": "ring"}
+PINNED: Dict[str, object] = {"compression": "fp16", "bytes_per_pack": "default", "algorithm": "ring",
+                             "overlap": False}
 # Per method: the GradientFlowAllReduce keywords that differ from PINNED.
 OVERRIDES: Dict[str, Dict[str, object]] = {
-    "auto": {"compression": "auto", "bytes_per_pack": "auto", "algorithm": "auto"},  # the defaults
+    "auto": {"compression": "auto", "bytes_per_pack": "auto", "algorithm": "auto",  # the defaults
+             "overlap": "auto"},
+    "gf_fp16_overlap": {"overlap": True, "bytes_per_pack": "auto"},   # one group per pack, 2+ packs
     "gf_fp16_rd": {"algorithm": "recursive_doubling"},
     "csc_1_rd": {"algorithm": "recursive_doubling"},
 }
