@@ -71,8 +71,9 @@ def _sample_output():
 @pytest.mark.slow
 def test_the_sample_output_is_what_the_first_command_prints():
     """README's sample lines of `gf-tf-run -n 2 -- python -m models.train` (issue 19 item 8): the
-    accuracy and byte lines exactly (seed 0: the run prints the same on every run here), the
-    throughput line's form (it depends on the machine's load)."""
+    byte line exactly (seed 0), the accuracy to within 0.01 (3 of 360 images: its last digits follow
+    the CPU's oneDNN kernels, 0.9667 on one machine and 0.9722 on two others), the throughput
+    line's form (it depends on the machine's load)."""
     from gf_tf import launch  # pylint: disable=import-outside-toplevel
     env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("TF_CONFIG", None)
@@ -81,7 +82,10 @@ def test_the_sample_output_is_what_the_first_command_prints():
     printed = out.getvalue().decode()
     assert code == 0, printed[-3000:]
     accuracy, throughput, sent = _sample_output()
-    assert accuracy.startswith("[worker 0] test accuracy: ") and accuracy in printed.splitlines(), printed
+    form = r"\[worker 0\] test accuracy: ([01]\.\d{4}) \(360 test images\)"
+    expected = float(re.fullmatch(form, accuracy).group(1))
+    printed_accuracy = float(re.search(f"^{form}$", printed, flags=re.M).group(1))
+    assert abs(printed_accuracy - expected) <= 0.01, printed
     assert sent.startswith("[worker 0] bytes sent per step") and sent in printed.splitlines(), printed
     form = re.escape(throughput).replace(re.escape(re.search(r"[\d.]+ images/s", throughput).group(0)),
                                          r"[\d.]+ images/s")
