@@ -44,10 +44,18 @@ def test_every_tested_keras3_minor_passes_the_check(minor):
 
 
 @pytest.mark.parametrize("version", ["3.5.0", "3.6.0", "3.12.4", "3.16.0", "2.15.0"])
-def test_untested_keras3_fails_naming_the_tested_ones(version):
+def test_untested_keras3_fails_naming_the_tested_ones(monkeypatch, version):
+    monkeypatch.delenv(flavour.KERAS_UNDER_TEST_ENV, raising=False)   # a keras3.N cell sets it
     tested = re.escape(", ".join(TESTED_KERAS3))
     with pytest.raises(RuntimeError, match=rf"tested with Keras {tested} only; found Keras {version}"):
         keras_compat.check_keras_version(version, tf_keras=False)
+
+
+def test_a_matrix_cell_accepts_its_own_keras3_minor_and_no_other(monkeypatch):
+    monkeypatch.setenv(flavour.KERAS_UNDER_TEST_ENV, "3.16")   # what noxfile sets in a keras3.16 cell
+    keras_compat.check_keras_version("3.16.2", tf_keras=False)
+    with pytest.raises(RuntimeError, match="found Keras 3.5.0"):
+        keras_compat.check_keras_version("3.5.0", tf_keras=False)
 
 
 @pytest.mark.parametrize("running, applies", [("3.6.0", (True, True, False)), ("3.7.1", (True, False, True)),
