@@ -215,8 +215,7 @@ def _refuse_gradient_accumulation(model) -> None:
     if gradient_flow and not getattr(optimizer, "use_ema", False):
         return
     where = (" and use_ema=True (gf_tf makes accumulation train without EMA only)" if gradient_flow
-             else " (gf_tf makes it train under a GradientFlowAllReduce with Keras "
-                  f"{_ACCUMULATION_PATCH.since})")
+             else " (gf_tf makes it train under a GradientFlowAllReduce)")
     raise ValueError(
         f"gradient_accumulation_steps={steps} does not work under "
         f"{type(model.distribute_strategy).__name__} with Keras {keras_module().__version__}"
@@ -329,8 +328,9 @@ def _patched_tf_apply(original):
 
 
 def _patched_backend_apply_gradients(original):
-    """Keras 3.15's accumulating `BaseOptimizer._backend_apply_gradients`, restructured so it trains
-    under a GradientFlowAllReduce (MirroredStrategy and MultiWorkerMirroredStrategy).
+    """Keras 3.6-3.15's accumulating `BaseOptimizer._backend_apply_gradients` (the same code in each
+    minor; 3.6-3.9 also count the step there), restructured so it trains under a
+    GradientFlowAllReduce (MirroredStrategy and MultiWorkerMirroredStrategy).
 
     Keras picks "apply" or "accumulate" with a `tf.cond` taken in replica context, and both
     branches `merge_call` (the all-reduce and the variable updates): tf.distribute refuses a
@@ -372,6 +372,8 @@ def _patched_backend_apply_gradients(original):
                     lambda: distribution.extended.call_for_each_replica(accumulate, args=(grads,)))
 
         replica_ctx.merge_call(in_cross_replica, args=(list(grads),))
+        if keras3_minor() < (3, 10):
+            self._iterations.assign_add(1)   # Keras 3.6-3.9 count the micro-step here (3.10 on: in apply)
     return _backend_apply_gradients
 
 
@@ -405,8 +407,7 @@ _ACCUMULATION_PATCH = Patch(
     _patched_backend_apply_gradients,
     "gradient_accumulation_steps > 1 under a GradientFlowAllReduce: the apply-or-accumulate cond "
     "taken in cross-replica context (one merge_call before it, call_for_each_replica in each "
-    "branch); accumulated local gradients are all-reduced once per applied update",
-    since="3.15")
+    "branch); accumulated local gradients are all-reduced once per applied update")
 
 PATCHES = (
     Patch(_TRAINER, "TensorFlowTrainer._maybe_symbolic_build", (KERAS3,), _patched_symbolic_build,
