@@ -17,7 +17,7 @@ from gf_tf.keras import flavour, patches
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SUPPORTED_TF = ("2.18", "2.19", "2.20", "2.21")
-TESTED_KERAS3 = ("3.6", "3.8", "3.9", "3.14", "3.15")   # the noxfile cells that passed (README "Supported versions")
+TESTED_KERAS3 = ("3.6", "3.8", "3.9", "3.12", "3.14", "3.15")   # the noxfile cells that passed (README "Supported versions")
 
 
 @pytest.mark.parametrize("version", ["2.18.0", "2.19.1", "2.20.0", "2.21.0"])
