@@ -14,7 +14,9 @@ Per cell: the op build against the cell's TensorFlow (`python -m gf_tf._build --
 the cell's own cache), the op tests on that library, the fast tests (`-m "not slow"`), the
 2-worker FP16 + CSC fit (tests/test_matrix_fit.py) and Keras's multi-step loop under
 MirroredStrategy and 2 workers (tests/test_multistep.py). gf_tf runs from this checkout (PYTHONPATH),
-with GF_TF_OPS_LIBRARY naming the cell's library, so cells never share a build. Wheels come from
+with GF_TF_OPS_LIBRARY naming the cell's library, so cells never share a build. A keras3.N cell
+sets GF_TF_KERAS_UNDER_TEST=3.N, so gf_tf accepts that minor there before
+gf_tf/keras/flavour.py's TESTED_KERAS_VERSIONS lists it (it lists the minors whose cells passed). Wheels come from
 pip's cache after the first run.
 
     nox -s asan                             # the op library under AddressSanitizer (README "Memory safety")
@@ -56,6 +58,8 @@ def _install(session, tf_version: str, flavour: str, keras_minor: str = None) ->
     env = {"PYTHONPATH": REPO, "TF_CPP_MIN_LOG_LEVEL": "2",
            "GF_TF_CACHE_DIR": os.path.join(session.virtualenv.location, "gf_tf_cache"),
            "TF_USE_LEGACY_KERAS": "1" if flavour == "tf_keras" else "0"}
+    if keras_minor:
+        env["GF_TF_KERAS_UNDER_TEST"] = keras_minor   # accepted here before TESTED_KERAS_VERSIONS lists it
     if flavour == "tf_keras":
         session.install("--no-deps", f"tf-keras=={tf_version}.*")
     session.run("python", "-c", "import tensorflow as tf, gf_tf.keras.flavour as k; "

@@ -12,11 +12,16 @@ import pytest
 from cluster import describe, run_process, run_workers
 
 from gf_tf import keras_compat
+from gf_tf.keras import patches
 from test_sparsity import NumpyCSC
 
 pytestmark = pytest.mark.slow
 
 EPOCHS, EXAMPLES, BATCH = 2, 112, 16
+# Keras 3.6 divides each replica's loss by its own batch (8 of 16 here, on 2 replicas or 2 workers)
+# and the optimizer sums the replicas' gradients: 2x the gradient of the global batch's mean loss
+# (stock Keras 3.6 alike). Keras 3.7 on and tf-keras scale to the global batch.
+GRADIENT_SCALE = 2.0 if not keras_compat.uses_tf_keras() and patches.keras3_minor() < (3, 7) else 1.0
 
 
 def _mirrored(*args):
@@ -27,21 +32,26 @@ def _mirrored(*args):
 
 
 def _sgd_reference(result):
-    """Float64 NumPy SGD (lr 0.1) on Keras's MSE: mean over outputs, then over the global batch."""
+    """Float64 NumPy SGD (lr 0.1) on Keras's MSE: mean over outputs, then over the global batch
+    (times GRADIENT_SCALE)."""
     x, y = result["x"].astype(np.float64), result["y"].astype(np.float64)
     w, b = result["w0_init"].astype(np.float64), result["w1_init"].astype(np.float64)
     for _ in range(EPOCHS):
         for start in range(0, EXAMPLES, BATCH):
             xb, yb = x[start:start + BATCH], y[start:start + BATCH]
             err = xb @ w + b - yb
-            scale = 2.0 / (len(xb) * yb.shape[1])
+            scale = GRADIENT_SCALE * 2.0 / (len(xb) * yb.shape[1])
             w, b = w - 0.1 * scale * xb.T @ err, b - 0.1 * scale * err.sum(0)
     return w, b
 
 
-@pytest.mark.parametrize("steps_per_execution", [3, 7])
-def test_mirrored_multi_step_fit_matches_float64_sgd(steps_per_execution):
-    r = _mirrored(f"--steps_per_execution={steps_per_execution}", "--compression=none")
+@pytest.mark.parametrize("steps_per_execution, unknown_length", [(3, False), (7, False), (1, True), (3, True)])
+def test_mirrored_multi_step_fit_matches_float64_sgd(steps_per_execution, unknown_length):
+    """14 steps, each counted once: also where an epoch's last call runs out of data (7 batches in
+    calls of 3; data of unknown length, whose end Keras finds by reading past it), where Keras 3.6
+    (3 and unknown length) and 3.7-3.15 (1 and unknown length) count 16 (gf_tf.keras.multi_step)."""
+    r = _mirrored(f"--steps_per_execution={steps_per_execution}", "--compression=none",
+                  *(["--unknown_length"] if unknown_length else []))
     assert int(r["iterations"]) == int(r["gf_steps"]) == EPOCHS * EXAMPLES // BATCH
     w, b = _sgd_reference(r)
     np.testing.assert_allclose(r["w0"], w, rtol=0, atol=2e-5)
@@ -87,7 +97,7 @@ def _accumulation_reference(result, k, csc=None, density=None):
     """Float64 NumPy of Keras 3.15's accumulation (`BaseOptimizer._backend_apply_gradients`) on
     2 replicas, each taking its consecutive half of every global batch of 16, with SGD (lr 0.1).
 
-    Each replica's gradient of Keras's MSE (loss divided by the global batch) is added to its own
+    Each replica's gradient of Keras's MSE (loss divided by the global batch; times GRADIENT_SCALE) is added to its own
     accumulator on every micro-step, across epochs; every k-th micro-step each replica sends
     (accumulator + g) / k, the all-reduce sums them (`csc`, a NumpyCSC of the pack in backprop
     order [b, w], selects the chunks instead when given) and SGD applies the sum.
@@ -102,7 +112,7 @@ def _accumulation_reference(result, k, csc=None, density=None):
             for r in range(2):
                 xr = x[start + r * BATCH // 2:start + (r + 1) * BATCH // 2]
                 yr = y[start + r * BATCH // 2:start + (r + 1) * BATCH // 2]
-                err = (xr @ w + b - yr) * 2.0 / (BATCH * yr.shape[1])
+                err = (xr @ w + b - yr) * GRADIENT_SCALE * 2.0 / (BATCH * yr.shape[1])
                 acc[r] += np.concatenate([err.sum(0), (xr.T @ err).ravel()])
             micro += 1
             if micro % k == 0:

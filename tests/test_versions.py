@@ -17,7 +17,7 @@ from gf_tf.keras import flavour, patches
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SUPPORTED_TF = ("2.18", "2.19", "2.20", "2.21")
-TESTED_KERAS3 = ("3.9", "3.15")   # the noxfile cells that passed (README "Supported versions")
+TESTED_KERAS3 = ("3.6", "3.8", "3.9", "3.10", "3.12", "3.14", "3.15")   # the noxfile cells that passed (README "Supported versions")
 
 
 @pytest.mark.parametrize("version", ["2.18.0", "2.19.1", "2.20.0", "2.21.0"])
@@ -43,11 +43,19 @@ def test_every_tested_keras3_minor_passes_the_check(minor):
     keras_compat.check_keras_version(f"{minor}.9", tf_keras=False)
 
 
-@pytest.mark.parametrize("version", ["3.5.0", "3.6.0", "3.12.4", "3.16.0", "2.15.0"])
-def test_untested_keras3_fails_naming_the_tested_ones(version):
+@pytest.mark.parametrize("version", ["3.5.0", "3.7.0", "3.11.3", "3.16.0", "2.15.0"])   # no cell passed
+def test_untested_keras3_fails_naming_the_tested_ones(monkeypatch, version):
+    monkeypatch.delenv(flavour.KERAS_UNDER_TEST_ENV, raising=False)   # a keras3.N cell sets it
     tested = re.escape(", ".join(TESTED_KERAS3))
     with pytest.raises(RuntimeError, match=rf"tested with Keras {tested} only; found Keras {version}"):
         keras_compat.check_keras_version(version, tf_keras=False)
+
+
+def test_a_matrix_cell_accepts_its_own_keras3_minor_and_no_other(monkeypatch):
+    monkeypatch.setenv(flavour.KERAS_UNDER_TEST_ENV, "3.16")   # what noxfile sets in a keras3.16 cell
+    keras_compat.check_keras_version("3.16.2", tf_keras=False)
+    with pytest.raises(RuntimeError, match="found Keras 3.5.0"):
+        keras_compat.check_keras_version("3.5.0", tf_keras=False)
 
 
 @pytest.mark.parametrize("running, applies", [("3.6.0", (True, True, False)), ("3.7.1", (True, False, True)),

@@ -12,9 +12,11 @@ from typing import FrozenSet
 
 import tensorflow as tf
 
-TESTED_KERAS_VERSIONS = ("3.9", "3.15")                       # Keras 3: the noxfile cells that passed
+TESTED_KERAS_VERSIONS = ("3.6", "3.8", "3.9", "3.10", "3.12", "3.14", "3.15")   # Keras 3: the noxfile cells that passed
 TESTED_TF_KERAS_VERSIONS = ("2.18", "2.19", "2.20", "2.21")  # tf-keras, same minor as TensorFlow
 LEGACY_KERAS_ENV = "TF_USE_LEGACY_KERAS"
+# A noxfile cell `tfX.Y-keras3.N` sets this to "3.N": the cell tests that minor before it is listed.
+KERAS_UNDER_TEST_ENV = "GF_TF_KERAS_UNDER_TEST"
 KERAS3 = "keras"
 TF_KERAS = "tf-keras"
 
@@ -41,8 +43,9 @@ def _minor(version: str) -> str:
 def check_keras_version(version: str = None, tf_keras: bool = None) -> None:
     """Raises RuntimeError unless the running Keras flavour and version were tested with gf_tf.
 
-    Keras 3: TESTED_KERAS_VERSIONS. tf-keras: TESTED_TF_KERAS_VERSIONS, and the same minor
-    version as TensorFlow (tf-keras X.Y is built for TensorFlow X.Y).
+    Keras 3: TESTED_KERAS_VERSIONS, and the minor $GF_TF_KERAS_UNDER_TEST names (a noxfile
+    cell's, so the cell can test a minor not listed yet). tf-keras: TESTED_TF_KERAS_VERSIONS,
+    and the same minor version as TensorFlow (tf-keras X.Y is built for TensorFlow X.Y).
     """
     tf_keras = uses_tf_keras() if tf_keras is None else tf_keras
     if tf_keras:
@@ -55,7 +58,7 @@ def check_keras_version(version: str = None, tf_keras: bool = None) -> None:
                 f"tf-keras=={_minor(tf.__version__)}.* (or unset TF_USE_LEGACY_KERAS for Keras 3).")
         return
     version = version or keras_module().__version__
-    if _minor(version) not in TESTED_KERAS_VERSIONS:
+    if _minor(version) not in TESTED_KERAS_VERSIONS + (os.environ.get(KERAS_UNDER_TEST_ENV),):
         raise RuntimeError(
             f"gf_tf patches Keras's TensorFlow trainer for multi-worker fit "
             f"(keras-team/keras#20585) and was tested with Keras "

@@ -18,14 +18,13 @@ its TensorFlow trainer fails under
      `strategy.reduce("MEAN", v, axis=0)`: "Invalid reduction dimension 0 for input
      with 0 dimensions". For scalars we reduce with axis=None (the mean over
      replicas); other values keep Keras's behaviour.
-  3. `steps_per_execution > 1` fails under MirroredStrategy and MultiWorkerMirroredStrategy
-     ("You must feed a value for placeholder tensor 'while/.../Placeholder_1'"; stock TF
-     too): the multi-step loop calls the one-step tf.function inside a `tf.cond` (Keras 3.7
-     on, `_make_function`). We build the loop with that step inlined
-     (`_TensorFlowInliningOneStep`). Keras 3.6 unrolls a Python loop, which needs no fix.
+  3. `steps_per_execution > 1` fails under Mirrored strategies ("You must feed a value for
+     placeholder tensor 'while/.../Placeholder_1'"; stock TF too): Keras 3.7 on call the one-step
+     tf.function in a `tf.cond`; we inline it (`_TensorFlowInliningOneStep`). Keras 3.6's loop and
+     3.7 on's single step count a step past the data's end: gf_tf.keras.multi_step rebuilds them.
   4. `gradient_accumulation_steps > 1` fails under those strategies ("`merge_call` called
      while defining a new graph"): the all-reduce sits in a `tf.cond`. Under a
-     GradientFlowAllReduce on Keras 3.15, `BaseOptimizer._backend_apply_gradients` takes that
+     GradientFlowAllReduce, `BaseOptimizer._backend_apply_gradients` takes that
      cond in cross-replica context instead (`_patched_backend_apply_gradients`) and it trains;
      elsewhere we raise a clear ValueError at fit time (Keras 3.6: from `make_train_function`).
   Patches 1-2 are active only for a MultiWorkerMirroredStrategy in multi-worker
@@ -53,6 +52,7 @@ from typing import Callable, Tuple
 import tensorflow as tf
 
 from gf_tf import cluster
+from gf_tf.keras import multi_step
 from gf_tf.keras.flavour import KERAS3, TF_KERAS, keras_module, patched_flavours
 
 _MAKE_FUNCTION_LOCK = threading.Lock()
@@ -215,8 +215,7 @@ def _refuse_gradient_accumulation(model) -> None:
     if gradient_flow and not getattr(optimizer, "use_ema", False):
         return
     where = (" and use_ema=True (gf_tf makes accumulation train without EMA only)" if gradient_flow
-             else " (gf_tf makes it train under a GradientFlowAllReduce with Keras "
-                  f"{_ACCUMULATION_PATCH.since})")
+             else " (gf_tf makes it train under a GradientFlowAllReduce)")
     raise ValueError(
         f"gradient_accumulation_steps={steps} does not work under "
         f"{type(model.distribute_strategy).__name__} with Keras {keras_module().__version__}"
@@ -253,8 +252,10 @@ def _patched_make_function(original):
         if not _replicated(self.distribute_strategy):
             return original(self, step_function)
         _refuse_gradient_accumulation(self)
-        if self.steps_per_execution <= 1 or self.run_eagerly or self.jit_compile:
+        if self.run_eagerly or self.jit_compile:
             return original(self, step_function)
+        if self.steps_per_execution <= 1:   # Keras's one step counts a step past the data
+            return multi_step.guarded_function(self, step_function, original(self, step_function))
         from keras.src.backend.tensorflow import trainer as tf_trainer  # pylint: disable=import-outside-toplevel
         with _MAKE_FUNCTION_LOCK:
             tf_trainer.tf = _TensorFlowInliningOneStep(tf)
@@ -266,15 +267,18 @@ def _patched_make_function(original):
 
 
 def _patched_make_train_function(original):
-    """Keras 3.6 (before `_make_function`): the accumulation refusal of `_patched_make_function`.
-
-    Its multi-step loop is a Python loop of one-step calls, with no `tf.cond`: it needs no inlining.
-    """
+    """Keras 3.6 (no `_make_function`): `_patched_make_function`'s refusal and guarded steps."""
     @functools.wraps(original)
     def make_train_function(self, force=False):
-        if _replicated(self.distribute_strategy):
-            _refuse_gradient_accumulation(self)
-        return original(self, force=force)
+        if not _replicated(self.distribute_strategy):
+            return original(self, force=force)
+        _refuse_gradient_accumulation(self)
+        if self.train_function is not None and not force:
+            return self.train_function
+        original(self, force=force)
+        if not self.run_eagerly and not self.jit_compile:
+            self.train_function = multi_step.guarded_function(self, self.train_step)
+        return self.train_function
     return make_train_function
 
 
@@ -329,8 +333,8 @@ def _patched_tf_apply(original):
 
 
 def _patched_backend_apply_gradients(original):
-    """Keras 3.15's accumulating `BaseOptimizer._backend_apply_gradients`, restructured so it trains
-    under a GradientFlowAllReduce (MirroredStrategy and MultiWorkerMirroredStrategy).
+    """Keras 3.6-3.15's accumulating `BaseOptimizer._backend_apply_gradients` (3.6-3.9 count the step
+    there too), restructured to train under a GradientFlowAllReduce (Mirrored strategies).
 
     Keras picks "apply" or "accumulate" with a `tf.cond` taken in replica context, and both
     branches `merge_call` (the all-reduce and the variable updates): tf.distribute refuses a
@@ -372,6 +376,8 @@ def _patched_backend_apply_gradients(original):
                     lambda: distribution.extended.call_for_each_replica(accumulate, args=(grads,)))
 
         replica_ctx.merge_call(in_cross_replica, args=(list(grads),))
+        if keras3_minor() < (3, 10):
+            self._iterations.assign_add(1)   # Keras 3.6-3.9 count the micro-step here (3.10 on: in apply)
     return _backend_apply_gradients
 
 
@@ -405,8 +411,7 @@ _ACCUMULATION_PATCH = Patch(
     _patched_backend_apply_gradients,
     "gradient_accumulation_steps > 1 under a GradientFlowAllReduce: the apply-or-accumulate cond "
     "taken in cross-replica context (one merge_call before it, call_for_each_replica in each "
-    "branch); accumulated local gradients are all-reduced once per applied update",
-    since="3.15")
+    "branch); accumulated local gradients are all-reduced once per applied update")
 
 PATCHES = (
     Patch(_TRAINER, "TensorFlowTrainer._maybe_symbolic_build", (KERAS3,), _patched_symbolic_build,
@@ -417,8 +422,8 @@ PATCHES = (
           "steps_per_execution > 1 under Mirrored strategies: inline the one step in the loop; "
           "gradient_accumulation_steps > 1 there: a clear ValueError", since="3.7"),
     Patch(_TRAINER, "TensorFlowTrainer.make_train_function", (KERAS3,), _patched_make_train_function,
-          "Keras 3.6, no _make_function: gradient_accumulation_steps > 1 under Mirrored "
-          "strategies: a clear ValueError", before="3.7"),
+          "Keras 3.6, no _make_function: steps_per_execution > 1 under Mirrored strategies: no step "
+          "past the data; gradient_accumulation_steps > 1 there: a clear ValueError", before="3.7"),
     Patch("keras.src.optimizers.loss_scale_optimizer", "LossScaleOptimizer._tf_apply", (KERAS3,),
           _patched_tf_apply, "every replica of every worker skips a non-finite step together"),
     Patch(_TF_OPTIMIZER, "TFOptimizer._all_reduce_sum_gradients", (KERAS3,),

@@ -28,6 +28,8 @@ parser.add_argument("--stock_all_reduce", action="store_true",
                     help="MirroredStrategy with TF's own cross-device ops (no GradientFlow)")
 parser.add_argument("--examples", type=int, default=112)   # 7 global batches of 16
 parser.add_argument("--epochs", type=int, default=2)
+parser.add_argument("--unknown_length", action="store_true",
+                    help="a dataset of unknown cardinality (Keras learns the epoch's end from the data)")
 parser.add_argument("--legacy_optimizer", action="store_true", help="tf-keras's OptimizerV2 SGD")
 args = parser.parse_args()
 
@@ -63,6 +65,8 @@ with strategy.scope():
     model.compile(optimizer=optimizer, loss="mse", steps_per_execution=args.steps_per_execution)
 initial = {f"w{i}_init": w for i, w in enumerate(model.get_weights())}
 dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+if args.unknown_length:
+    dataset = dataset.filter(lambda *batch: True)
 try:
     model.fit(dataset, epochs=args.epochs, verbose=0)
 except ValueError as e:

@@ -1,0 +1,63 @@
+"""Keras's step loop, rebuilt so a call that runs out of data counts no step that had no batch.
+
+Keras's TensorFlow trainer reads a step's batch with `next(iterator)` where the data may be over:
+every step of Keras 3.6's `steps_per_execution` loop (a Python loop of one-step calls in one
+tf.function, `make_train_function`), and the one step of Keras 3.7-3.15's `_make_function` at
+`steps_per_execution=1`. Reading past the data raises OutOfRangeError, which ends the epoch, but
+the step's stateful ops that do not wait for the batch have run by then: the optimizer's iteration
+counter and GradientFlow's step counters (CSC warm-up and schedule) count a step that trained on
+nothing, so learning-rate schedules and CSC shift. That happens in the last call of an epoch whose
+length is unknown (Keras finds the end by reading past it), and with Keras 3.6 also where the
+number of batches is not a multiple of `steps_per_execution`. Measured, 2 replicas, 2 epochs of 7
+batches (14 steps), MirroredStrategy with GradientFlow: Keras 3.6 counted 16 at
+steps_per_execution=3, and 16 at 1 with data of unknown length; Keras 3.15 16 at 1 with data of
+unknown length, with TF's own all-reduce too. Keras 3.7 on stop at the data's end themselves for
+`steps_per_execution > 1` (a while loop on `get_next_as_optional`).
+
+`guarded_function` is the loop with every step taken only when the iterator still has a batch
+(`get_next_as_optional`; a `tf.cond` in cross-replica context around `strategy.run` of the step,
+inlined as gf_tf inlines Keras 3.7's loop). A call that finds no batch raises StopIteration, which
+ends the epoch as Keras's own function does (Keras 3.6 catches it as it catches OutOfRangeError).
+"""
+
+import tensorflow as tf
+
+
+def guarded_function(model, step_function, fallback=None):
+    """A function(iterator) -> logs (Keras's reduced step outputs, a dict of scalar tensors for
+    train and test steps) running up to `model.steps_per_execution` steps of `step_function`
+    (`model.train_step` or `test_step`; `model` a Keras 3 TensorFlowTrainer) in one tf.function
+    call, none without a batch. Raises StopIteration if the iterator had none. `fallback`
+    serves iterators other than TF's (Keras 3.7 on also take a Python iterator of batches)."""
+    from keras.src.backend.tensorflow import trainer as tf_trainer  # pylint: disable=import-outside-toplevel
+    strategy = model.distribute_strategy
+    traced = {}   # the logs' structure, from the first branch traced (cond traces its true branch first)
+
+    def one_step(optional):
+        outputs = strategy.run(step_function, args=(optional.get_value(),))
+        traced["logs"] = tf_trainer.reduce_per_replica(outputs, strategy, reduction="auto")
+        return traced["logs"]
+
+    @tf.autograph.experimental.do_not_convert
+    def steps_on_iterator(iterator):
+        optional = iterator.get_next_as_optional()
+        ran = optional.has_value()
+        outputs = tf.cond(ran, lambda: one_step(optional),
+                          lambda: tf.nest.map_structure(tf.zeros_like, traced["logs"]))
+        for _ in range(model.steps_per_execution - 1):
+            optional = iterator.get_next_as_optional()
+            outputs = tf.cond(optional.has_value(), lambda optional=optional: one_step(optional),
+                              lambda outputs=outputs: outputs)
+        return ran, outputs
+
+    compiled = tf.function(steps_on_iterator, reduce_retracing=True)
+
+    def function(iterator):
+        if fallback is not None and not isinstance(
+                iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+            return fallback(iterator)
+        ran, outputs = compiled(iterator)
+        if not ran:
+            raise StopIteration
+        return outputs
+    return function
