@@ -95,12 +95,16 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         replica-context path (XLA on all-GPU devices) with several local replicas.
       overlap: FP16 packs in groups, each with its own scale bounds' all-reduce,
         so a group's collectives wait only for its own gradients and can run
-        during the rest of backprop: "auto" (default: the planner's rule,
+        during the rest of backprop: False (default: one barrier, every pack
+        waits for the step's last gradient), "auto" (the planner's rule,
         `gf_tf.planner.choose_overlap`, which may pick smaller packs when
-        bytes_per_pack is "auto"; one barrier when nothing was measured),
-        True (one group per pack) or False (one barrier: every pack waits for
-        the step's last gradient). Other wires (BF16, float32 packs) have no
-        bounds to wait for; TF's own all-reduce and CSC keep one barrier.
+        bytes_per_pack is "auto"; one barrier when nothing was measured) or
+        True (one group per pack). Not the default: measured here, TF's
+        executor ran the last layer's weight gradients at the end of backprop,
+        and the groups leave in pack order, so nothing overlapped and the extra
+        collectives cost 6-7% on ResNet-50 (README "Overlap"). Other wires
+        (BF16, float32 packs) have no bounds to wait for; TF's own all-reduce
+        and CSC keep one barrier.
 
     Attributes:
       stats: `gf_tf.stats.CommStats`, updated once per gradient all-reduce.
@@ -115,7 +119,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
 
     def __init__(self, compression: Optional[str] = AUTO, bytes_per_pack=AUTO, sparsity=None,
                  cross_device_ops: Optional[tf.distribute.CrossDeviceOps] = None,
-                 algorithm: str = AUTO, overlap=AUTO):
+                 algorithm: str = AUTO, overlap=False):
         super().__init__()
         self.compression = AUTO if compression == AUTO else as_compression(compression)
         if bytes_per_pack != AUTO and (

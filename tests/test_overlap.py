@@ -207,7 +207,7 @@ def test_the_overlap_setting_is_checked_and_shown():
             gf_tf.GradientFlowAllReduce(overlap=bad)
     gfar = gf_tf.GradientFlowAllReduce(compression="fp16", overlap=True)
     assert gfar.overlap is True and "overlap=True" in repr(gfar)
-    assert gf_tf.GradientFlowAllReduce().overlap == "auto"
+    assert gf_tf.GradientFlowAllReduce().overlap is False   # opt-in until backprop order is enforced
     assert Plan("fp16", 1024, "ring", 0.01, groups=3, last_seconds=0.002).describe() == (
         "fp16 packs (packs of 1024 bytes), ring, 3 groups overlapped with backprop, predicted "
         "10.00 ms per step (2.00 ms after the last gradient at best)")

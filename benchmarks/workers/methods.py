@@ -15,7 +15,7 @@
               the same at density 0.01 / 0.001 with selection="global" (one top-K over
               the chunks of all packs instead of k per pack); not in the presets' loops
               over every method: ask for them with --methods
-    auto      gf_tf.GradientFlowAllReduce() with every setting "auto" (its defaults): gf_tf's
+    auto      gf_tf.GradientFlowAllReduce() with its defaults (every setting "auto" but overlap): gf_tf's
               default, the planner's choice of method, pack size and algorithm (gf_tf.planner)
     gf_fp16_rd / csc_1_rd
               gf_fp16 / csc_1 over recursive doubling (algorithm="recursive_doubling",
@@ -54,8 +54,7 @@ PINNED: Dict[str, object] = {"compression": "fp16", "bytes_per_pack": "default",
                              "overlap": False}
 # Per method: the GradientFlowAllReduce keywords that differ from PINNED.
 OVERRIDES: Dict[str, Dict[str, object]] = {
-    "auto": {"compression": "auto", "bytes_per_pack": "auto", "algorithm": "auto",  # the defaults
-             "overlap": "auto"},
+    "auto": {"compression": "auto", "bytes_per_pack": "auto", "algorithm": "auto"},  # the defaults
     "gf_fp16_overlap": {"overlap": True, "bytes_per_pack": "auto"},   # one group per pack, 2+ packs
     "gf_fp16_rd": {"algorithm": "recursive_doubling"},
     "csc_1_rd": {"algorithm": "recursive_doubling"},
