@@ -49,9 +49,14 @@ def _sgd_reference(result):
 def test_mirrored_multi_step_fit_matches_float64_sgd(steps_per_execution, unknown_length):
     """14 steps, each counted once: also where an epoch's last call runs out of data (7 batches in
     calls of 3; data of unknown length, whose end Keras finds by reading past it), where Keras 3.6
-    (3 and unknown length) and 3.7-3.15 (1 and unknown length) count 16 (gf_tf.keras.multi_step)."""
+    (3 and unknown length) and 3.7-3.15 (1 and unknown length) count 16, tf-keras 15 (1 and unknown
+    length; gf_tf.keras.multi_step). tf-keras refuses data of unknown length in calls of 3."""
     r = _mirrored(f"--steps_per_execution={steps_per_execution}", "--compression=none",
                   *(["--unknown_length"] if unknown_length else []))
+    if keras_compat.uses_tf_keras() and unknown_length and steps_per_execution > 1:
+        # tf-keras's own refusal (data_adapter), which gf_tf leaves as it is.
+        assert "Could not infer the size of the data" in str(r["error"]), r
+        return
     assert int(r["iterations"]) == int(r["gf_steps"]) == EPOCHS * EXAMPLES // BATCH
     w, b = _sgd_reference(r)
     np.testing.assert_allclose(r["w0"], w, rtol=0, atol=2e-5)

@@ -29,7 +29,9 @@ its TensorFlow trainer fails under
      elsewhere we raise a clear ValueError at fit time (Keras 3.6: from `make_train_function`).
   Patches 1-2 are active only for a MultiWorkerMirroredStrategy in multi-worker
   mode, 3-4 for MirroredStrategy and MultiWorkerMirroredStrategy.
-tf-keras (`tf_keras`, Keras 2): its multi-worker `fit` needs none of these fixes.
+tf-keras (`tf_keras`, Keras 2): its multi-worker `fit` needs none of these fixes; its one step
+(steps_per_execution=1) counts a step past the data's end as Keras 3's does, and
+gf_tf.keras.multi_step guards it under Mirrored strategies (`Model.make_train_function`).
 
 Gradients reach GradientFlow through one hook per flavour, each calling
 `gf_tf.all_reduce_gradients` when the strategy's cross-device ops are a
@@ -282,6 +284,24 @@ def _patched_make_train_function(original):
     return make_train_function
 
 
+def _patched_tf_keras_make_train_function(original):
+    """tf-keras: its one-step train function, guarded (gf_tf.keras.multi_step)."""
+    @functools.wraps(original)
+    def make_train_function(self, force=False):
+        if self.train_function is not None and not force:
+            return self.train_function
+        original(self, force=force)
+        one_step = (self._steps_per_execution is None  # pylint: disable=protected-access
+                    or self._steps_per_execution.numpy().item() == 1  # pylint: disable=protected-access
+                    and not self.autotune_steps_per_execution)
+        if (_replicated(self.distribute_strategy) and one_step and not self.run_eagerly
+                and not self.jit_compile and not self._cluster_coordinator):  # pylint: disable=protected-access
+            self.train_function = multi_step.guarded_tf_keras_train_function(self)
+            self.train_tf_function = self.train_function.tf_function
+        return self.train_function
+    return make_train_function
+
+
 def _patched_reduce_per_replica(original):
     @functools.wraps(original)
     def reduce_per_replica(values, strategy, reduction):
@@ -438,6 +458,9 @@ PATCHES = (
     Patch("tf_keras.src.optimizers.legacy.optimizer_v2", "OptimizerV2._aggregate_gradients",
           (TF_KERAS,), _patched_tf_keras_aggregate_gradients,
           "the gradient hook of legacy optimizers: gf_tf.all_reduce_gradients"),
+    Patch("tf_keras.src.engine.training", "Model.make_train_function", (TF_KERAS,),
+          _patched_tf_keras_make_train_function,
+          "steps_per_execution=1 under Mirrored strategies: no step past the data's end"),
 )
 
 OVERRIDES = (
