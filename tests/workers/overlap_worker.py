@@ -7,7 +7,8 @@
 --mode fit: model.fit of a 4-layer MLP with overlap on or off (--overlap), or --baseline (one
   process, no strategy, float32). Writes the final weights and, from the traced train step,
   whether the first group's collectives have a data or control path from the gradient of the
-  first layer's kernel (which is in the last group when the packs are grouped).
+  first layer's kernel (which is in the last group when the packs are grouped), and whether
+  that gradient comes after the last layer's (gf_tf.backprop_order).
 """
 
 import argparse
@@ -24,6 +25,7 @@ parser.add_argument("--algorithm", default="ring")
 parser.add_argument("--bytes_per_pack", type=int, default=1024)
 parser.add_argument("--overlap", choices=["on", "off"], default="on")
 parser.add_argument("--baseline", action="store_true", help="fit in one process, no strategy")
+parser.add_argument("--learning_rate", type=float, default=0.05, help="SGD's")
 args = parser.parse_args()
 
 import gf_tf  # pylint: disable=wrong-import-position
@@ -91,7 +93,7 @@ def build_model():
     model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(48, activation="tanh"),
                               keras.layers.Dense(40, activation="tanh"),
                               keras.layers.Dense(32, activation="tanh"), keras.layers.Dense(3)])
-    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    model.compile(optimizer=keras.optimizers.SGD(args.learning_rate), loss="mse")
     return model
 
 
@@ -111,6 +113,8 @@ def graph_facts(model, recorded):
     """(groups seen, collectives per group, first group reached from the first kernel's gradient)."""
     graph, name = recorded[tuple(model.layers[0].kernel.shape)]
     gradient_op = graph.get_tensor_by_name(name).op
+    _, last_name = recorded[tuple(model.layers[-1].kernel.shape)]
+    last_gradient_op = graph.get_tensor_by_name(last_name).op
     per_group = {}
     for op in graph.get_operations():
         match = GROUP.search(op.name)
@@ -125,6 +129,9 @@ def graph_facts(model, recorded):
             "last_group": np.array(last),
             "first_reached_from_kernel": np.array(gradient_op in ancestors(per_group[0])),
             "last_reached_from_kernel": np.array(gradient_op in ancestors(per_group[last])),
+            # gf_tf.backprop_order: the first layer's kernel gradient (last group) comes after
+            # the last layer's (first group); backprop alone has no such path.
+            "first_kernel_after_last": np.array(last_gradient_op in ancestors([gradient_op])),
             # TF's ordering token chains a device's collectives in trace order: every group's
             # collectives come after the previous group's (the same order on every worker).
             "groups_in_trace_order": np.array(all(
