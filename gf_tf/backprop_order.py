@@ -9,7 +9,8 @@ ordering token, waited for the whole backward pass, and nothing overlapped.
 `prioritize` adds control edges to the traced step so that the work only later groups need
 waits for the previous group's gradients: the ops of group g's exclusive part (ancestors of its
 gradients that are not ancestors of an earlier group's) that have no input in that part (its
-frontier) get a control input from each gradient op of group g - 1. Every other exclusive op
+frontier; sources such as placeholders and constants are left alone, their consumers wait)
+get a control input from each gradient op of group g - 1. Every other exclusive op
 depends on a frontier op, so group g - 1's gradients are computed before anything only group g
 needs starts. The forward pass and everything an earlier group needs are never delayed (they are
 ancestors of group 0's gradients). No cycle: a frontier op of group g is, by construction, no
@@ -49,9 +50,11 @@ def prioritize(groups: Sequence[Sequence]) -> int:
     added, previous = 0, None
     for ops in op_groups:
         exclusive = _ancestors(ops, seen)
+        # Sources (placeholders, constants, variable handles) compute nothing: their consumers wait.
+        work = {op for op in exclusive if _producers(op)}
         if previous:
-            for op in exclusive:
-                if not _producers(op) & exclusive and op not in previous:
+            for op in work:
+                if not _producers(op) & work and op not in previous:
                     for control in previous:
                         tf_internal.add_control_input(op, control)
                         added += 1
