@@ -99,10 +99,11 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         waits for the step's last gradient), "auto" (the planner's rule,
         `gf_tf.planner.choose_overlap`, which may pick smaller packs when
         bytes_per_pack is "auto"; one barrier when nothing was measured) or
-        True (one group per pack). Not the default: measured here, TF's
-        executor ran the last layer's weight gradients at the end of backprop,
-        and the groups leave in pack order, so nothing overlapped and the extra
-        collectives cost 6-7% on ResNet-50 (README "Overlap"). Other wires
+        True (one group per pack). With groups, backprop is ordered group by
+        group (`gf_tf.backprop_order`). Not the default: measured here, TF's
+        executor still ran every group's first op after backprop's last (its
+        ready queue takes the newest op first), so nothing overlapped, and the
+        extra collectives cost 6-7% on ResNet-50 (README "Overlap"). Other wires
         (BF16, float32 packs) have no bounds to wait for; TF's own all-reduce
         and CSC keep one barrier.
 
