@@ -100,9 +100,10 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         `gf_tf.planner.choose_overlap`, which may pick smaller packs when
         bytes_per_pack is "auto"; one barrier when nothing was measured) or
         True (one group per pack). With groups, backprop is ordered group by
-        group (`gf_tf.backprop_order`). Not the default: measured here, TF's
-        executor still ran every group's first op after backprop's last (its
-        ready queue takes the newest op first), so nothing overlapped, and the
+        group (`gf_tf.backprop_order`). Not the default: measured here on
+        workers pinned to one core, TF's one inter-op thread ran every group's
+        first op after backprop's last, so nothing overlapped (with 2 threads
+        the groups left during backprop, but the step was not faster), and the
         extra collectives cost 6-7% on ResNet-50 (README "Overlap"). Other wires
         (BF16, float32 packs) have no bounds to wait for; TF's own all-reduce
         and CSC keep one barrier.
