@@ -12,7 +12,7 @@ from typing import FrozenSet
 
 import tensorflow as tf
 
-TESTED_KERAS_VERSIONS = ("3.6", "3.8", "3.9", "3.10", "3.12", "3.14", "3.15")   # Keras 3: the noxfile cells that passed
+TESTED_KERAS_VERSIONS = ("3.6", "3.7", "3.8", "3.9", "3.10", "3.11", "3.12", "3.13", "3.14", "3.15")   # Keras 3: the noxfile cells that passed
 TESTED_TF_KERAS_VERSIONS = ("2.18", "2.19", "2.20", "2.21")  # tf-keras, same minor as TensorFlow
 LEGACY_KERAS_ENV = "TF_USE_LEGACY_KERAS"
 # A noxfile cell `tfX.Y-keras3.N` sets this to "3.N": the cell tests that minor before it is listed.
