@@ -5,6 +5,7 @@ the state per variable set (`state`), the reducers (`reducers`, `csc`)
 and the collectives of the wrapped TensorFlow cross-device ops.
 """
 
+import dataclasses
 import logging
 import zlib
 from typing import List, Optional, Sequence
@@ -12,7 +13,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from gf_tf import agreement, collectives, integrations, packing, planner, probe, tf_internal
+from gf_tf import agreement, collectives, integrations, packing, planner, probe, tf_internal, trial
 from gf_tf.agreement import hex_text
 from gf_tf.compression import as_compression
 from gf_tf.planner import ALGORITHMS, AUTO, DEFAULT_BYTES_PER_PACK, Plan  # noqa: F401
@@ -70,8 +71,11 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
     here), and each variable set then travels the way the cost model
     predicts is fastest: FP16 packs, or TensorFlow's own float32 all-reduce
     where latency outweighs bytes (small sets, fast links, many workers), over
-    the ring or recursive doubling. With one worker there is no network to
-    save: "auto" is TensorFlow's own all-reduce. `plans()` shows the choice.
+    the ring or recursive doubling. Where the model cannot tell the two apart
+    (`gf_tf.planner.TRIAL_BAND`), the set's first `gf_tf.trial.STEPS` steps
+    measure both and every worker keeps the same, faster one (`gf_tf.trial`).
+    With one worker there is no network to save: "auto" is TensorFlow's own
+    all-reduce. `plans()` shows the choice.
 
     Args:
       compression: "auto" (default: the planner picks "fp16" or TF's own
@@ -113,6 +117,8 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         Its variables are created on first use, not in the constructor:
         creating variables initialises the TF runtime, which must not happen
         before a MultiWorkerMirroredStrategy configures its collectives.
+      trial_clock: the clock of `gf_tf.trial` (a callable returning float64
+        seconds; `tf.timestamp` by default); replace it before the first trace.
 
     Raises:
       ValueError: bad compression / bytes_per_pack / algorithm / overlap; settings
@@ -146,6 +152,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         self._stats = None
         self._strategy = None  # the strategy whose default ops we took
         self._states = StateRegistry()
+        self.trial_clock = tf.timestamp   # gf_tf.trial's clock (float64 seconds); tests replace it
         # Keras's gradient all-reduce comes here; Keras's fit fixes (multi-step loop, replicas
         # skipping non-finite steps together) for MirroredStrategy users too.
         integrations.install_all()
@@ -205,8 +212,15 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         return self._costs
 
     def plans(self):
-        """{variable-set name: gf_tf.planner.Plan}: how each set's gradients travel."""
-        return {name: state.transport for name, state in self._states.states().items()}
+        """{variable-set name: gf_tf.planner.Plan}: how each set's gradients travel; for a set
+        under trial (`gf_tf.trial`), once decided, the candidate kept with its measured seconds."""
+        return {name: _effective_plan(state) for name, state in self._states.states().items()}
+
+    def steps_to_decide(self) -> int:
+        """All-reduces of its set until the slowest undecided trial (`gf_tf.trial`) has decided;
+        0 when no set is measuring (eager). Benchmarks warm up this many more steps."""
+        return max([trial.STEPS - int(state.trial.step.numpy()) for state in self._states.all_states()
+                    if state.trial is not None and state.trial.decision()[0] is None], default=0)
 
     def _cross_ops(self) -> tf.distribute.CrossDeviceOps:
         if self._wrapped is None:
@@ -326,14 +340,15 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
                             strategy.num_replicas_in_sync, reduce_op == _MEAN, replicas,
                             tuple(devices[r] for r in replicas))
         results = [[None] * len(signature) for _ in grads]
-        sent = self._reduce_packs(state, grads, comm, results)
+        if transport.trial:
+            sent = self._trial_step(state, grads, packable, comm, results, others, all_reduce_sum,
+                                    devices)
+        else:
+            sent = self._reduce_packs(state, grads, comm, results)
         rest = [i for i, entry in enumerate(signature) if entry is None]
         if transport.method == "tf":
             sent = _sent_by_tf([grads[0][i] for i in packable])
-        for group in packing.groups_by_dtype(rest, [grads[0][i] for i in rest]):
-            for i, reduced in zip(group, others(group)):
-                for r, value in enumerate(reduced):
-                    results[r][i] = value
+        _reduce_by_tf(grads, rest, others, results)
         if packable and replicas[0] == 0:
             self.stats.update(**vars(sent))
         return results
@@ -368,6 +383,41 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         algorithm = planner.choose_sparse_algorithm(norm_bytes, chunk_bytes, workers, self._costs,
                                                     self.algorithm)
         return Plan(method, bytes_per_pack, algorithm)
+
+    def _trial_step(self, state: VariableSetState, grads, packable, comm: Communicator, results,
+                    others, ring_sum, devices) -> Sent:
+        """The packable gradients by TF's own all-reduce or by the packs, as `gf_tf.trial`
+        decides from the set's first steps. Only where every local replica is served (the
+        merge-call path); else the model's pick (the replica-context path: one replica a call)."""
+        def by(reduce_fn):
+            def branch():
+                out = [[None] * len(grads[0]) for _ in grads]
+                reduce_fn(out)
+                return [[out[r][i] for i in packable] for r in range(len(grads))]
+            return branch
+
+        gf_sent, tf_sent = [], _sent_by_tf([grads[0][i] for i in packable])
+        tf_own = by(lambda out: _reduce_by_tf(grads, packable, others, out))
+        gradient_flow = by(lambda out: gf_sent.append(self._reduce_packs(state, grads, comm, out)))
+        if len(comm.replicas) != len(devices):
+            if state.transport.seconds <= state.transport.tf_seconds:
+                outputs, sent = gradient_flow(), gf_sent[0]
+            else:
+                outputs, sent = tf_own(), tf_sent
+        else:
+            if state.trial is None:
+                with tf.init_scope():
+                    state.trial = trial.TrialState(state.plan[0].key.replace("/", "_"))
+            outputs, which = trial.run(state.trial, [tf_own, gradient_flow],
+                                       [replica[i] for replica in grads for i in packable], ring_sum,
+                                       devices, self._workers.num_workers, state.set_name,
+                                       self.trial_clock)
+            sent = Sent(dense_bytes=tf_sent.dense_bytes,
+                        sent_bytes=trial.sent_bytes(which, tf_sent.sent_bytes, gf_sent[0].sent_bytes))
+        for r, reduced in enumerate(outputs):
+            for i, value in zip(packable, reduced):
+                results[r][i] = value
+        return sent
 
     def _collective(self, algorithm, ring_sum, devices, replicas, options):
         """The Communicator's all_reduce_sum for `algorithm`: the wrapped TF ops' ring, or
@@ -412,10 +462,19 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
             ("algorithm", ALGORITHMS.index(transport.algorithm),
              lambda a: repr(ALGORITHMS[int(a)])),
             ("overlap groups", transport.groups, lambda g: str(int(g))),
+            ("trial against TensorFlow's own", int(transport.trial), lambda t: str(bool(t))),
             ("number of gradients", len(state.signature), lambda n: str(int(n))),
             ("gradient shapes/dtypes (CRC32)", zlib.crc32(shapes), hex_text),
         ] + self.reducer.handshake_settings()
 
+
+
+def _reduce_by_tf(grads, indices, others, results) -> None:
+    """results[r][i] for i in `indices`: the wrapped TF ops' all-reduce, one batch per dtype."""
+    for group in packing.groups_by_dtype(indices, [grads[0][i] for i in indices]):
+        for i, reduced in zip(group, others(group)):
+            for r, value in enumerate(reduced):
+                results[r][i] = value
 
 
 def _sent_by_tf(grads) -> Sent:
@@ -423,3 +482,16 @@ def _sent_by_tf(grads) -> Sent:
     elements = [int(g.shape.num_elements() or 0) for g in grads]
     return Sent(dense_bytes=4 * sum(elements),
                 sent_bytes=sum(n * g.dtype.size for n, g in zip(elements, grads)))
+
+
+def _effective_plan(state: VariableSetState) -> Optional[Plan]:
+    """The set's transport; for a trial decided (eagerly read), the candidate kept."""
+    transport = state.transport
+    if transport is None or not transport.trial or state.trial is None or not tf.executing_eagerly():
+        return transport
+    choice, measured = state.trial.decision()
+    if choice is None:
+        return transport
+    if choice == trial.GRADIENT_FLOW:
+        return dataclasses.replace(transport, trial=False, measured=measured)
+    return Plan("tf", 0, ALGORITHMS[0], transport.tf_seconds, measured=measured)

@@ -30,6 +30,8 @@ class VariableSetState(tf.Module):
       step counters) or None.
     packs: per pack, the reducer's state (e.g. `gf_tf.csc.CSCState`) or None.
     transport: the `gf_tf.planner.Plan` its gradients travel by.
+    trial: with a trial plan, its `gf_tf.trial.TrialState` (created on first use; not
+      checkpointed), else None.
     """
 
     def __init__(self, name: str, variables: Sequence, signature, plan: Tuple[PackSpec, ...],
@@ -41,6 +43,7 @@ class VariableSetState(tf.Module):
         self.shared = shared
         self.packs = packs
         self.transport = None   # the gf_tf.planner.Plan it travels by, set on first use
+        self.trial = None
         self._refs = [_weak(v) for v in variables]
 
     def owners(self) -> list:

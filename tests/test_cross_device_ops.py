@@ -20,6 +20,7 @@ import tensorflow as tf
 import cluster
 import gf_tf
 from gf_tf import tf_internal
+from gf_tf.planner import DEFAULT_BYTES_PER_PACK
 
 DEVICES = [d.name for d in tf.config.list_logical_devices("CPU")]
 SUM = tf.distribute.ReduceOp.SUM
@@ -32,7 +33,7 @@ def make(num_replicas, **kwargs):
     worker's "auto" is TF's own all-reduce, tested in test_planner.py)."""
     assert len(DEVICES) >= num_replicas, f"need {num_replicas} logical CPUs, have {DEVICES}"
     kwargs.setdefault("compression", "fp16")
-    kwargs.setdefault("bytes_per_pack", gf_tf.cross_device_ops.DEFAULT_BYTES_PER_PACK)
+    kwargs.setdefault("bytes_per_pack", DEFAULT_BYTES_PER_PACK)
     gfar = gf_tf.GradientFlowAllReduce(cross_device_ops=tf.distribute.ReductionToOneDevice(),
                                        **kwargs)
     return gfar, tf.distribute.MirroredStrategy(DEVICES[:num_replicas], cross_device_ops=gfar)

@@ -184,7 +184,7 @@ def test_auto_is_the_planners_pick_on_hand_made_costs():
                                     len(gradients.GRADIENT_SETS[model]), n,
                                     projection.planner_costs(PARAMS, 25e9))
             p = projection.project(PARAMS, model, "auto", n, 25.0, 0.05, 0.0)
-            assert p["plan"] == chosen and p["comm_s"] == chosen.seconds
+            assert p["plan"] == chosen and p["comm_s"] == chosen.steady_seconds   # a trial: the faster
 
 
 # -- the shipped calibration, --json, held-out validation --------------------------------------

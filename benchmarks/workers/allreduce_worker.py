@@ -7,7 +7,8 @@ For each gradient set: variables of those shapes (identical values on every
 worker, so the exact sum is known), a tf.function that all-reduces them with
 `gf_tf.all_reduce_gradients` (the Keras optimizer's gradient all-reduce; stock
 `ReplicaContext.all_reduce(SUM, ...)` without GradientFlow),
-`warmup` untimed calls, then `iters` timed calls. Bytes on the wire are the
+`warmup` untimed calls (more while a set's trial, gf_tf.trial, is measuring: the
+default's first steps), then `iters` timed calls. Bytes on the wire are the
 delta of this namespace's eth0 counters over the timed calls. For GradientFlow
 methods each set also records the plan its gradients travelled by
 (`GradientFlowAllReduce.plans()`) and the worker records the planner's measured
@@ -242,6 +243,9 @@ def main():
         values = make_values(shapes, seed=len(shapes))
         step = build_step(strategy, values, args.method)
         out, warmup_s = timed_calls(step, args.warmup, 0)[1:]
+        if gradient_flow is not None and gradient_flow.steps_to_decide():
+            # The default's first steps measure TF's own against GradientFlow (gf_tf.trial).
+            warmup_s += timed_calls(step, gradient_flow.steps_to_decide(), 0)[2]
         before_stats = stats_totals(gradient_flow)
         before = read_counters()
         times, out, _ = timed_calls(step, 0, args.iters)

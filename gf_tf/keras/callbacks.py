@@ -66,8 +66,9 @@ class GradientFlowStats(callback_base()):
     step; with ChunkSparsity(density="auto") what it chose) to the epoch logs. `History`
     (model.fit's return value) records them; a `keras.callbacks.TensorBoard`
     listed AFTER this callback writes them as epoch scalars. After the first
-    epoch it prints, once, how each variable set travels (the planner's
-    `GradientFlowAllReduce.plans()`), when given the GradientFlowAllReduce.
+    epoch it prints how each variable set travels (the planner's
+    `GradientFlowAllReduce.plans()`), when given the GradientFlowAllReduce, and
+    again after an epoch that changed it (a trial's decision, `gf_tf.trial`).
     With `profile_dir` it also writes a `tf.profiler` trace of training batch
     `profile_batch` of the first epoch that reaches it (`StepProfile`): the
     collectives (`CollectiveReduceV2`) beside the backprop ops, on TensorFlow's
@@ -97,6 +98,7 @@ class GradientFlowStats(callback_base()):
         self.prefix = prefix
         self._epoch_start = None
         self._plans = getattr(gradient_flow, "plans", None)
+        self._shown = {}   # set name -> the plan description last printed
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_start = self.stats.totals()
@@ -121,5 +123,6 @@ class GradientFlowStats(callback_base()):
             logs[self.prefix + name] = figures[name]
         if self._plans is not None:
             for name, plan in self._plans().items():
-                print(f"gf_tf: [{name}] travels as {plan.describe()}", flush=True)
-            self._plans = None
+                if plan is not None and self._shown.get(name) != plan.describe():
+                    self._shown[name] = plan.describe()
+                    print(f"gf_tf: [{name}] travels as {plan.describe()}", flush=True)

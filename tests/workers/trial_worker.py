@@ -1,0 +1,126 @@
+"""One worker of the trial tests: the default GradientFlowAllReduce with every set under trial
+(gf_tf.trial; planner.TRIAL_BAND opened wide).
+
+--mode values: two variable sets, fresh random gradients every step, this worker's clock
+  running (1 + skew * rank) times as fast as the others' so the workers' local medians differ.
+  Writes per step the gradients it sent, the sums it received and the bytes CommStats counted,
+  then each set's decision (candidate kept, measured seconds) and effective plan.
+--mode fit: model.fit of a 4-layer MLP past the decision with GradientFlowStats, then
+  tf.saved_model.save; or --baseline (one process, no strategy, float32). Writes the weights,
+  the optimizer's iterations and the set's trial counter and decision.
+"""
+
+import argparse
+import math
+
+import numpy as np
+import tensorflow as tf
+
+import worker_util
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--skew", type=float, default=5.0, help="this worker's clock x (1 + skew * rank)")
+parser.add_argument("--extra-steps", type=int, default=3, help="steps after the decision")
+parser.add_argument("--mode", choices=["values", "fit"], default="values")
+parser.add_argument("--baseline", action="store_true", help="fit in one process, no strategy")
+parser.add_argument("--learning_rate", type=float, default=0.05, help="SGD's")
+parser.add_argument("--saved_model", default=None, help="--mode fit: where to save the model")
+args = parser.parse_args()
+
+import gf_tf  # after argparse
+from gf_tf import planner, trial
+
+planner.TRIAL_BAND = (0.0, math.inf)   # every "auto" set is measured, whatever the model says
+
+
+def run_values():
+    rank = worker_util.task_index()
+    strategy = gf_tf.MultiWorkerMirroredStrategy(
+        communication_options=worker_util.communication_options())
+    gfar = strategy.gradient_flow
+    gfar.trial_clock = lambda: tf.timestamp() * (1.0 + args.skew * rank)
+    shapes = {"small": [(7,), (1009,), (1,)], "large": [(300, 1000)]}
+    with strategy.scope():
+        variables = {name: [tf.Variable(tf.zeros(s), name=f"{name}{i}") for i, s in enumerate(sizes)]
+                     for name, sizes in shapes.items()}
+
+    @tf.function
+    def step(grads):
+        def fn():
+            return {name: gf_tf.all_reduce_gradients([tf.identity(g) for g in grads[name]],
+                                                     variables[name]) for name in grads}
+        return strategy.run(fn)
+
+    rng = np.random.default_rng()   # fresh inputs every run and every worker
+    result = {}
+    for s in range(trial.STEPS + args.extra_steps):
+        sent = {name: [(rng.normal(size=shape) * 10.0 ** rng.integers(-3, 3)).astype(np.float32)
+                       for shape in sizes] for name, sizes in shapes.items()}
+        before = gfar.stats.totals()["sent_bytes"]
+        out = step({name: [tf.constant(g) for g in grads] for name, grads in sent.items()})
+        result[f"step{s}_sent_bytes"] = gfar.stats.totals()["sent_bytes"] - before
+        for name, grads in sent.items():
+            for i, (g, got) in enumerate(zip(grads, out[name])):
+                result[f"step{s}_{name}_sent{i}"] = g
+                result[f"step{s}_{name}_sum{i}"] = strategy.experimental_local_results(got)[0].numpy()
+
+    states = gfar.states()
+    for name, plan in gfar.plans().items():
+        key = "small" if "small" in name else "large"
+        choice, measured = states[name].trial.decision()
+        result[f"{key}_choice"] = choice
+        result[f"{key}_measured"] = np.array(measured, np.float64)
+        wire = states[name].transport   # the GradientFlow candidate
+        result[f"{key}_wire"] = wire.method
+        result[f"{key}_tensors"] = len(shapes[key])
+        result[f"{key}_plan"] = f"{plan.method} {plan.bytes_per_pack} {plan.algorithm} {plan.trial}"
+        result[f"{key}_plan_measured"] = np.array(plan.measured, np.float64)
+        result[f"{key}_elements"] = sum(int(np.prod(s)) for s in shapes[key])
+    worker_util.write_result(**result)
+
+
+def run_fit():
+    import keras   # pylint: disable=import-outside-toplevel
+    strategy = None
+    if not args.baseline:   # before any TF op: the strategy configures the collectives
+        strategy = gf_tf.MultiWorkerMirroredStrategy(
+            communication_options=worker_util.communication_options())
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 12)).astype(np.float32)
+    y = np.tanh(x @ rng.normal(size=(12, 3))).astype(np.float32)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+
+    def build():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(48, activation="tanh"),
+                                  keras.layers.Dense(40, activation="tanh"),
+                                  keras.layers.Dense(32, activation="tanh"), keras.layers.Dense(3)])
+        model.compile(optimizer=keras.optimizers.SGD(args.learning_rate), loss="mse")
+        return model
+
+    epochs = trial.STEPS // 4 + 2   # 4 steps an epoch: past the decision
+    result = {}
+    if strategy is None:
+        model = build()
+        model.fit(dataset, epochs=epochs, verbose=0)
+    else:
+        with strategy.scope():
+            model = build()
+        gfar = strategy.gradient_flow
+        model.fit(dataset, epochs=epochs, verbose=0, callbacks=[gf_tf.GradientFlowStats(gfar)])
+        ((name, state),) = gfar.states().items()
+        choice, measured = state.trial.decision()
+        result.update(trial_step=int(state.trial.step.numpy()), choice=choice,
+                      measured=np.array(measured), plan=gfar.plans()[name].describe(),
+                      stats_steps=gfar.stats.totals()["steps"])
+        if args.saved_model:
+            tf.saved_model.save(model, args.saved_model)
+    result["iterations"] = int(model.optimizer.iterations.numpy())
+    result.update({f"w{i}": w for i, w in enumerate(model.get_weights())})
+    worker_util.write_result(**result)
+
+
+if args.mode == "values":
+    run_values()
+else:
+    run_fit()
