@@ -101,7 +101,8 @@ def test_workers_with_different_clocks_keep_the_same_candidate_and_sum_right(num
     steps = sorted({int(k.split("_")[0][4:]) for k in first if k.startswith("step")})
     assert len(steps) > trial.STEPS
     for s in steps:
-        # Both candidates during the trial (TF's own on even steps), the kept one after.
+        # Both candidates during the trial (TF's own on even steps), the kept one after,
+        # in the last step's new trace too (the decision lives in the set's state).
         bytes_ = 0
         for key in sets:
             use = (s % 2 if s < trial.STEPS else int(first[f"{key}_choice"]))

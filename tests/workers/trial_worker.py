@@ -1,8 +1,9 @@
 """One worker of the trial tests: the default GradientFlowAllReduce with every set under trial
 (gf_tf.trial; planner.TRIAL_BAND opened wide).
 
---mode values: two variable sets, fresh random gradients every step, this worker's clock
-  running (1 + skew * rank) times as fast as the others' so the workers' local medians differ.
+--mode values: two variable sets, fresh random gradients every step (the last step in a new
+  trace), this worker's clock running (1 + skew * rank) times as fast as the others' so the
+  workers' local medians differ.
   Writes per step the gradients it sent, the sums it received and the bytes CommStats counted,
   then each set's decision (candidate kept, measured seconds) and effective plan.
 --mode fit: model.fit of a 4-layer MLP past the decision with GradientFlowStats, then
@@ -53,7 +54,10 @@ def run_values():
 
     rng = np.random.default_rng()   # fresh inputs every run and every worker
     result = {}
+    retraced = tf.function(step.python_function)   # the same sets in a new trace, last
     for s in range(trial.STEPS + args.extra_steps):
+        if s == trial.STEPS + args.extra_steps - 1:
+            step = retraced
         sent = {name: [(rng.normal(size=shape) * 10.0 ** rng.integers(-3, 3)).astype(np.float32)
                        for shape in sizes] for name, sizes in shapes.items()}
         before = gfar.stats.totals()["sent_bytes"]
