@@ -5,7 +5,6 @@ the state per variable set (`state`), the reducers (`reducers`, `csc`)
 and the collectives of the wrapped TensorFlow cross-device ops.
 """
 
-import dataclasses
 import logging
 import zlib
 from typing import List, Optional, Sequence
@@ -214,13 +213,13 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
     def plans(self):
         """{variable-set name: gf_tf.planner.Plan}: how each set's gradients travel; for a set
         under trial (`gf_tf.trial`), once decided, the candidate kept with its measured seconds."""
-        return {name: _effective_plan(state) for name, state in self._states.states().items()}
+        return {name: trial.effective_plan(state.transport, state.trial)
+                for name, state in self._states.states().items()}
 
     def steps_to_decide(self) -> int:
         """All-reduces of its set until the slowest undecided trial (`gf_tf.trial`) has decided;
         0 when no set is measuring (eager). Benchmarks warm up this many more steps."""
-        return max([trial.STEPS - int(state.trial.step.numpy()) for state in self._states.all_states()
-                    if state.trial is not None and state.trial.decision()[0] is None], default=0)
+        return trial.steps_left([state.trial for state in self._states.all_states()])
 
     def _cross_ops(self) -> tf.distribute.CrossDeviceOps:
         if self._wrapped is None:
@@ -482,16 +481,3 @@ def _sent_by_tf(grads) -> Sent:
     elements = [int(g.shape.num_elements() or 0) for g in grads]
     return Sent(dense_bytes=4 * sum(elements),
                 sent_bytes=sum(n * g.dtype.size for n, g in zip(elements, grads)))
-
-
-def _effective_plan(state: VariableSetState) -> Optional[Plan]:
-    """The set's transport; for a trial decided (eagerly read), the candidate kept."""
-    transport = state.transport
-    if transport is None or not transport.trial or state.trial is None or not tf.executing_eagerly():
-        return transport
-    choice, measured = state.trial.decision()
-    if choice is None:
-        return transport
-    if choice == trial.GRADIENT_FLOW:
-        return dataclasses.replace(transport, trial=False, measured=measured)
-    return Plan("tf", 0, ALGORITHMS[0], transport.tf_seconds, measured=measured)

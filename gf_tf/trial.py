@@ -29,11 +29,12 @@ which are equal on every worker (the counters advance once per all-reduce of
 the set, in lockstep, like CSC's).
 """
 
+import dataclasses
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
-from gf_tf import tf_internal
+from gf_tf import planner, tf_internal
 
 TF_OWN, GRADIENT_FLOW = 0, 1    # the candidates' indices in the switch_case
 UNTIMED = 2                      # steps 0 and 1: each candidate once
@@ -165,3 +166,22 @@ def sent_bytes(which: tf.Tensor, tf_bytes: int, gf_bytes: int) -> tf.Tensor:
     with tf.device("/cpu:0"):
         return tf.gather(tf.constant([tf_bytes, gf_bytes], tf.int64), which)
 
+
+def effective_plan(transport: Optional[planner.Plan], state: Optional[TrialState]
+                   ) -> Optional[planner.Plan]:
+    """`transport`, or for a trial decided (read eagerly) the candidate kept, with the measured
+    seconds: the GradientFlow wire, or TF's own float32 all-reduce."""
+    if transport is None or not transport.trial or state is None or not tf.executing_eagerly():
+        return transport
+    choice, measured = state.decision()
+    if choice is None:
+        return transport
+    if choice == GRADIENT_FLOW:
+        return dataclasses.replace(transport, trial=False, measured=measured)
+    return planner.Plan("tf", 0, planner.RING, transport.tf_seconds, measured=measured)
+
+
+def steps_left(states: Sequence[Optional[TrialState]]) -> int:
+    """Steps until the slowest undecided of `states` (None: no trial) decides; 0 if none (eager)."""
+    return max([STEPS - int(s.step.numpy()) for s in states
+                if s is not None and s.decision()[0] is None], default=0)
