@@ -5,6 +5,7 @@ the state per variable set (`state`), the reducers (`reducers`, `csc`)
 and the collectives of the wrapped TensorFlow cross-device ops.
 """
 
+import dataclasses
 import logging
 import zlib
 from typing import List, Optional, Sequence
@@ -109,7 +110,11 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         the groups left during backprop, but the step was not faster), and the
         extra collectives cost 6-7% on ResNet-50 (README "Overlap"). Other wires
         (BF16, float32 packs) have no bounds to wait for; TF's own all-reduce
-        and CSC keep one barrier.
+        keeps one barrier. With `sparsity` at a fixed density and per-pack
+        selection (`ChunkSparsity.overlaps`), each group of packs all-reduces
+        its own chunk norms, then its own chunks ("auto":
+        `gf_tf.planner.choose_sparse_groups`); global selection and
+        density="auto" keep one barrier.
 
     Attributes:
       stats: `gf_tf.stats.CommStats`, updated once per gradient all-reduce.
@@ -361,15 +366,20 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
             signature = [None] * len(signature)   # every gradient goes to TF's own all-reduce
         wire = as_compression(transport.compression)
         packs = packing.plan_packs(signature, transport.bytes_per_pack, wire.wire_dtype)
-        overlap = self.overlap if self.sparsity is None else False   # CSC: one barrier
-        return planner.with_pack_count(transport, sum(1 for p in packs if p.num_elements),
-                                       overlap), signature, packs
+        live = sum(1 for p in packs if p.num_elements)
+        if self.sparsity is None:
+            return planner.with_pack_count(transport, live, self.overlap), signature, packs
+        elements = sum(p.num_elements for p in packs)
+        groups = planner.choose_sparse_groups(
+            live, *self.sparsity.step_bytes(elements), self._num_workers(), self._costs,
+            transport.algorithm, self.overlap if self.sparsity.overlaps else False)
+        return dataclasses.replace(transport, groups=groups), signature, packs
 
     def _plan(self, signature) -> Plan:
         """The planner's transport of this gradient list (gf_tf.planner), the pinned settings kept."""
         packable = [entry for entry in signature if entry is not None]
         elements = sum(int(shape.num_elements()) for shape, _ in packable)
-        workers = self._workers.num_workers if self._workers is not None else 1
+        workers = self._num_workers()
         if self.compression == AUTO:
             method = AUTO if self.sparsity is None else "fp16"
         else:
@@ -417,6 +427,9 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
             for i, value in zip(packable, reduced):
                 results[r][i] = value
         return sent
+
+    def _num_workers(self) -> int:
+        return self._workers.num_workers if self._workers is not None else 1
 
     def _collective(self, algorithm, ring_sum, devices, replicas, options):
         """The Communicator's all_reduce_sum for `algorithm`: the wrapped TF ops' ring, or

@@ -391,3 +391,33 @@ def choose_sparse_algorithm(norm_bytes: int, chunk_bytes: int, workers: int,
         return ALGORITHMS[0]
     return min(ALGORITHMS, key=lambda a: collective_seconds(a, norm_bytes, workers, costs)
                + collective_seconds(a, chunk_bytes, workers, costs))
+
+
+def choose_sparse_groups(packs: int, norm_bytes: int, chunk_bytes: int, workers: int,
+                         costs: Optional[Costs], algorithm: str, overlap) -> int:
+    """How many groups CSC's packs are cut into, each with its own norms' and chunks'
+    collectives (overlap with backprop; `gf_tf.csc.reducer`).
+
+    Args:
+      packs: packs with elements; norm_bytes / chunk_bytes: the step's chunk norms and
+        selected chunks per worker (`ChunkSparsity.step_bytes`); algorithm: theirs.
+      overlap: False (1), True (one group per pack) or "auto": with G groups the step
+        costs all(G) = 2 G lat + W when nothing hides, and the last group alone
+        last(G) = 2 lat + W / G (W: the wire time of both collectives' bytes); the G with
+        the least last(G) among those with all(G) <= (1 + OVERLAP_SLACK) all(1), as for
+        FP16 (module docstring, "Overlap"). 1 without measurements.
+    """
+    packs = max(1, packs)
+    if overlap is True:
+        return packs
+    if overlap is False or costs is None or workers <= 1:
+        return 1
+    latency = collective_seconds(algorithm, 0, workers, costs)
+    wire = sum(collective_seconds(algorithm, b, workers, costs) - latency
+               for b in (norm_bytes, chunk_bytes))
+
+    def all_s(g):
+        return 2 * g * latency + wire
+
+    fits = [g for g in range(1, packs + 1) if all_s(g) <= (1 + OVERLAP_SLACK) * all_s(1)]
+    return min(fits, key=lambda g: (2 * latency + wire / g, g))

@@ -13,6 +13,7 @@ import gf_tf
 from gf_tf import backprop_order, planner, reducers
 from gf_tf.planner import Costs, Plan
 from test_multistep import GRADIENT_SCALE
+from test_sparsity import NumpyCSC
 
 TIMEOUT, COMM_TIMEOUT = 180, 30
 GIGABIT = Costs(hop_s=1.5e-3, round_s=3e-3, byte_s=8e-9, copy_s=1e-9, fp16_s=2e-9)
@@ -65,6 +66,40 @@ def test_overlapped_and_one_barrier_sums_match_a_float64_reference(algorithm, wo
             np.testing.assert_array_equal(r[f"overlap_{name}"], r[f"barrier_{name}"], err_msg=name)
 
 
+# -- CSC: a group per pack, against one barrier and a float64 reference ----------------------
+
+@pytest.mark.parametrize("algorithm,workers", [("ring", 2), ("recursive_doubling", 3)])
+def test_csc_in_groups_matches_one_barrier_bit_for_bit_and_a_float64_reference(algorithm, workers):
+    seed = str(np.random.default_rng().integers(1 << 30))   # fresh, the same for both forms
+    forms = {overlap: _run("--mode", "csc", "--overlap", overlap, "--algorithm", algorithm,
+                           "--bytes_per_pack", "512", "--seed", seed, workers=workers)
+             for overlap in ("on", "off")}
+    on, off = forms["on"], forms["off"]
+    packs = sorted(int(k[4:].split("_")[0]) for k in on[0] if k.endswith("_indices"))
+    assert int(on[0]["groups"]) == len(packs) >= 4 and int(off[0]["groups"]) == 1
+    for key in [k for k in on[0] if k != "groups"]:
+        for r_on, r_off in zip(on, off):   # both forms: the same bits (sums, each own residual)
+            np.testing.assert_array_equal(r_on[key], r_off[key], err_msg=key)
+            if key.startswith("sum"):   # every worker holds the same sums
+                np.testing.assert_array_equal(r_on[key], on[0][key], err_msg=key)
+    # The float64 reference of each pack (tests/test_sparsity.py's NumpyCSC; float32 wire).
+    steps = sorted({int(k[3:].split("_")[0]) for k in on[0] if k.startswith("sum")})
+    for p in packs:
+        indices = [int(i) for i in on[0][f"pack{p}_indices"]]
+        shapes = [on[0][f"sent0_{i}"].shape for i in indices]
+        sizes = [int(np.prod(s)) for s in shapes]
+        model = NumpyCSC(sum(sizes), workers, 16)
+        for s in steps:
+            flat = [np.concatenate([r[f"sent{s}_{i}"].ravel() for i in indices]) for r in on]
+            want, _ = model.step(flat, 1.0 if s == 0 else 0.25)   # one dense warm-up step
+            got = np.concatenate([on[0][f"sum{s}_{i}"].ravel() for i in indices])
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(),
+                                       err_msg=f"pack {p} step {s}")
+        for r, result in enumerate(on):
+            np.testing.assert_allclose(result[f"pack{p}_residual"], model.residual[r], rtol=1e-5,
+                                       atol=1e-5 * np.abs(model.residual[r]).max() + 1e-30)
+
+
 # -- the traced step of model.fit: the first group does not wait for the last gradients ---
 
 @pytest.fixture(scope="module")
@@ -114,6 +149,25 @@ def test_fit_with_overlap_is_identical_across_workers_and_close_to_float32(fits)
         # Grouping changes no scale: the same bits as one barrier.
         np.testing.assert_array_equal(on[0][k], off[0][k], err_msg=k)
     assert any(np.any(on[0][k] != baseline[k]) for k in keys), "FP16 left no trace: did it run?"
+
+
+def test_csc_fit_in_groups_leaves_early_and_trains_as_one_barrier():
+    on = _run("--mode", "fit", "--overlap", "on", "--density", "0.25", "--bytes_per_pack", "2048")
+    off = _run("--mode", "fit", "--overlap", "off", "--density", "0.25", "--bytes_per_pack", "2048")
+    for r in on:
+        groups = int(r["groups"])
+        assert groups >= 3 and int(r["groups_seen"]) == groups, str(r["plan"])
+        # Per group: its chunk norms' all-reduce, then the switch_case over its chunk all-reduce.
+        assert np.all(r["collectives_per_group"] == 2), r["collectives_per_group"]
+        assert list(r["kernel_gradient_groups"]) == [groups - 1]
+        assert not bool(r["first_reached_from_kernel"])
+        assert bool(r["last_reached_from_kernel"]) and bool(r["groups_in_trace_order"])
+    assert int(off[0]["groups"]) == 1 and bool(off[0]["first_reached_from_kernel"])
+    keys = [k for k in on[0] if k[0] == "w" and k[1:].isdigit()]
+    assert len(keys) == 8
+    for k in keys:   # per-pack top k sees its own pack's norms only: the same training, bit for bit
+        for r_on, r_off in zip(on, off):
+            assert r_on[k].tobytes() == on[0][k].tobytes() == r_off[k].tobytes(), k
 
 
 def test_workers_that_group_differently_fail_at_the_handshake():
@@ -297,3 +351,25 @@ def test_the_overlap_setting_is_checked_and_shown():
         "10.00 ms per step (2.00 ms after the last gradient at best)")
     assert Plan("fp16", 1024, "ring").describe() == "fp16 packs (packs of 1024 bytes), ring, one barrier"
 
+
+
+def test_csc_groups_by_hand():
+    # AlexNet CSC 1% in 30 packs at N = 2 (ring: 2 hops of 1.5 ms per collective): norms 238,672 B,
+    # chunks 1,222,656 B. all(G) = 2 G lat + W, last(G) = 2 lat + W / G, within 5% of all(1).
+    latency, bytes_ = 2 * 1.5e-3, 238_672 + 1_222_656
+    for byte_s, expected in ((8e-9, 1), (80e-9, 2)):   # 1 Gbit/s, 100 Mbit/s
+        wire = bytes_ * byte_s   # 2(N-1)/N = 1 at N = 2
+        costs = Costs(hop_s=1.5e-3, round_s=3e-3, byte_s=byte_s, copy_s=1e-9, fp16_s=2e-9)
+        fits = [g for g in range(1, 31) if 2 * g * latency + wire <= 1.05 * (2 * latency + wire)]
+        assert max(fits) == expected
+        assert planner.choose_sparse_groups(30, 238_672, 1_222_656, 2, costs, "ring", "auto") == expected
+    assert planner.choose_sparse_groups(30, 1, 1, 2, GIGABIT, "ring", True) == 30
+    assert planner.choose_sparse_groups(30, 1, 1, 2, GIGABIT, "ring", False) == 1
+    assert planner.choose_sparse_groups(30, 1, 1, 2, None, "ring", "auto") == 1   # unmeasured
+
+
+@pytest.mark.parametrize("sparsity,overlaps", [
+    (dict(density=0.01), True), (dict(density=0.01, selection="global"), False),
+    (dict(density="auto"), False)])
+def test_csc_overlaps_only_with_per_pack_selection_at_a_fixed_density(sparsity, overlaps):
+    assert gf_tf.ChunkSparsity(**sparsity).overlaps == overlaps

@@ -24,12 +24,15 @@
               gf_fp16 with overlap=True: one group of packs per pack, each with its own
               scale-bounds all-reduce, so packs leave during backprop; bytes_per_pack
               "auto" (the planner's pack size that gives 2 or more packs)
+    csc_1_overlap
+              csc_1 with overlap=True: each 4 MiB pack all-reduces its own chunk norms,
+              then its own chunks, as soon as its gradients exist
 
-Every GradientFlow method but `auto` and `gf_fp16_overlap` pins bytes_per_pack,
-algorithm and overlap (False), so that
-it measures the same transport whatever the planner's defaults. The last three
-are not in the presets' loops over every method either: the `scale` preset of
-benchmarks.allreduce names them.
+Every GradientFlow method pins bytes_per_pack, algorithm and overlap (False) unless its
+OVERRIDES entry says otherwise (`auto` leaves them to the planner, the `_overlap` methods
+turn overlap on), so that it measures the same transport whatever the planner's defaults.
+The methods of OVERRIDES are not in the presets' loops over every method either: the
+`scale` preset of benchmarks.allreduce names them.
 
 A GradientFlow method's GradientFlowAllReduce keywords are PINNED, with its
 sparsity (CSC_DENSITY, CSC_SELECTION), updated by its entry in OVERRIDES: the
@@ -45,7 +48,7 @@ _BASE_METHODS = ["tf_fp32", "tf_fp16", "gf_fp16", "csc_10", "csc_1", "csc_0.1", 
 CSC_DENSITY: Dict[str, Union[float, str]] = {"csc_10": 0.10, "csc_1": 0.01, "csc_0.1": 0.001,
                                              "csc_auto": "auto",
                                              "csc_1_global": 0.01, "csc_0.1_global": 0.001,
-                                             "csc_1_rd": 0.01}
+                                             "csc_1_rd": 0.01, "csc_1_overlap": 0.01}
 # ChunkSparsity(selection=...) of the CSC methods not selecting per pack.
 CSC_SELECTION: Dict[str, str] = {"csc_1_global": "global", "csc_0.1_global": "global"}
 # GradientFlowAllReduce keywords of every GradientFlow method ("default" bytes_per_pack:
@@ -58,6 +61,7 @@ OVERRIDES: Dict[str, Dict[str, object]] = {
     "gf_fp16_overlap": {"overlap": True, "bytes_per_pack": "auto"},   # one group per pack, 2+ packs
     "gf_fp16_rd": {"algorithm": "recursive_doubling"},
     "csc_1_rd": {"algorithm": "recursive_doubling"},
+    "csc_1_overlap": {"overlap": True},   # CSC 1%, each pack's norms and chunks on their own
 }
 METHODS = _BASE_METHODS + [m for m in OVERRIDES if m not in _BASE_METHODS]
 # The methods the presets loop over when they take "every method".
@@ -75,6 +79,7 @@ LABELS = {
     "auto": "gf_tf default (planner)",
     "gf_fp16_rd": "GradientFlow fp16, recursive doubling",
     "csc_1_rd": "GradientFlow CSC 1%, recursive doubling",
+    "csc_1_overlap": "GradientFlow CSC 1%, a group per pack",
 }
 for _m in [m for m in OVERRIDES if m not in LABELS]:   # a method added by one OVERRIDES line:
     LABELS[_m] = "GradientFlow " + ", ".join(f"{k}={v!r}" for k, v in OVERRIDES[_m].items())   # its keywords

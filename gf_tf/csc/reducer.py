@@ -5,7 +5,7 @@ from typing import Any, List, NamedTuple, Optional, Tuple
 
 import tensorflow as tf
 
-from gf_tf import ops
+from gf_tf import backprop_order, ops
 from gf_tf import reducers
 from gf_tf.csc import auto, selection
 from gf_tf.csc.state import CSCSetState, CSCState
@@ -61,6 +61,16 @@ class Branch(NamedTuple):
     done: List[tf.Tensor]
 
 
+class GroupResult(NamedTuple):
+    """One group's step: its Branch, its packs' specs and chunk counts, the candidates'
+    plans and the candidate index (int32 scalar or a Python 0)."""
+    result: "Branch"
+    specs: List[Any]
+    counts: List[int]
+    plans: List[Any]
+    index: Any
+
+
 class CSCReducer(Reducer):
     """Top-k chunks of residual + gradient, all packs of a set in one collective per wire dtype.
 
@@ -91,25 +101,68 @@ class CSCReducer(Reducer):
     def reduce(self, step: StepInput):
         """The packs share the schedule and step counter, so one `tf.switch_case` over
         the candidates' plans (schedule stages; with density="auto" the warm-up
-        stages and the rungs) picks every pack's k at once."""
+        stages and the rungs) picks every pack's k at once.
+
+        With `step.groups` > 1 (`ChunkSparsity.overlaps`: per-pack selection, a fixed
+        density) each group of packs (`reducers.group_ranges`) all-reduces its own norms,
+        then its own chunks, under the name scope "gf_group<g>", so its collectives wait
+        only for its own gradients; the candidate index (the step counter's stage) is the
+        same for every group. Per-pack top k depends on the pack's own norms only, so
+        the sums and residuals are those of one barrier, bit for bit.
+        """
+        comm = step.comm
+        ranges = reducers.group_ranges(len(step.packs), step.groups)
+        if len(ranges) > 1:
+            backprop_order.prioritize([[g for pack in step.packs[start:end] for replica in pack.grads
+                                        for g in replica] for start, end in ranges])
+        index, parts = None, []
+        for g, (start, end) in enumerate(ranges):
+            with tf.name_scope(f"gf_group{g}"):
+                part = self._reduce_group(step, step.packs[start:end], index)
+            index = part.index
+            parts.append(part)
+        with tf.device("/cpu:0"):
+            density = tf.gather(tf.constant([plan.density for plan in parts[0].plans], tf.float64),
+                                index)
+            for r in comm.replicas:
+                step.shared.steps[r].assign_add(1)
+            if self.sparsity.auto:
+                auto.record(step.shared.auto, comm, parts[0].result.started, parts[0].result.done,
+                            parts[0].result.sent_bytes)
+        sent = Sent(dense_bytes=4 * sum(pack.spec.num_elements for pack in step.packs),
+                    sent_bytes=tf.add_n([part.result.sent_bytes for part in parts]),
+                    selected_chunks=tf.add_n([part.result.selected_chunks for part in parts]),
+                    total_chunks=sum(sum(part.counts) for part in parts),
+                    residual_norm=tf.add_n([part.result.residual_l1 for part in parts]),
+                    density=density)
+        outputs = [per_pack for part in parts
+                   for per_pack in _per_pack(part.result.outputs, part.specs, len(comm.replicas))]
+        return outputs, sent
+
+    def _reduce_group(self, step: StepInput, packs, index) -> "GroupResult":
+        """One group of packs (all of them with one barrier): their norms' all-reduce (with
+        the density="auto" figures), the candidate index (`index`, or chosen here when None:
+        the first group's), and the switch_case over the candidates' plans."""
         comm, cs = step.comm, self.sparsity.chunk_size
-        specs = [pack.spec for pack in step.packs]
+        specs = [pack.spec for pack in packs]
         counts = [ops.num_chunks(spec.num_elements, cs) for spec in specs]
-        timing = (auto.figures(step.shared.auto, self.clock, [p.grads for p in step.packs], comm)
+        timing = (auto.figures(step.shared.auto, self.clock, [p.grads for p in packs], comm)
                   if self.sparsity.auto else reducers.no_control(comm))
-        accumulated = [self._accumulate(pack, comm) for pack in step.packs]
+        accumulated = [self._accumulate(pack, comm) for pack in packs]
         timing, *norms = reducers.fuse_controls(comm, [timing] + [a.norms for a in accumulated])
         groups = selection.wire_groups(specs)
         control_bytes = 4 * int(timing[0].shape[0])
         plans = [selection.plan_step(specs, counts, groups, cs, self.selection, first, density,
                                      control_bytes)
                  for first, density in self.sparsity.candidates()]
-        index = self._plan_index(plans, step, timing)
+        if index is None:
+            index = self._plan_index(plans, step, timing)
         branches = list(dict.fromkeys(plan.ks for plan in plans))
         first_plan = {ks: next(p for p in plans if p.ks == ks) for ks in branches}
+        group_step = dataclasses.replace(step, packs=tuple(packs))
 
         def branch(plan):
-            return lambda: self._step(step, counts, accumulated, norms, plan)
+            return lambda: self._step(group_step, counts, accumulated, norms, plan)
 
         if len(branches) == 1:
             result = branch(plans[0])()
@@ -117,17 +170,7 @@ class CSCReducer(Reducer):
             with tf.device("/cpu:0"):
                 which = tf.gather([branches.index(plan.ks) for plan in plans], index)
             result = tf.switch_case(which, [branch(first_plan[ks]) for ks in branches])
-        with tf.device("/cpu:0"):
-            density = tf.gather(tf.constant([plan.density for plan in plans], tf.float64), index)
-            for r in comm.replicas:
-                step.shared.steps[r].assign_add(1)
-            if self.sparsity.auto:
-                auto.record(step.shared.auto, comm, result.started, result.done,
-                            result.sent_bytes)
-        sent = Sent(dense_bytes=4 * sum(spec.num_elements for spec in specs),
-                    sent_bytes=result.sent_bytes, selected_chunks=result.selected_chunks,
-                    total_chunks=sum(counts), residual_norm=result.residual_l1, density=density)
-        return _per_pack(result.outputs, specs, len(comm.replicas)), sent
+        return GroupResult(result, specs, counts, plans, index)
 
     def _plan_index(self, plans, step: StepInput, timing):
         """int32 index into `plans` for this step (a Python 0 when there is one)."""

@@ -172,6 +172,13 @@ class ChunkSparsity:
         """True for density="auto"."""
         return self.density == AUTO
 
+    @property
+    def overlaps(self) -> bool:
+        """Whether groups of packs may each select and send on their own (overlap with
+        backprop): per-pack selection at a fixed density. selection="global" needs every
+        pack's norms and density="auto" the whole step's timing: one barrier."""
+        return self.selection == "per_pack" and not self.auto
+
     def rungs(self) -> Tuple[float, ...]:
         """The densities density="auto" chooses from, largest first.
 

@@ -4,8 +4,14 @@
   7, 1009, values near 65504, FP16 subnormals, float32/float16/bfloat16), once with
   overlap=True and once with the same GradientFlowAllReduce set to one barrier (overlap=False,
   a new trace). Writes what it sent, both sums and both plans' group counts.
---mode fit: model.fit of a 4-layer MLP with overlap on or off (--overlap), or --baseline (one
-  process, no strategy, float32). Writes the final weights and, from the traced train step,
+--mode csc: CSC (density 0.25, chunks of 16, one dense warm-up step, float32 wire) over
+  packs of --bytes_per_pack with overlap on or off (--overlap): each pack a group of its own,
+  or one barrier. Gradients come from --seed, this worker's rank and the step, so runs with
+  each form see the same ones. Writes per step what it sent and received, each pack's
+  gradient indices and final residual, and the plan's group count.
+--mode fit: model.fit of a 4-layer MLP with overlap on or off (--overlap), FP16 or CSC at
+  --density (chunks of 16, one dense warm-up step), or --baseline (one process, no strategy,
+  float32). Writes the final weights and, from the traced train step,
   whether the first group's collectives have a data or control path from the gradient of the
   first layer's kernel (which is in the last group when the packs are grouped), and whether
   that gradient comes after the last layer's (gf_tf.backprop_order).
@@ -20,7 +26,9 @@ import tensorflow as tf
 import worker_util
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--mode", choices=["values", "fit"], default="values")
+parser.add_argument("--mode", choices=["values", "csc", "fit"], default="values")
+parser.add_argument("--seed", type=int, default=0, help="--mode csc: the gradients' seed")
+parser.add_argument("--density", type=float, default=0.0, help="--mode fit: CSC at this density")
 parser.add_argument("--algorithm", default="ring")
 parser.add_argument("--bytes_per_pack", type=int, default=1024)
 parser.add_argument("--overlap", choices=["on", "off"], default="on")
@@ -31,13 +39,17 @@ args = parser.parse_args()
 import gf_tf  # pylint: disable=wrong-import-position
 import keras  # pylint: disable=wrong-import-position
 
-COLLECTIVES = ("CollectiveReduceV2", "CollectiveBcastSendV2", "CollectiveBcastRecvV2")
+# The collectives of a group, and the switch_case holding CSC's chunk all-reduce (its branches).
+COLLECTIVES = ("CollectiveReduceV2", "CollectiveBcastSendV2", "CollectiveBcastRecvV2", "Case")
 GROUP = re.compile(r"gf_group(\d+)/")
 
 
 def strategy_with(overlap):
+    sparsity = (gf_tf.ChunkSparsity(density=args.density, chunk_size=16, warmup_steps=1)
+                if args.density else None)
     gradient_flow = gf_tf.GradientFlowAllReduce(compression="fp16", bytes_per_pack=args.bytes_per_pack,
-                                                algorithm=args.algorithm, overlap=overlap)
+                                                algorithm=args.algorithm, overlap=overlap,
+                                                sparsity=sparsity)
     return gf_tf.MultiWorkerMirroredStrategy(
         communication_options=worker_util.communication_options(), gradient_flow=gradient_flow)
 
@@ -85,6 +97,44 @@ def run_values():
         (plan,) = gfar.plans().values()
         result[f"{form}_groups"] = np.array(plan.groups)
         result[f"{form}_plan"] = np.array(plan.describe())
+    worker_util.write_result(**result)
+
+
+CSC_SHAPES = [(7, 3), (1009,), (5,), (64,), (33, 2), (1,)]
+CSC_STEPS = 4
+
+
+def run_csc():
+    gfar = gf_tf.GradientFlowAllReduce(
+        compression=None, bytes_per_pack=args.bytes_per_pack, algorithm=args.algorithm,
+        overlap=args.overlap == "on",
+        sparsity=gf_tf.ChunkSparsity(density=0.25, chunk_size=16, warmup_steps=1))
+    strategy = gf_tf.MultiWorkerMirroredStrategy(
+        communication_options=worker_util.communication_options(), gradient_flow=gfar)
+    with strategy.scope():
+        variables = [tf.Variable(tf.zeros(s), name=f"v{i}") for i, s in enumerate(CSC_SHAPES)]
+
+    @tf.function
+    def step(grads):
+        return strategy.run(lambda: gf_tf.all_reduce_gradients([tf.identity(g) for g in grads],
+                                                                variables))
+
+    result = {}
+    for s in range(CSC_STEPS):
+        rng = np.random.default_rng([args.seed, worker_util.task_index(), s])
+        # Chunk scales spread over 3 orders of magnitude: the top k is well separated.
+        grads = [(rng.normal(size=shape) * 10.0 ** rng.uniform(-2, 1, shape)).astype(np.float32)
+                 for shape in CSC_SHAPES]
+        out = step([tf.constant(g) for g in grads])
+        for i, (g, got) in enumerate(zip(grads, out)):
+            result[f"sent{s}_{i}"] = g
+            result[f"sum{s}_{i}"] = strategy.experimental_local_results(got)[0].numpy()
+    (state,) = gfar.states().values()
+    for p, (spec, pack) in enumerate(zip(state.plan, state.packs)):
+        result[f"pack{p}_indices"] = np.array(spec.indices)
+        result[f"pack{p}_residual"] = pack.residuals[0].numpy()
+    (plan,) = gfar.plans().values()
+    result["groups"] = np.array(plan.groups)
     worker_util.write_result(**result)
 
 
@@ -172,5 +222,7 @@ def run_fit():
 
 if args.mode == "values":
     run_values()
+elif args.mode == "csc":
+    run_csc()
 else:
     run_fit()
