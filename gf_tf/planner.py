@@ -76,8 +76,8 @@ AUTO = "auto"
 RING, RECURSIVE_DOUBLING = "ring", "recursive_doubling"
 ALGORITHMS = (RING, RECURSIVE_DOUBLING)   # the order breaks ties: the ring first
 # What the planner may choose for the wire of float32 gradients when compression="auto":
-# TF's own float32 batch all-reduce, float32 packs over recursive doubling (exact; over the
-# ring they are TF's own all-reduce again) or FP16 packs. BF16 (8-bit significand) only when
+# TF's own float32 batch all-reduce, float32 packs over recursive doubling at N > 2 (exact;
+# over the ring, or in the one round of N = 2, they are TF's own all-reduce again) or FP16 packs. BF16 (8-bit significand) only when
 # a user asks for it.
 AUTO_METHODS = ("tf", "none", "fp16")
 FLOAT32_BYTES, WIRE16_BYTES = 4, 2
@@ -283,8 +283,8 @@ def choose(elements: int, tensors: int, workers: int, costs: Optional[Costs],
     candidates: List[Plan] = []
     for m in methods:
         for a in (RING,) if m == "tf" else algorithms:
-            if method == AUTO and m == "none" and a == RING:
-                continue
+            if method == AUTO and m == "none" and (a == RING or workers <= 2):
+                continue   # TF's own all-reduce again (at N = 2 one round is a 2-member ring)
             for count, pack in _pack_options(elements, m, bytes_per_pack):
                 candidates.append(Plan(m, pack, a, predict_seconds(
                     m, a, elements, tensors, workers, costs, count)))
