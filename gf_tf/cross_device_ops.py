@@ -103,8 +103,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         waits for the step's last gradient), "auto" (the planner's rule,
         `gf_tf.planner.choose_overlap`, which may pick smaller packs when
         bytes_per_pack is "auto"; one barrier when nothing was measured) or
-        True (one group per pack). With groups, backprop is ordered group by
-        group (`gf_tf.backprop_order`). Not the default: measured here on
+        True (one group per pack). Not the default: measured here on
         workers pinned to one core, TF's one inter-op thread ran every group's
         first op after backprop's last, so nothing overlapped (with 2 threads
         the groups left during backprop, but the step was not faster), and the

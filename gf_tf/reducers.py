@@ -46,7 +46,6 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
-from gf_tf import backprop_order
 from gf_tf import compression as compression_lib
 from gf_tf import ops
 from gf_tf.agreement import Setting, hex_text
@@ -233,18 +232,13 @@ class DenseReducer(Reducer):
     overflows and small gradients keep full FP16 precision at any N.
     With `step.groups` > 1 each group of packs (`group_ranges`) all-reduces its
     own bounds, then its packs, under the name scope "gf_group<g>" (module
-    docstring: the order and why it cannot deadlock), and backprop is ordered so
-    each group's gradients come before the work only later groups need
-    (`gf_tf.backprop_order`).
+    docstring: the order and why it cannot deadlock).
     """
 
     def reduce(self, step):
         comm = step.comm
         outputs, sent = [], Sent()
         ranges = group_ranges(len(step.packs), step.groups)
-        if len(ranges) > 1:
-            backprop_order.prioritize([[g for pack in step.packs[start:end] for replica in pack.grads
-                                        for g in replica] for start, end in ranges])
         for g, (start, end) in enumerate(ranges):
             packs = step.packs[start:end]
             with tf.name_scope(f"gf_group{g}"):

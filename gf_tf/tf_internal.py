@@ -29,9 +29,7 @@ pieces used for that:
 - `context.context().configure_coordination_service` and `coordination_config_pb2`
   (how long workers wait for a peer that never starts; the leader is `gf_tf.cluster`'s,
   which mirrors `multi_worker_util.coordination_leader`); `context.context().wait_at_barrier`
-  (workers leave together, `gf_tf.worker.exit_together`),
-- `Operation._add_control_input` (control edges added to a traced step's existing ops,
-  `gf_tf.backprop_order`; TF's own tf.function and cond_v2 use it the same way).
+  (workers leave together, `gf_tf.worker.exit_together`).
 
 This module imports nothing of gf_tf.
 """
@@ -118,11 +116,6 @@ def next_instance_key(launcher):
 def ordering_token(launcher):
     """The resource handle TF orders the launcher's collectives by (None in TF1 graphs)."""
     return launcher._get_ordering_token()  # pylint: disable=protected-access
-
-
-def add_control_input(op: tf.Operation, control: tf.Operation) -> None:
-    """Makes the existing graph op `op` run after `control` (both in one graph, not yet run)."""
-    op._add_control_input(control)  # pylint: disable=protected-access
 
 
 def merged_collective_options(ops: tf.distribute.CrossDeviceOps, options):

@@ -5,7 +5,7 @@ from typing import Any, List, NamedTuple, Optional, Tuple
 
 import tensorflow as tf
 
-from gf_tf import backprop_order, ops
+from gf_tf import ops
 from gf_tf import reducers
 from gf_tf.csc import auto, selection
 from gf_tf.csc.state import CSCSetState, CSCState
@@ -112,9 +112,6 @@ class CSCReducer(Reducer):
         """
         comm = step.comm
         ranges = reducers.group_ranges(len(step.packs), step.groups)
-        if len(ranges) > 1:
-            backprop_order.prioritize([[g for pack in step.packs[start:end] for replica in pack.grads
-                                        for g in replica] for start, end in ranges])
         index, parts = None, []
         for g, (start, end) in enumerate(ranges):
             with tf.name_scope(f"gf_group{g}"):

@@ -13,8 +13,10 @@
   --density (chunks of 16, one dense warm-up step), or --baseline (one process, no strategy,
   float32). Writes the final weights and, from the traced train step,
   whether the first group's collectives have a data or control path from the gradient of the
-  first layer's kernel (which is in the last group when the packs are grouped), and whether
-  that gradient comes after the last layer's (gf_tf.backprop_order).
+  first layer's kernel (which is in the last group when the packs are grouped).
+--mode conv_fit: model.fit of 2 convolutions and a dense layer, all with biases, in packs of
+  2048 bytes, so a layer's kernel and bias travel in different groups (oneDNN fuses their
+  gradient ops); writes the final weights and the plan's group count.
 """
 
 import argparse
@@ -26,9 +28,9 @@ import tensorflow as tf
 import worker_util
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--mode", choices=["values", "csc", "fit"], default="values")
+parser.add_argument("--mode", choices=["values", "csc", "fit", "conv_fit"], default="values")
 parser.add_argument("--seed", type=int, default=0, help="--mode csc: the gradients' seed")
-parser.add_argument("--density", type=float, default=0.0, help="--mode fit: CSC at this density")
+parser.add_argument("--density", type=float, default=0.0, help="--mode fit, conv_fit: CSC at this density")
 parser.add_argument("--algorithm", default="ring")
 parser.add_argument("--bytes_per_pack", type=int, default=1024)
 parser.add_argument("--overlap", choices=["on", "off"], default="on")
@@ -37,7 +39,6 @@ parser.add_argument("--learning_rate", type=float, default=0.05, help="SGD's")
 args = parser.parse_args()
 
 import gf_tf  # pylint: disable=wrong-import-position
-import keras  # pylint: disable=wrong-import-position
 
 # The collectives of a group, and the switch_case holding CSC's chunk all-reduce (its branches).
 COLLECTIVES = ("CollectiveReduceV2", "CollectiveBcastSendV2", "CollectiveBcastRecvV2", "Case")
@@ -138,15 +139,6 @@ def run_csc():
     worker_util.write_result(**result)
 
 
-def build_model():
-    keras.utils.set_random_seed(1)
-    model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(48, activation="tanh"),
-                              keras.layers.Dense(40, activation="tanh"),
-                              keras.layers.Dense(32, activation="tanh"), keras.layers.Dense(3)])
-    model.compile(optimizer=keras.optimizers.SGD(args.learning_rate), loss="mse")
-    return model
-
-
 def ancestors(ops):
     """Every op with a data or control path to one of `ops` (op.inputs, op.control_inputs)."""
     seen, stack = set(), list(ops)
@@ -163,8 +155,6 @@ def graph_facts(model, recorded):
     """(groups seen, collectives per group, first group reached from the first kernel's gradient)."""
     graph, name = recorded[tuple(model.layers[0].kernel.shape)]
     gradient_op = graph.get_tensor_by_name(name).op
-    _, last_name = recorded[tuple(model.layers[-1].kernel.shape)]
-    last_gradient_op = graph.get_tensor_by_name(last_name).op
     per_group = {}
     for op in graph.get_operations():
         match = GROUP.search(op.name)
@@ -179,9 +169,6 @@ def graph_facts(model, recorded):
             "last_group": np.array(last),
             "first_reached_from_kernel": np.array(gradient_op in ancestors(per_group[0])),
             "last_reached_from_kernel": np.array(gradient_op in ancestors(per_group[last])),
-            # gf_tf.backprop_order: the first layer's kernel gradient (last group) comes after
-            # the last layer's (first group); backprop alone has no such path.
-            "first_kernel_after_last": np.array(last_gradient_op in ancestors([gradient_op])),
             # TF's ordering token chains a device's collectives in trace order: every group's
             # collectives come after the previous group's (the same order on every worker).
             "groups_in_trace_order": np.array(all(
@@ -201,10 +188,7 @@ def run_fit():
                 recorded[tuple(v.shape)] = (g.graph, g.name)   # this model's shapes are distinct
             return original(replica_ctx, grads, variables, reduce_op, options)
         gfar.all_reduce_gradients = recording
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(64, 12)).astype(np.float32)
-    y = (np.tanh(x @ rng.normal(size=(12, 3)))).astype(np.float32)
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    dataset, build_model = worker_util.mlp_fit_setup(args.learning_rate)
     if strategy is None:
         model = build_model()
     else:
@@ -220,9 +204,32 @@ def run_fit():
     worker_util.write_result(**result)
 
 
+def run_conv_fit():
+    import keras  # pylint: disable=import-outside-toplevel
+    strategy = strategy_with(args.overlap == "on")
+    with strategy.scope():
+        keras.utils.set_random_seed(1)
+        x = inputs = keras.Input((12, 12, 8))
+        x = keras.layers.Conv2D(16, 5, activation="relu")(x)
+        x = keras.layers.Conv2D(16, 3, activation="relu")(x)
+        outputs = keras.layers.Dense(10)(keras.layers.Flatten()(x))
+        model = keras.Model(inputs, outputs)
+        model.compile(optimizer=keras.optimizers.SGD(0.01),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    data = tf.data.Dataset.from_tensor_slices((rng.normal(size=(32, 12, 12, 8)).astype(np.float32),
+                                               rng.integers(0, 10, 32))).batch(8)
+    model.fit(data, epochs=1, verbose=0)
+    (plan,) = strategy.gradient_flow.plans().values()
+    worker_util.write_result(groups=np.array(plan.groups),
+                             **{f"w{i}": w for i, w in enumerate(model.get_weights())})
+
+
 if args.mode == "values":
     run_values()
 elif args.mode == "csc":
     run_csc()
+elif args.mode == "conv_fit":
+    run_conv_fit()
 else:
     run_fit()

@@ -84,24 +84,11 @@ def run_values():
 
 
 def run_fit():
-    import keras   # pylint: disable=import-outside-toplevel
     strategy = None
     if not args.baseline:   # before any TF op: the strategy configures the collectives
         strategy = gf_tf.MultiWorkerMirroredStrategy(
             communication_options=worker_util.communication_options())
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(64, 12)).astype(np.float32)
-    y = np.tanh(x @ rng.normal(size=(12, 3))).astype(np.float32)
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
-
-    def build():
-        keras.utils.set_random_seed(1)
-        model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(48, activation="tanh"),
-                                  keras.layers.Dense(40, activation="tanh"),
-                                  keras.layers.Dense(32, activation="tanh"), keras.layers.Dense(3)])
-        model.compile(optimizer=keras.optimizers.SGD(args.learning_rate), loss="mse")
-        return model
-
+    dataset, build = worker_util.mlp_fit_setup(args.learning_rate)
     epochs = trial.STEPS // 4 + 2   # 4 steps an epoch: past the decision
     result = {}
     if strategy is None:

@@ -28,6 +28,26 @@ def regression_data(num_examples: int):
     return x, y
 
 
+def mlp_fit_setup(learning_rate: float):
+    """(dataset, build): 64 seeded examples (12 -> 3, tanh of a linear map) in batches of 16, and
+    a function building the seeded 4-layer tanh MLP compiled with SGD(learning_rate) and MSE
+    (call it inside the strategy's scope)."""
+    import keras  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 12)).astype(np.float32)
+    y = np.tanh(x @ rng.normal(size=(12, 3))).astype(np.float32)
+
+    def build():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(48, activation="tanh"),
+                                  keras.layers.Dense(40, activation="tanh"),
+                                  keras.layers.Dense(32, activation="tanh"), keras.layers.Dense(3)])
+        model.compile(optimizer=keras.optimizers.SGD(learning_rate), loss="mse")
+        return model
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(16), build
+
+
 def write_result(**arrays) -> None:
     """Saves named arrays where tests/cluster.py reads them (GF_TF_RESULT)."""
     np.savez(os.environ["GF_TF_RESULT"], **{k: np.asarray(v) for k, v in arrays.items()})
