@@ -36,6 +36,12 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         interrupted, a watchdog process prints that message and kills it (SIGKILL). A peer lost
         later is detected by TensorFlow's coordination-service heartbeats (a
         killed worker within a second here, a frozen one in about 7 s).
+      heartbeat_timeout: seconds without a peer's coordination-service
+        heartbeats before every worker gives it up (default None: TensorFlow's,
+        10 s). Raise it on slow links: heartbeats share the link with the
+        collectives, and AlexNet's 244 MB initial broadcast at 100 Mbit/s held
+        them back past 10 s (`DeadlineExceededError ... CoordinationService/Heartbeat`
+        from a live peer). A frozen peer is then noticed that much later.
 
     Also installs the Keras 3 multi-worker `model.fit` fixes of the Keras wing
     (`gf_tf.keras.patches`, keras-team/keras#20585), with or without GradientFlow.
@@ -43,20 +49,23 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     Raises:
       RuntimeError: untested TensorFlow or Keras version.
       TypeError: gradient_flow is not a GradientFlowAllReduce.
-      ValueError: peer_startup_timeout is not a positive number or None, or
+      ValueError: peer_startup_timeout or heartbeat_timeout is not a positive number or None, or
         TF_CONFIG is malformed (the message names the field; `gf_tf.cluster`).
     """
 
     def __init__(self, cluster_resolver=None, communication_options=None,
-                 gradient_flow=_DEFAULT, peer_startup_timeout=DEFAULT_PEER_STARTUP_TIMEOUT):
+                 gradient_flow=_DEFAULT, peer_startup_timeout=DEFAULT_PEER_STARTUP_TIMEOUT,
+                 heartbeat_timeout=None):
         tf_internal.check_tf_version()
         if gradient_flow is not _DEFAULT and gradient_flow is not None and not isinstance(
                 gradient_flow, cross_device_ops.GradientFlowAllReduce):
             raise TypeError(f"gradient_flow must be a gf_tf.GradientFlowAllReduce or None, "
                             f"got {type(gradient_flow).__name__}")
-        if peer_startup_timeout is not None and not peer_startup_timeout > 0:
-            raise ValueError(f"peer_startup_timeout must be > 0 seconds or None, got {peer_startup_timeout}")
-        guard = _startup_watchdog(cluster_resolver, peer_startup_timeout)
+        for name, value in (("peer_startup_timeout", peer_startup_timeout),
+                            ("heartbeat_timeout", heartbeat_timeout)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds or None, got {value}")
+        guard = _startup_watchdog(cluster_resolver, peer_startup_timeout, heartbeat_timeout)
         try:
             super().__init__(cluster_resolver=cluster_resolver,
                              communication_options=communication_options)
@@ -78,7 +87,7 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             tf_internal.set_cross_device_ops(self, gradient_flow)
 
 
-def _startup_watchdog(cluster_resolver, seconds):
+def _startup_watchdog(cluster_resolver, seconds, heartbeat_seconds=None):
     """A started `gf_tf.watchdog` that ends this process if the cluster has not formed within `seconds`.
 
     A non-leader worker gets TensorFlow's own error after the coordination
@@ -87,12 +96,13 @@ def _startup_watchdog(cluster_resolver, seconds):
     the GIL, so a separate process prints one line naming the peers whose port
     does not answer and SIGKILLs it. Until then it says every so often which
     peers this worker waits for. `seconds` None: no deadline, only those lines.
+    `heartbeat_seconds` configures the service's heartbeat timeout alongside.
     None for a one-worker cluster.
     """
     cluster = (cluster_lib.from_tf_config() if cluster_resolver is None
                else cluster_lib.from_resolver(cluster_resolver))
     if not cluster.is_multi_worker:
         return None
-    if seconds is not None:
-        tf_internal.configure_peer_startup_timeout(cluster, seconds)
+    if seconds is not None or heartbeat_seconds is not None:
+        tf_internal.configure_coordination_service(cluster, seconds, heartbeat_seconds)
     return watchdog.start("deadline", f"{cluster.task_type} {cluster.task_index}", seconds, cluster.peers)

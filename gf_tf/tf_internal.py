@@ -34,7 +34,7 @@ pieces used for that:
 This module imports nothing of gf_tf.
 """
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops as _tf_cross_device_ops
@@ -198,15 +198,17 @@ def in_xla_context() -> bool:
 
 # --- failure detection -------------------------------------------------------
 
-def configure_peer_startup_timeout(cluster, seconds: float) -> bool:
-    """Makes every worker fail after `seconds` if some peer has not started (joined the cluster) by then.
+def configure_coordination_service(cluster, startup_seconds: Optional[float],
+                                   heartbeat_seconds: Optional[float] = None) -> bool:
+    """Makes every worker fail after `startup_seconds` if some peer has not started (joined the
+    cluster) by then, and declare a peer lost after `heartbeat_seconds` without its heartbeats.
 
     TF 2.21's MultiWorkerMirroredStrategy starts TensorFlow's coordination
     service with `cluster_register_timeout_in_ms=0`, which waits for missing
-    peers forever; it keeps a coordination service configured before it is
-    created. This configures the same service (leader: the chief, or worker 0;
-    jobs chief and worker) with a finite registration timeout. Heartbeats keep
-    TensorFlow's default (a stopped peer was detected in about 7 s here).
+    peers forever, and the default heartbeat timeout (10 s: a stopped peer was
+    detected in about 7 s here); it keeps a coordination service configured
+    before it is created. This configures the same service (leader: the chief,
+    or worker 0; jobs chief and worker) with these timeouts (None: TensorFlow's).
     `cluster` is a `gf_tf.cluster.Cluster` (its jobs and leader).
 
     Call before the strategy is created. Returns False (and changes nothing)
@@ -226,7 +228,8 @@ def configure_peer_startup_timeout(cluster, seconds: float) -> bool:
         service_type="standalone",
         service_leader=cluster.leader_task_name,
         coordinated_jobs=jobs,
-        cluster_register_timeout_in_ms=int(seconds * 1000))
+        cluster_register_timeout_in_ms=int((startup_seconds or 0) * 1000),
+        heartbeat_timeout_in_ms=int((heartbeat_seconds or 0) * 1000))
     return True
 
 

@@ -97,8 +97,14 @@ def lost_worker_message(error: BaseException, tf_config_text: Optional[str] = No
         return (f"a collective failed, probably because a peer worker stopped or is unreachable ({cause}); "
                 f"restart every worker of the job")
     names = ", ".join(f"{job} {i}" for job, i in peers)
+    hint = ""
+    if "CoordinationService/Heartbeat" in text:
+        hint = ("; if it was still running, a slow or saturated link held its heartbeats back: "
+                "raise gf_tf.MultiWorkerMirroredStrategy(heartbeat_timeout=...) "
+                "(models.train --heartbeat_timeout)")
     return (f"lost {names}: it stopped or became unreachable ({cause}); the job cannot continue "
-            f"without it: restart every worker (with --model_dir, training resumes from the last epoch)")
+            f"without it: restart every worker (with --model_dir, training resumes from the last "
+            f"epoch){hint}")
 
 
 def exit_together(timeout_seconds: float = 300.0) -> bool:

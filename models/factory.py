@@ -135,7 +135,8 @@ def build_gradient_flow(compression: str = "fp16", bytes_per_pack: int = 4 << 20
 
 def build_strategy(name: str, num_devices: int = 1, gradient_flow=None,
                    timeout_seconds: float = 300.0,
-                   startup_timeout_seconds: float = 300.0) -> tf.distribute.Strategy:
+                   startup_timeout_seconds: float = 300.0,
+                   heartbeat_timeout_seconds: Optional[float] = None) -> tf.distribute.Strategy:
     """The tf.distribute strategy for --strategy, with GradientFlow installed when given.
 
     multi_worker_mirrored: gf_tf.MultiWorkerMirroredStrategy over the cluster in
@@ -147,7 +148,8 @@ def build_strategy(name: str, num_devices: int = 1, gradient_flow=None,
     one_device: tf.distribute.OneDeviceStrategy on the CPU (no all-reduce;
       gradient_flow must be None).
     Collectives fail after `timeout_seconds` instead of hanging; a worker whose peers
-    have not all started after `startup_timeout_seconds` fails naming them.
+    have not all started after `startup_timeout_seconds` fails naming them; a peer is given up
+    after `heartbeat_timeout_seconds` without heartbeats (None: TensorFlow's 10 s).
     """
     choose("strategy", name, {s: s for s in STRATEGIES})
     devices = [f"/cpu:{i}" for i in range(num_devices)]
@@ -162,7 +164,8 @@ def build_strategy(name: str, num_devices: int = 1, gradient_flow=None,
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout_seconds)
     return gf_tf.MultiWorkerMirroredStrategy(communication_options=options,
                                              gradient_flow=gradient_flow,
-                                             peer_startup_timeout=startup_timeout_seconds)
+                                             peer_startup_timeout=startup_timeout_seconds,
+                                             heartbeat_timeout=heartbeat_timeout_seconds)
 
 
 def task_info(strategy: tf.distribute.Strategy) -> Tuple[Optional[str], int, bool]:

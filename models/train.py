@@ -53,6 +53,8 @@ flags.DEFINE_string("model_dir", "", "TensorBoard logs, checkpoints, BackupAndRe
 flags.DEFINE_integer("seed", 0, "random seed (weights, data order, dropout)")
 flags.DEFINE_float("collective_timeout", 300.0, "seconds before a stuck all-reduce fails")
 flags.DEFINE_float("startup_timeout", 300.0, "seconds a worker waits for peers that have not started")
+flags.DEFINE_float("heartbeat_timeout", None, "seconds without a peer's heartbeats before it is given up "
+                   "(default: TensorFlow's, 10 s; raise it on slow links, where collectives delay them)")
 
 
 def _throughput_callback(global_batch_size):
@@ -117,8 +119,8 @@ def _check_flag_ranges():
     for name, low in _AT_LEAST.items():
         if FLAGS[name].value < low:
             raise ValueError(f"--{name} must be >= {low}, got {FLAGS[name].value}")
-    for name in ("collective_timeout", "startup_timeout"):
-        if FLAGS[name].value <= 0:
+    for name in ("collective_timeout", "startup_timeout", "heartbeat_timeout"):
+        if FLAGS[name].value is not None and FLAGS[name].value <= 0:
             raise ValueError(f"--{name} must be > 0 seconds, got {FLAGS[name].value}")
 
 
@@ -152,7 +154,8 @@ def main(argv):
     csc = gradient_flow is not None and gradient_flow.sparsity is not None
     optimizer_momentum = 0.0 if csc else FLAGS.momentum
     strategy = factory.build_strategy(strategy_name, num_devices, gradient_flow,
-                                      FLAGS.collective_timeout, FLAGS.startup_timeout)
+                                      FLAGS.collective_timeout, FLAGS.startup_timeout,
+                                      FLAGS.heartbeat_timeout)
     task_type, task_id, is_chief = factory.task_info(strategy)
     say(f"{factory.tf_config_summary()}; {strategy.num_replicas_in_sync} replicas; "
         f"chief: {is_chief}; gradient all-reduce: "
@@ -226,7 +229,7 @@ def main(argv):
 _TRAIN_FLAGS = ("model", "dataset", "data_dir", "strategy", "num_devices", "compression",
                 "bytes_per_pack", "density", "chunk_size", "warmup_steps", "selection", "epochs",
                 "steps_per_epoch", "batch_size", "learning_rate", "momentum", "mixed_precision",
-                "model_dir", "seed", "collective_timeout", "startup_timeout")
+                "model_dir", "seed", "collective_timeout", "startup_timeout", "heartbeat_timeout")
 
 
 def run():

@@ -264,6 +264,36 @@ def test_lost_worker_message_names_peers_other_than_this_task():
     assert line.startswith("lost worker 2: it stopped or became unreachable (UnavailableError: Collective ops "
                            "is aborted by"), line
     assert worker.lost_worker_message(ValueError("/job:worker/task:2"), config) is None
+    assert "heartbeat_timeout" not in line
+
+
+def test_a_late_heartbeat_names_the_setting_that_waits_longer():
+    # As seen on AlexNet's initial broadcast at 100 Mbit/s: a live leader's heartbeat RPC timed out.
+    import tensorflow as tf
+    error = tf.errors.DeadlineExceededError(None, None, (
+        "{{function_node __wrapped__CollectiveBcastRecv_device_/job:worker/replica:0/task:1/device:CPU:0}} "
+        "Collective ops is aborted by: Deadline Exceeded\n\nRPC: /tensorflow.CoordinationService/Heartbeat"))
+    config = json.dumps({"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": 1}})
+    line = worker.lost_worker_message(error, config)
+    assert line.startswith("lost worker 0: "), line
+    assert "heartbeat_timeout=" in line and "--heartbeat_timeout" in line, line
+
+
+def test_heartbeat_timeout_reaches_the_coordination_service():
+    import subprocess
+    import sys
+    code = ("from gf_tf import cluster, tf_internal; from tensorflow.python.eager import context; "
+            "c = cluster.from_tf_config('{\"cluster\": {\"worker\": [\"127.0.0.1:1\", \"127.0.0.1:2\"]}, "
+            "\"task\": {\"type\": \"worker\", \"index\": 0}}'); "
+            "assert tf_internal.configure_coordination_service(c, 5, 42.5); "
+            "config = context.context()._coordination_service_config; "
+            "print(config.heartbeat_timeout_in_ms, config.cluster_register_timeout_in_ms)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["42500", "5000"]
+    import gf_tf
+    with pytest.raises(ValueError, match="heartbeat_timeout must be > 0"):
+        gf_tf.MultiWorkerMirroredStrategy(heartbeat_timeout=0)
 
 
 # --- jit_compile under a multi-device MirroredStrategy ------------------------------------------

@@ -34,6 +34,8 @@ import statistics
 import time
 
 
+HEARTBEAT_TIMEOUT = 120.0   # seconds (gf_tf.MultiWorkerMirroredStrategy(heartbeat_timeout=))
+
 def parse_args():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True, choices=["digits_cnn", "resnet20", "alexnet", "resnet50"])
@@ -87,7 +89,10 @@ def main():
     if args.reference:
         strategy, gradient_flow, num_workers = None, None, 1
     else:
-        strategy, gradient_flow = methods.make_strategy(args.method, args.timeout, keras_fit=True)
+        # Heartbeats share the shaped link: AlexNet's initial broadcast (244 MB at 100 Mbit/s)
+        # held them back past TensorFlow's 10 s, and a live worker was given up.
+        strategy, gradient_flow = methods.make_strategy(args.method, args.timeout, keras_fit=True,
+                                                        heartbeat_timeout=HEARTBEAT_TIMEOUT)
         num_workers = strategy.num_replicas_in_sync
     global_batch = args.batch * num_workers
     if args.model == "digits_cnn":

@@ -127,7 +127,7 @@ def largest_density(method: str) -> float:
 
 
 def make_strategy(method: str, timeout_seconds: float, keras_fit: bool = False,
-                  build_strategy: bool = True):
+                  build_strategy: bool = True, heartbeat_timeout: float = None):
     """Returns (strategy, gradient_flow or None) for `method`.
 
     Every method uses RING collectives with a timeout. With keras_fit=True the
@@ -135,6 +135,7 @@ def make_strategy(method: str, timeout_seconds: float, keras_fit: bool = False,
     so that Keras 3 `fit` works under multi-worker (keras-team/keras#20585);
     the all-reduce itself is then TensorFlow's. With build_strategy=False the
     strategy is None (the GradientFlowAllReduce alone, e.g. for local timing).
+    heartbeat_timeout: gf_tf.MultiWorkerMirroredStrategy's (None: TensorFlow's 10 s).
     """
     import tensorflow as tf
     if method not in METHODS:
@@ -145,11 +146,13 @@ def make_strategy(method: str, timeout_seconds: float, keras_fit: bool = False,
     if not is_gradient_flow(method):
         if keras_fit:
             import gf_tf
-            return gf_tf.MultiWorkerMirroredStrategy(communication_options=options, gradient_flow=None), None
+            return gf_tf.MultiWorkerMirroredStrategy(communication_options=options, gradient_flow=None,
+                                                     heartbeat_timeout=heartbeat_timeout), None
         return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options), None
     import gf_tf
     gradient_flow = gf_tf.GradientFlowAllReduce(**gradient_flow_kwargs(method))
     if not build_strategy:
         return None, gradient_flow
-    strategy = gf_tf.MultiWorkerMirroredStrategy(communication_options=options, gradient_flow=gradient_flow)
+    strategy = gf_tf.MultiWorkerMirroredStrategy(communication_options=options, gradient_flow=gradient_flow,
+                                                 heartbeat_timeout=heartbeat_timeout)
     return strategy, gradient_flow
