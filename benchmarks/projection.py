@@ -44,8 +44,8 @@ to run, never a traceback.
    GradientFlowAllReduce() with no arguments) is literally the planner's pick:
    `gf_tf.planner.choose` with `Costs` derived from the fitted parameters
    (`planner_costs`), its predicted seconds the all-reduce. Overlap with
-   backprop is OFF by default (--backward-share 0: the control all-reduce
-   waits for every gradient; issue 18). `--fit-json F` takes it as measured
+   backprop is OFF by default (--backward-share 0), as in GradientFlowAllReduce
+   (overlap=False: one barrier waits for every gradient). `--fit-json F` takes it as measured
    instead: per (model, method) the median `overlap` of F's cells
    (benchmarks.overlap: (compute + all-reduce - step) / the shorter, clamped to
    [0, 1]), so step = compute + all-reduce - overlap x min(compute, all-reduce);
@@ -208,7 +208,7 @@ def method_traffic(method: str, shapes, bytes_per_pack: int = DEFAULT_BYTES_PER_
 
 def overlapped_share(method: str, backward_share: float) -> float:
     """The share of compute FP16 packs may hide behind (--backward-share, 0 by default:
-    no overlap in the code yet); TF's default, CSC and the planner's pick hide nothing."""
+    overlap is opt-in); TF's default, CSC and the planner's pick hide nothing."""
     return backward_share if method in ("gf_fp16", "gf_fp16_rd") else 0.0
 
 
@@ -517,7 +517,7 @@ def main(argv=None) -> int:
     assumed = parser.add_mutually_exclusive_group()
     assumed.add_argument("--backward-share", type=float, default=0.0,
                         help="share of the compute time GradientFlow FP16's packs can hide behind "
-                             "(default 0: the code does not overlap yet, issue 18)")
+                             "(default 0: overlap is opt-in in GradientFlowAllReduce)")
     assumed.add_argument("--fit-json", default=None, metavar="F",
                          help="benchmarks.fit JSON: each model/method's measured overlap instead of "
                               "an assumed share (none measured: no overlap)")
