@@ -7,6 +7,7 @@ and the collectives of the wrapped TensorFlow cross-device ops.
 
 import dataclasses
 import logging
+import time
 import zlib
 from typing import List, Optional, Sequence
 
@@ -72,8 +73,9 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
     predicts is fastest: FP16 packs, or TensorFlow's own float32 all-reduce
     where latency outweighs bytes (small sets, fast links, many workers), over
     the ring or recursive doubling. Where the model cannot tell the two apart
-    (`gf_tf.planner.TRIAL_BAND`), the set's first `gf_tf.trial.STEPS` steps
-    measure both and every worker keeps the same, faster one (`gf_tf.trial`).
+    (`gf_tf.planner.TRIAL_BAND`), both are timed on the set's shapes while its
+    step is first traced, and every worker keeps the same, faster one
+    (`gf_tf.trial`); the step carries only that one.
     With one worker there is no network to save: "auto" is TensorFlow's own
     all-reduce. `plans()` shows the choice.
 
@@ -120,8 +122,8 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         Its variables are created on first use, not in the constructor:
         creating variables initialises the TF runtime, which must not happen
         before a MultiWorkerMirroredStrategy configures its collectives.
-      trial_clock: the clock of `gf_tf.trial` (a callable returning float64
-        seconds; `tf.timestamp` by default); replace it before the first trace.
+      trial_clock: the clock of `gf_tf.trial` (a callable returning seconds;
+        `time.perf_counter` by default); replace it before the first trace.
 
     Raises:
       ValueError: bad compression / bytes_per_pack / algorithm / overlap; settings
@@ -155,7 +157,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         self._stats = None
         self._strategy = None  # the strategy whose default ops we took
         self._states = StateRegistry()
-        self.trial_clock = tf.timestamp   # gf_tf.trial's clock (float64 seconds); tests replace it
+        self.trial_clock = time.perf_counter   # gf_tf.trial's clock (seconds); tests replace it
         # Keras's gradient all-reduce comes here; Keras's fit fixes (multi-step loop, replicas
         # skipping non-finite steps together) for MirroredStrategy users too.
         integrations.install_all()
@@ -219,11 +221,6 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         under trial (`gf_tf.trial`), once decided, the candidate kept with its measured seconds."""
         return {name: trial.effective_plan(state.transport, state.trial)
                 for name, state in self._states.states().items()}
-
-    def steps_to_decide(self) -> int:
-        """All-reduces of its set until the slowest undecided trial (`gf_tf.trial`) has decided;
-        0 when no set is measuring (eager). Benchmarks warm up this many more steps."""
-        return trial.steps_left([state.trial for state in self._states.all_states()])
 
     def _cross_ops(self) -> tf.distribute.CrossDeviceOps:
         if self._wrapped is None:
@@ -343,14 +340,13 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
                             strategy.num_replicas_in_sync, reduce_op == _MEAN, replicas,
                             tuple(devices[r] for r in replicas))
         results = [[None] * len(signature) for _ in grads]
-        if transport.trial:
-            sent = self._trial_step(state, grads, packable, comm, results, others, all_reduce_sum,
-                                    devices)
+        if transport.method == "tf" or (transport.trial and self._trial_choice(
+                state, grads, packable, comm, devices, options) == trial.TF_OWN):
+            sent = _sent_by_tf([grads[0][i] for i in packable])
+            rest = list(range(len(signature)))   # every gradient by TF's own all-reduce
         else:
             sent = self._reduce_packs(state, grads, comm, results)
-        rest = [i for i, entry in enumerate(signature) if entry is None]
-        if transport.method == "tf":
-            sent = _sent_by_tf([grads[0][i] for i in packable])
+            rest = [i for i, entry in enumerate(signature) if entry is None]
         _reduce_by_tf(grads, rest, others, results)
         if packable and replicas[0] == 0:
             self.stats.update(**vars(sent))
@@ -392,40 +388,63 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
                                                     self.algorithm)
         return Plan(method, bytes_per_pack, algorithm)
 
-    def _trial_step(self, state: VariableSetState, grads, packable, comm: Communicator, results,
-                    others, ring_sum, devices) -> Sent:
-        """The packable gradients by TF's own all-reduce or by the packs, as `gf_tf.trial`
-        decides from the set's first steps. Only where every local replica is served (the
-        merge-call path); else the model's pick (the replica-context path: one replica a call)."""
-        def by(reduce_fn):
-            def branch():
-                out = [[None] * len(grads[0]) for _ in grads]
-                reduce_fn(out)
-                return [[out[r][i] for i in packable] for r in range(len(grads))]
-            return branch
-
-        gf_sent, tf_sent = [], _sent_by_tf([grads[0][i] for i in packable])
-        tf_own = by(lambda out: _reduce_by_tf(grads, packable, others, out))
-        gradient_flow = by(lambda out: gf_sent.append(self._reduce_packs(state, grads, comm, out)))
+    def _trial_choice(self, state: VariableSetState, grads, packable, comm: Communicator,
+                      devices, options) -> int:
+        """trial.TF_OWN or trial.GRADIENT_FLOW: the set's trial decision (`gf_tf.trial`), timed
+        at its first trace where every local replica is served (the merge-call path); else
+        the model's pick (the replica-context path: one replica a call)."""
         if len(comm.replicas) != len(devices):
-            if state.transport.seconds <= state.transport.tf_seconds:
-                outputs, sent = gradient_flow(), gf_sent[0]
-            else:
-                outputs, sent = tf_own(), tf_sent
-        else:
-            if state.trial is None:
-                with tf.init_scope():
-                    state.trial = trial.TrialState(state.plan[0].key.replace("/", "_"))
-            outputs, which = trial.run(state.trial, [tf_own, gradient_flow],
-                                       [replica[i] for replica in grads for i in packable], ring_sum,
-                                       devices, self._workers.num_workers, state.set_name,
-                                       self.trial_clock)
-            sent = Sent(dense_bytes=tf_sent.dense_bytes,
-                        sent_bytes=trial.sent_bytes(which, tf_sent.sent_bytes, gf_sent[0].sent_bytes))
-        for r, reduced in enumerate(outputs):
-            for i, value in zip(packable, reduced):
-                results[r][i] = value
-        return sent
+            faster = state.transport.seconds <= state.transport.tf_seconds
+            return trial.GRADIENT_FLOW if faster else trial.TF_OWN
+        if state.trial is None:
+            state.trial = self._measure_trial(state, [[g[i] for i in packable] for g in grads],
+                                              packable, comm, options)
+        return state.trial.choice
+
+    def _measure_trial(self, state: VariableSetState, grads, packable, comm: Communicator,
+                       options) -> trial.Decision:
+        """Runs the set's trial eagerly on tensors shaped like its packable gradients `grads`
+        (per served replica), on their devices."""
+        cross_ops, size = self._cross_ops(), len(state.signature)
+
+        def as_gradient_list(inputs):   # per replica, the packable ones at their indices
+            out = [[None] * size for _ in inputs]
+            for r, replica in enumerate(inputs):
+                for i, value in zip(packable, replica):
+                    out[r][i] = value
+            return out
+
+        def by_tf(indices, values):
+            pairs = [(pr, pr) for pr in (tf_internal.per_replica([replica[i] for replica in values])
+                                         for i in indices)]
+            return [tf_internal.local_values(r) for r in cross_ops.batch_reduce(_SUM, pairs, options)]
+
+        @tf.function
+        def tf_own(inputs):
+            values, out = as_gradient_list(inputs), as_gradient_list(inputs)
+            _reduce_by_tf(values, packable, lambda indices: by_tf(indices, values), out)
+            return out
+
+        @tf.function
+        def gradient_flow(inputs):
+            values, out = as_gradient_list(inputs), as_gradient_list(inputs)
+            self._reduce_packs(state, values, comm, out)
+            return out
+
+        def mean(mine):
+            rows = []
+            for r, device in enumerate(comm.devices):
+                with tf.device(device):
+                    rows.append(tf.constant(mine if r == 0 else np.zeros_like(mine)))
+            return by_tf([0], [[row] for row in rows])[0][0].numpy() / self._workers.num_workers
+
+        with tf.init_scope():
+            inputs = []
+            for device, replica in zip(comm.devices, grads):
+                with tf.device(device):
+                    inputs.append([tf.fill(g.shape, tf.constant(1e-3, g.dtype)) for g in replica])
+            return trial.measure([lambda: tf_own(inputs), lambda: gradient_flow(inputs)], mean,
+                                 state.set_name, self.trial_clock)
 
     def _num_workers(self) -> int:
         return self._workers.num_workers if self._workers is not None else 1

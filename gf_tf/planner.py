@@ -38,9 +38,9 @@ every worker computes the same plan from the same numbers. Pure Python: the
 projection (benchmarks/projection.py) uses the same model.
 
 The model is refined by measurement where it is unsure: a GradientFlow wire
-predicted within TRIAL_BAND of TF's own seconds is a `Plan` with `trial`, and
-the set's first steps time both on the real job and keep the faster
-(`gf_tf.trial`), decided on all-reduced figures like everything else here.
+predicted within TRIAL_BAND of TF's own seconds is a `Plan` with `trial`: both
+are timed on the set's own shapes when its step is first traced and the faster
+is kept (`gf_tf.trial`), decided on all-reduced figures like everything else here.
 
 Overlap (FP16 wires; issue 18). With G groups of the P packs (consecutive, in
 backprop order), group g's collectives depend only on group g's gradients, so
@@ -89,7 +89,7 @@ DEFAULT_BYTES_PER_PACK = 4 * 1024 * 1024
 PACK_SIZES = (DEFAULT_BYTES_PER_PACK,)
 # compression="auto": where the model is unsure, measure. A GradientFlow wire predicted at most
 # TRIAL_BAND[0] of TF's own seconds is taken; one predicted above TRIAL_BAND[1] is not; in between
-# the step carries both and its first steps decide (`gf_tf.trial`). Measured here, the model's
+# both are timed when the set is first traced (`gf_tf.trial`). Measured here, the model's
 # error on one all-reduce reaches 1.5-2x: ResNet-20 FP16 at N = 2, 1 Gbit/s was predicted at
 # 0.79x TF's time and took 1.1-1.25x; 4-8 processes on 2 cores add scheduling it cannot see.
 # Above 1.9 are the latency-bound sets where FP16's two collectives (bounds, pack) face TF's one.
@@ -141,8 +141,8 @@ class Plan:
       last gradient; `gf_tf.reducers.group_ranges`).
     last_seconds: with groups > 1, the predicted seconds of the last group alone
       (what is left after backprop at best), or None.
-    trial: this GradientFlow wire is measured against TensorFlow's own float32
-      all-reduce in the set's first steps and the faster is kept (`gf_tf.trial`);
+    trial: this GradientFlow wire is timed against TensorFlow's own float32
+      all-reduce when the set is first traced and the faster is kept (`gf_tf.trial`);
       tf_seconds is then TF's own predicted seconds.
     measured: once a trial has decided, (TF's own, the GradientFlow wire's) measured
       seconds per all-reduce (mean over workers of each worker's median); else None.
@@ -181,7 +181,7 @@ class Plan:
                 else ", one barrier" if self.method == "fp16" else ""
         if self.trial:
             what = (f"{what}, or TensorFlow's own float32 all-reduce, whichever measures faster "
-                    f"in the first steps")
+                    f"at the first trace")
         if self.seconds is not None:
             what = f"{what}, predicted {1000 * self.seconds:.2f} ms per step"
             if self.trial and self.tf_seconds is not None:
@@ -268,8 +268,8 @@ def choose(elements: int, tensors: int, workers: int, costs: Optional[Costs],
       "tf", the ring, fewer packs), except with method "auto", where the model's error is
       larger than many of its margins: the best GradientFlow wire is taken outright only
       when predicted at most TRIAL_BAND[0] of TF's own seconds, TF's own when the wire is
-      predicted above TRIAL_BAND[1] of it, and in between the wire with `trial` set (its
-      first steps measure both; `gf_tf.trial`). The same on every worker given the same
+      predicted above TRIAL_BAND[1] of it, and in between the wire with `trial` set (both
+      timed at the set's first trace; `gf_tf.trial`). The same on every worker given the same
       arguments.
     """
     methods = AUTO_METHODS if method == AUTO else (method,)

@@ -30,7 +30,7 @@ class VariableSetState(tf.Module):
       step counters) or None.
     packs: per pack, the reducer's state (e.g. `gf_tf.csc.CSCState`) or None.
     transport: the `gf_tf.planner.Plan` its gradients travel by.
-    trial: with a trial plan, its `gf_tf.trial.TrialState` (created on first use; not
+    trial: with a trial plan, its `gf_tf.trial.Decision` (taken at the first trace; not
       checkpointed), else None.
     """
 

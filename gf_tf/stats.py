@@ -15,14 +15,16 @@ import tensorflow as tf
 FIGURES = ("dense_bytes_per_step", "sent_bytes_per_step", "compression_ratio",
            "selected_chunks_per_step", "total_chunks_per_step", "residual_norm", "density")
 
-# CommStats's running totals: (attribute and key of `totals()`, dtype, tf.Variable name).
-_TOTALS = (("steps", tf.int64, "gf_steps"),
-           ("dense_bytes", tf.float64, "gf_dense_equivalent_bytes"),
-           ("sent_bytes", tf.float64, "gf_sent_bytes"),
-           ("selected_chunks", tf.float64, "gf_selected_chunks"),
-           ("total_chunks", tf.float64, "gf_total_chunks"),
-           ("residual_norm", tf.float32, "gf_residual_norm"),
-           ("densities", tf.float64, "gf_densities"))
+# CommStats's running totals: (key of `totals()`, dtype of `to_tensors()`). All but the last
+# are counts, kept in one float64 variable so that a step adds them with one op (exact to 2^53).
+_TOTALS = (("steps", tf.int64),
+           ("dense_bytes", tf.float64),
+           ("sent_bytes", tf.float64),
+           ("selected_chunks", tf.float64),
+           ("total_chunks", tf.float64),
+           ("densities", tf.float64),
+           ("residual_norm", tf.float32))
+_COUNTS = [key for key, _ in _TOTALS[:-1]]
 
 
 class CommStats:
@@ -36,8 +38,9 @@ class CommStats:
 
     def __init__(self):
         with tf.device("/cpu:0"):
-            for attribute, dtype, name in _TOTALS:
-                setattr(self, attribute, tf.Variable(0, dtype=dtype, trainable=False, name=name))
+            self.counts = tf.Variable(tf.zeros([len(_COUNTS)], tf.float64), trainable=False,
+                                      name="gf_comm_counts")
+            self.residual_norm = tf.Variable(0.0, trainable=False, name="gf_residual_norm")
 
     def update(self, dense_bytes, sent_bytes, selected_chunks=0, total_chunks=0,
                residual_norm=None, density=None):
@@ -54,26 +57,30 @@ class CommStats:
         all-reduce sends everything). Arguments may be Python numbers or scalar
         tensors.
         """
+        added = [1, dense_bytes, sent_bytes, selected_chunks, total_chunks,
+                 1.0 if density is None else density]
         with tf.device("/cpu:0"):
-            self.steps.assign_add(1)
-            self.dense_bytes.assign_add(tf.cast(dense_bytes, tf.float64))
-            self.sent_bytes.assign_add(tf.cast(sent_bytes, tf.float64))
-            self.selected_chunks.assign_add(tf.cast(selected_chunks, tf.float64))
-            self.total_chunks.assign_add(tf.cast(total_chunks, tf.float64))
+            if any(isinstance(x, (tf.Tensor, tf.Variable)) for x in added):
+                self.counts.assign_add(tf.stack([tf.cast(x, tf.float64) for x in added]))
+            else:
+                self.counts.assign_add(tf.constant(added, tf.float64))
             if residual_norm is not None:
                 self.residual_norm.assign(tf.cast(residual_norm, tf.float32))
-            self.densities.assign_add(tf.cast(1.0 if density is None else density, tf.float64))
 
     def totals(self) -> Dict[str, float]:
         """The running totals since creation (eager): steps, bytes, chunks, last residual norm,
         sum of the steps' densities."""
-        return {attribute: (int if dtype.is_integer else float)(getattr(self, attribute).numpy())
-                for attribute, dtype, _ in _TOTALS}
+        values = dict(zip(_COUNTS, self.counts.numpy().tolist()))
+        values["residual_norm"] = float(self.residual_norm.numpy())
+        return {key: (int if dtype.is_integer else float)(values[key]) for key, dtype in _TOTALS}
 
     def to_tensors(self) -> Dict[str, tf.Tensor]:
         """The running totals as tensors read from their variables (eagerly, or when a
         tf.function runs), by the keys of `totals()`: what a checkpoint saves."""
-        return {attribute: getattr(self, attribute).read_value() for attribute, _, _ in _TOTALS}
+        counts = self.counts.read_value()
+        tensors = {key: tf.cast(counts[i], dtype) for i, (key, dtype) in enumerate(_TOTALS[:-1])}
+        tensors["residual_norm"] = self.residual_norm.read_value()
+        return tensors
 
     def assign_totals(self, totals: Dict[str, float]) -> None:
         """Sets the running totals (eager) from `totals()` or `to_tensors()` values, e.g. the
@@ -82,13 +89,17 @@ class CommStats:
         Raises:
           ValueError naming a key that is not a total.
         """
-        unknown = sorted(set(totals) - {attribute for attribute, _, _ in _TOTALS})
+        unknown = sorted(set(totals) - {key for key, _ in _TOTALS})
         if unknown:
             raise ValueError(f"gf_tf: CommStats has no totals {unknown}")
+        counts = self.counts.numpy()
+        for i, key in enumerate(_COUNTS):
+            if key in totals:
+                counts[i] = float(totals[key])
         with tf.device("/cpu:0"):
-            for attribute, dtype, _ in _TOTALS:
-                if attribute in totals:
-                    getattr(self, attribute).assign(tf.cast(totals[attribute], dtype))
+            self.counts.assign(counts)
+            if "residual_norm" in totals:
+                self.residual_norm.assign(tf.cast(totals["residual_norm"], tf.float32))
 
     def result(self, since: Optional[Dict[str, float]] = None) -> dict:
         """Per-step means since creation, or since an earlier `totals()` snapshot.

@@ -1,18 +1,12 @@
-"""gf_tf.trial: TensorFlow's own all-reduce against GradientFlow's wire, measured in a set's first
-steps; every worker keeps the same one."""
+"""gf_tf.trial: TensorFlow's own all-reduce against GradientFlow's wire, timed when a set is
+first traced; every worker keeps the same one, and the step carries only that one."""
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from gf_tf import trial
 from cluster import describe, run_process, run_workers
 from test_multistep import GRADIENT_SCALE
-
-
-def test_median_of_each_row():
-    samples = tf.constant([[4.0, 1.0, 3.0, 2.0], [9.0, 9.0, 1.0, 100.0]], tf.float64)
-    np.testing.assert_array_equal(trial.median(samples).numpy(), [2.5, 9.0])
 
 
 @pytest.mark.parametrize("tf_s,gf_s,kept", [
@@ -25,53 +19,40 @@ def test_median_of_each_row():
     (np.inf, 0.5, trial.TF_OWN),
 ])
 def test_gradient_flow_is_kept_only_when_measured_faster(tf_s, gf_s, kept):
-    assert int(trial.keep(tf.constant(tf_s, tf.float32), tf.constant(gf_s, tf.float32))) == kept
+    assert trial.keep(tf_s, gf_s) == kept
 
 
-def _fake_trial(tf_cost, gf_cost, steps):
-    """A trial on one process whose candidates advance a fake clock by their cost; the
-    'all-reduce' sums 2 identical workers. Returns (candidate per step, outputs, state)."""
-    now = tf.Variable(0.0, dtype=tf.float64)
-    state = trial.TrialState("fake")
+@pytest.mark.parametrize("tf_costs,gf_costs,kept", [
+    ([3.0, 3.0, 9.0, 3.0, 3.0], [1.0, 1.0, 1.0, 1.0, 1.0], trial.GRADIENT_FLOW),
+    ([1.0, 2.0, 1.0, 1.0, 1.0], [3.0, 3.0, 3.0, 3.0, 3.0], trial.TF_OWN),
+    ([1.0, 1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.1, 0.1], trial.TF_OWN),   # medians equal
+])
+def test_candidates_run_untimed_then_in_turn_and_the_faster_median_is_kept(
+        tf_costs, gf_costs, kept, capsys):
+    """The candidates advance a fake clock by their cost; the 'all-reduce' is the mean of
+    identical workers."""
+    now, ran, reduced = [0.0], [], []
 
-    def candidate(cost, value):
+    def candidate(index, costs):
         def run():
-            now.assign_add(cost)
-            return [tf.constant([value])]
+            timed = [c for c in ran if c == index]
+            ran.append(index)
+            if len(timed) >= trial.UNTIMED:
+                now[0] += costs[len(timed) - trial.UNTIMED]
         return run
 
-    @tf.function
-    def step(x):
-        return trial.run(state, [candidate(tf_cost, 10.0), candidate(gf_cost, 20.0)], [x],
-                         lambda tensors: [2.0 * t for t in tensors], ["/cpu:0"], 2, "fake",
-                         now.read_value)
+    def all_reduce_mean(mine):
+        reduced.append(mine.copy())
+        return mine
 
-    ran, outputs = [], []
-    for _ in range(steps):
-        out, which = step(tf.constant(1.0))
-        ran.append(int(which))
-        outputs.append(float(out[0][0]))
-    return ran, outputs, state
-
-
-@pytest.mark.parametrize("tf_cost,gf_cost,kept", [(3.0, 1.0, trial.GRADIENT_FLOW),
-                                                   (1.0, 3.0, trial.TF_OWN),
-                                                   (1.0, 1.0, trial.TF_OWN)])
-def test_schedule_alternates_then_keeps_the_faster(tf_cost, gf_cost, kept):
-    ran, outputs, state = _fake_trial(tf_cost, gf_cost, trial.STEPS + 4)
-    assert ran[:trial.STEPS] == [0, 1] * (trial.STEPS // 2)
-    assert ran[trial.STEPS:] == [kept] * 4
-    assert outputs == [10.0 if w == trial.TF_OWN else 20.0 for w in ran]   # the candidate's own result
-    choice, measured = state.decision()
-    assert choice == kept and measured == pytest.approx((tf_cost, gf_cost))
-    np.testing.assert_array_equal(state.seconds.numpy(), [[tf_cost] * trial.SAMPLES,
-                                                          [gf_cost] * trial.SAMPLES])
-    assert int(state.step.numpy()) == trial.STEPS   # the counter stops at the decision
-
-
-def test_undecided_before_the_last_trial_step():
-    _, _, state = _fake_trial(3.0, 1.0, trial.STEPS - 1)
-    assert state.decision() == (None, None)
+    decision = trial.measure([candidate(0, tf_costs), candidate(1, gf_costs)], all_reduce_mean,
+                             "fake set", lambda: now[0])
+    assert ran == [0] * trial.UNTIMED + [1] * trial.UNTIMED + [0, 1] * trial.SAMPLES
+    assert len(reduced) == 1   # one collective
+    np.testing.assert_array_equal(reduced[0], [np.median(tf_costs), np.median(gf_costs)])
+    assert decision == trial.Decision(kept, np.median(tf_costs), np.median(gf_costs))
+    kept_text = "GradientFlow" if kept == trial.GRADIENT_FLOW else "TensorFlow's own all-reduce"
+    assert capsys.readouterr().err.strip().endswith(f"it travels as {kept_text}")
 
 
 def _bytes(wire, elements, tensors):
@@ -85,8 +66,9 @@ def test_workers_with_different_clocks_keep_the_same_candidate_and_sum_right(num
                           timeout=90 + 30 * num_workers, comm_timeout=30)
     assert all(r.ok and r.result is not None for r in results), describe(results)
     first = results[0].result
-    for r in results:
-        assert "gf_tf: variable set [" in r.output and "it travels as" in r.output, r.output[-2000:]
+    for r in results:   # one trial per set: the retrace of the last step keeps its decision
+        lines = [l for l in r.output.splitlines() if "gf_tf: variable set [" in l]
+        assert len(lines) == 2 and all("it travels as" in l for l in lines), r.output[-2000:]
     sets = ("small", "large")
     for key in sets:
         for r in results[1:]:   # the same figures, bitwise, whatever each worker's clock said
@@ -94,18 +76,19 @@ def test_workers_with_different_clocks_keep_the_same_candidate_and_sum_right(num
             assert r.result[f"{key}_choice"] == first[f"{key}_choice"]
             assert str(r.result[f"{key}_plan"]) == str(first[f"{key}_plan"])
         tf_s, gf_s = first[f"{key}_measured"]
-        assert int(first[f"{key}_choice"]) == int(trial.keep(tf.constant(tf_s, tf.float32),
-                                                             tf.constant(gf_s, tf.float32)))
+        assert int(first[f"{key}_choice"]) == trial.keep(tf_s, gf_s)
         np.testing.assert_array_equal(first[f"{key}_plan_measured"], first[f"{key}_measured"])
         assert str(first[f"{key}_plan"]).startswith("tf ") == (first[f"{key}_choice"] == trial.TF_OWN)
-    steps = sorted({int(k.split("_")[0][4:]) for k in first if k.startswith("step")})
-    assert len(steps) > trial.STEPS
+    for r in results:   # the step carries the kept candidates only: nothing of the trial runs in it
+        assert not {"Case", "StatelessCase", "Timestamp"} & set(r.result["step_ops"]), r.result["step_ops"]
+    steps = sorted({int(k.split("_")[0][4:]) for k in first if k.startswith("step") and k[4].isdigit()})
+    assert len(steps) >= 3
     for s in steps:
-        # Both candidates during the trial (TF's own on even steps), the kept one after,
-        # in the last step's new trace too (the decision lives in the set's state).
+        # The kept candidate from the first step on, in the last step's new trace too (the
+        # decision lives in the set's state).
         bytes_ = 0
         for key in sets:
-            use = (s % 2 if s < trial.STEPS else int(first[f"{key}_choice"]))
+            use = int(first[f"{key}_choice"])
             elements, tensors = int(first[f"{key}_elements"]), int(first[f"{key}_tensors"])
             bytes_ += 4 * elements if use == trial.TF_OWN else _bytes(first[f"{key}_wire"],
                                                                       elements, tensors)
@@ -135,17 +118,15 @@ def test_fit_through_a_trial_is_identical_across_workers_close_to_float32_and_sa
     assert baseline.ok, describe([baseline])
     first = results[0].result
     steps = int(first["iterations"])
-    assert steps > trial.STEPS and int(first["stats_steps"]) == steps
+    assert steps > 4 and int(first["stats_steps"]) == steps
     for r in results:
-        assert int(r.result["trial_step"]) == trial.STEPS   # decided, then the counter stops
         assert int(r.result["choice"]) == int(first["choice"])
         np.testing.assert_array_equal(r.result["measured"], first["measured"])
-        # GradientFlowStats prints the plan after the first epoch and again once decided.
+        # Decided at the first trace: GradientFlowStats prints the kept plan once, after epoch 1.
         lines = [l for l in r.output.splitlines() if l.startswith("gf_tf: [")]
-        assert len(lines) == 2, r.output[-3000:]
-        assert "whichever measures faster in the first steps" in lines[0]
+        assert len(lines) == 1, r.output[-3000:]
         kept = "TensorFlow's own float32" if int(first["choice"]) == trial.TF_OWN else "packs"
-        assert kept in lines[1] and "; measured" in lines[1] and "whichever" not in lines[1]
+        assert kept in lines[0] and "; measured" in lines[0] and "whichever" not in lines[0]
         assert (tmp_path / f"w{r.index}" / "saved_model.pb").exists()
     keys = sorted((k for k in baseline.result if k[0] == "w"), key=lambda k: int(k[1:]))
     assert len(keys) == 8

@@ -7,8 +7,8 @@ For each gradient set: variables of those shapes (identical values on every
 worker, so the exact sum is known), a tf.function that all-reduces them with
 `gf_tf.all_reduce_gradients` (the Keras optimizer's gradient all-reduce; stock
 `ReplicaContext.all_reduce(SUM, ...)` without GradientFlow),
-`warmup` untimed calls (more while a set's trial, gf_tf.trial, is measuring: the
-default's first steps), then `iters` timed calls. Bytes on the wire are the
+`warmup` untimed calls (the first traces the function; for the default, that
+includes a set's trial, gf_tf.trial), then `iters` timed calls. Bytes on the wire are the
 delta of this namespace's eth0 counters over the timed calls. For GradientFlow
 methods each set also records the plan its gradients travelled by
 (`GradientFlowAllReduce.plans()`) and the worker records the planner's measured
@@ -191,9 +191,8 @@ def _merge(intervals):
 def stats_totals(gradient_flow):
     if gradient_flow is None or getattr(gradient_flow, "stats", None) is None:
         return None
-    s = gradient_flow.stats
-    return {"steps": int(s.steps.numpy()), "sent_bytes": float(s.sent_bytes.numpy()),
-            "dense_bytes": float(s.dense_bytes.numpy())}
+    totals = gradient_flow.stats.totals()
+    return {key: totals[key] for key in ("steps", "sent_bytes", "dense_bytes", "densities")}
 
 
 def plan_records(gradient_flow, variables):
@@ -243,9 +242,6 @@ def main():
         values = make_values(shapes, seed=len(shapes))
         step = build_step(strategy, values, args.method)
         out, warmup_s = timed_calls(step, args.warmup, 0)[1:]
-        if gradient_flow is not None and gradient_flow.steps_to_decide():
-            # The default's first steps measure TF's own against GradientFlow (gf_tf.trial).
-            warmup_s += timed_calls(step, gradient_flow.steps_to_decide(), 0)[2]
         before_stats = stats_totals(gradient_flow)
         before = read_counters()
         times, out, _ = timed_calls(step, 0, args.iters)

@@ -119,13 +119,11 @@ def main():
     setup_s = time.perf_counter() - t_start
     # Epoch 0 (warm-up, traced) and epoch 1 (timed) have different lengths: run them as two fits.
     model.fit(data, epochs=1, steps_per_epoch=args.warmup_steps, verbose=0, callbacks=[clock])
-    if gradient_flow is not None and gradient_flow.steps_to_decide():
-        # The default's first steps measure TF's own against GradientFlow (gf_tf.trial): untimed.
-        model.fit(data, epochs=1, steps_per_epoch=gradient_flow.steps_to_decide(), verbose=0)
-    stats_before = _stats(gradient_flow)
+    from benchmarks.workers import allreduce_worker
+    stats_before = allreduce_worker.stats_totals(gradient_flow)
     wire_before = _wire_counters()
     model.fit(data, initial_epoch=1, epochs=2, steps_per_epoch=args.steps, verbose=0, callbacks=[clock])
-    stats_after = _stats(gradient_flow)
+    stats_after = allreduce_worker.stats_totals(gradient_flow)
     wire_after = _wire_counters()
     extra = {} if strategy is None else _after_the_fit(strategy, gradient_flow, model, build, data)
     # Steady state: from the end of the first step of the timed fit (which also creates the
@@ -168,8 +166,7 @@ def _after_the_fit(strategy, gradient_flow, model, build, data):
         extra["profile_dir"] = _profile(model, data)
     if args.overlap:
         from benchmarks.workers import local_only
-        extra["allreduce_times_s"] = _allreduce_times(strategy, gradient_flow,
-                                                      model.trainable_variables)
+        extra["allreduce_times_s"] = _allreduce_times(strategy, model.trainable_variables)
         extra["allreduce_s"] = statistics.median(extra["allreduce_times_s"])
         with local_only.swapped(strategy, local_only.compute_only_ops(
                 args.method, gradient_flow, model.trainable_variables)):
@@ -178,15 +175,13 @@ def _after_the_fit(strategy, gradient_flow, model, build, data):
     return extra
 
 
-def _allreduce_times(strategy, gradient_flow, variables):
+def _allreduce_times(strategy, variables):
     """Seconds of each of `steps` all-reduces of gradients shaped like `variables`, alone (after
-    one untimed call, and those of a trial: gf_tf.trial)."""
+    one untimed call, which traces it and runs any trial: gf_tf.trial)."""
     from benchmarks.workers import allreduce_worker
     values = allreduce_worker.make_values([tuple(v.shape) for v in variables], seed=len(variables))
     step = allreduce_worker.build_step(strategy, values, args.method)
     allreduce_worker.timed_calls(step, 1, 0)
-    if gradient_flow is not None and gradient_flow.steps_to_decide():
-        allreduce_worker.timed_calls(step, gradient_flow.steps_to_decide(), 0)
     return allreduce_worker.timed_calls(step, 0, args.steps)[0]
 
 
@@ -216,14 +211,6 @@ def _wire_counters():
             return int(tx.read()), int(rx.read())
     except OSError:   # not inside an emulated host
         return None
-
-
-def _stats(gradient_flow):
-    if gradient_flow is None:
-        return None
-    s = gradient_flow.stats
-    return {"steps": int(s.steps.numpy()), "sent_bytes": float(s.sent_bytes.numpy()),
-            "dense_bytes": float(s.dense_bytes.numpy()), "densities": float(s.densities.numpy())}
 
 
 if __name__ == "__main__":

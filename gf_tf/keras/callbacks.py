@@ -68,7 +68,7 @@ class GradientFlowStats(callback_base()):
     listed AFTER this callback writes them as epoch scalars. After the first
     epoch it prints how each variable set travels (the planner's
     `GradientFlowAllReduce.plans()`), when given the GradientFlowAllReduce, and
-    again after an epoch that changed it (a trial's decision, `gf_tf.trial`).
+    again after an epoch that changed it (e.g. a set first traced in that epoch).
     With `profile_dir` it also writes a `tf.profiler` trace of training batch
     `profile_batch` of the first epoch that reaches it (`StepProfile`): the
     collectives (`CollectiveReduceV2`) beside the backprop ops, on TensorFlow's

@@ -2,17 +2,19 @@
 (gf_tf.trial; planner.TRIAL_BAND opened wide).
 
 --mode values: two variable sets, fresh random gradients every step (the last step in a new
-  trace), this worker's clock running (1 + skew * rank) times as fast as the others' so the
-  workers' local medians differ.
+  trace), this worker's trial clock running (1 + skew * rank) times as fast as the others' so
+  the workers' local medians differ.
   Writes per step the gradients it sent, the sums it received and the bytes CommStats counted,
-  then each set's decision (candidate kept, measured seconds) and effective plan.
+  the op types of the last step's graph, then each set's decision (candidate kept, measured
+  seconds) and effective plan.
 --mode fit: model.fit of a 4-layer MLP past the decision with GradientFlowStats, then
   tf.saved_model.save; or --baseline (one process, no strategy, float32). Writes the weights,
-  the optimizer's iterations and the set's trial counter and decision.
+  the optimizer's iterations and the set's trial decision.
 """
 
 import argparse
 import math
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -21,7 +23,7 @@ import worker_util
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--skew", type=float, default=5.0, help="this worker's clock x (1 + skew * rank)")
-parser.add_argument("--extra-steps", type=int, default=3, help="steps after the decision")
+parser.add_argument("--steps", type=int, default=4, help="--mode values: steps (>= 2)")
 parser.add_argument("--mode", choices=["values", "fit"], default="values")
 parser.add_argument("--baseline", action="store_true", help="fit in one process, no strategy")
 parser.add_argument("--learning_rate", type=float, default=0.05, help="SGD's")
@@ -29,7 +31,7 @@ parser.add_argument("--saved_model", default=None, help="--mode fit: where to sa
 args = parser.parse_args()
 
 import gf_tf  # after argparse
-from gf_tf import planner, trial
+from gf_tf import planner
 
 planner.TRIAL_BAND = (0.0, math.inf)   # every "auto" set is measured, whatever the model says
 
@@ -39,7 +41,7 @@ def run_values():
     strategy = gf_tf.MultiWorkerMirroredStrategy(
         communication_options=worker_util.communication_options())
     gfar = strategy.gradient_flow
-    gfar.trial_clock = lambda: tf.timestamp() * (1.0 + args.skew * rank)
+    gfar.trial_clock = lambda: time.perf_counter() * (1.0 + args.skew * rank)
     shapes = {"small": [(7,), (1009,), (1,)], "large": [(300, 1000)]}
     with strategy.scope():
         variables = {name: [tf.Variable(tf.zeros(s), name=f"{name}{i}") for i, s in enumerate(sizes)]
@@ -55,8 +57,8 @@ def run_values():
     rng = np.random.default_rng()   # fresh inputs every run and every worker
     result = {}
     retraced = tf.function(step.python_function)   # the same sets in a new trace, last
-    for s in range(trial.STEPS + args.extra_steps):
-        if s == trial.STEPS + args.extra_steps - 1:
+    for s in range(args.steps):
+        if s == args.steps - 1:
             step = retraced
         sent = {name: [(rng.normal(size=shape) * 10.0 ** rng.integers(-3, 3)).astype(np.float32)
                        for shape in sizes] for name, sizes in shapes.items()}
@@ -68,12 +70,17 @@ def run_values():
                 result[f"step{s}_{name}_sent{i}"] = g
                 result[f"step{s}_{name}_sum{i}"] = strategy.experimental_local_results(got)[0].numpy()
 
+    graph = step.get_concrete_function(
+        {name: [tf.TensorSpec(shape, tf.float32) for shape in sizes] for name, sizes in shapes.items()}
+    ).graph.as_graph_def()
+    result["step_ops"] = sorted({node.op for node in graph.node} |
+                                {node.op for f in graph.library.function for node in f.node_def})
     states = gfar.states()
     for name, plan in gfar.plans().items():
         key = "small" if "small" in name else "large"
-        choice, measured = states[name].trial.decision()
-        result[f"{key}_choice"] = choice
-        result[f"{key}_measured"] = np.array(measured, np.float64)
+        decision = states[name].trial
+        result[f"{key}_choice"] = decision.choice
+        result[f"{key}_measured"] = np.array([decision.tf_seconds, decision.gf_seconds])
         wire = states[name].transport   # the GradientFlow candidate
         result[f"{key}_wire"] = wire.method
         result[f"{key}_tensors"] = len(shapes[key])
@@ -89,7 +96,7 @@ def run_fit():
         strategy = gf_tf.MultiWorkerMirroredStrategy(
             communication_options=worker_util.communication_options())
     dataset, build = worker_util.mlp_fit_setup(args.learning_rate)
-    epochs = trial.STEPS // 4 + 2   # 4 steps an epoch: past the decision
+    epochs = 2   # 4 steps an epoch
     result = {}
     if strategy is None:
         model = build()
@@ -100,9 +107,10 @@ def run_fit():
         gfar = strategy.gradient_flow
         model.fit(dataset, epochs=epochs, verbose=0, callbacks=[gf_tf.GradientFlowStats(gfar)])
         ((name, state),) = gfar.states().items()
-        choice, measured = state.trial.decision()
-        result.update(trial_step=int(state.trial.step.numpy()), choice=choice,
-                      measured=np.array(measured), plan=gfar.plans()[name].describe(),
+        decision = state.trial
+        result.update(choice=decision.choice,
+                      measured=np.array([decision.tf_seconds, decision.gf_seconds]),
+                      plan=gfar.plans()[name].describe(),
                       stats_steps=gfar.stats.totals()["steps"])
         if args.saved_model:
             tf.saved_model.save(model, args.saved_model)
