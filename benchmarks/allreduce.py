@@ -22,6 +22,13 @@ all-reduce a gradient list shaped like the named network
   is the TCP payload rate measured in the same run around the ring
   (EmulatedCluster.measure_goodput: all links at once, best link).
 - x bound: measured / bound; speedup: TF default fp32 time / this time.
+- paired vs TF (auto only): after the all-reduce loop, the same worker
+  processes call the set's all-reduce and TF's own (ReplicaContext.all_reduce
+  of a copy of the set, which GradientFlow passes through) in turn; TF's
+  median / ours. Both halves share the processes, their placement on the
+  cores and the moment, which the separate launches of the speedup column do
+  not (ResNet-20 at N = 3-4 moved up to 40% between launches of one method);
+  with --launches K, the median over the launches.
 - chunk path s (CSC only): the same worker processes time CSC's local path
   (accumulate, norms, top-k, gather, scatter, residual update) with every
   collective replaced by the identity, after the all-reduce loop. CSC's
@@ -95,7 +102,7 @@ def preset_launches(name: str) -> List[Launch]:
     """The matrices. `targets` covers every issue target within ~30-40 min on 2 cores."""
     launches: List[Launch] = []
     if name == "quick":
-        return [(2, 100.0, m, ["resnet20"]) for m in ("tf_fp32", "gf_fp16", "csc_1")]
+        return [(2, 100.0, m, ["resnet20"]) for m in ("tf_fp32", "gf_fp16", "csc_1", "auto")]
     if name == "targets":
         # Budgeted for ~20-25 min on 2 cores; covers every all-reduce target of the issue.
         for rate in DEFAULT_RATES:
@@ -211,6 +218,8 @@ def run_launch(cluster: netem.EmulatedCluster, launch: Launch, port: int, iters:
             "--timeout", str(collective_timeout)]
     if method == "gf_fp16":
         argv.append("--pack-overhead")
+    if method == "auto":
+        argv.append("--paired")
     if method in methods.CSC_DENSITY:
         argv.append("--chunk-path")
     if profile and methods.is_gradient_flow(method):
@@ -260,6 +269,9 @@ def derive_cells(launch: Launch, outcome: Dict, goodput_bps: float) -> List[Dict
             cell["profile"] = prof
             cell["gf_ops_busy_share"] = prof["gf_busy_s"] / prof["wall_s"]
             cell["gf_ops_exposed_share"] = prof["gf_exposed_s"] / prof["wall_s"]
+        if "paired_s" in chief:
+            cell["paired_s"], cell["paired_tf_s"] = chief["paired_s"], chief["paired_tf_s"]
+            cell["paired_speedup"] = chief["paired_tf_s"] / chief["paired_s"]
         if "pack_unpack_s" in chief:
             cell["pack_unpack_s"] = statistics.median(w["pack_unpack_s"] for w in per_worker)
             cell["pack_unpack_share"] = cell["pack_unpack_s"] / chief["median_s"]
@@ -292,6 +304,9 @@ def merge_launches(cells: List[Dict]) -> List[Dict]:
         middle = sorted(timed, key=lambda c: c["median_s"])[(len(timed) - 1) // 2]
         cell = dict(middle, launch_medians_s=medians,
                     launch_spread=(max(medians) - min(medians)) / middle["median_s"])
+        paired = [c["paired_speedup"] for c in timed if "paired_speedup" in c]
+        if paired:   # the median over the launches, each paired within its own processes
+            cell.update(paired_speedups=paired, paired_speedup=statistics.median(paired))
         merged.append(cell)
     return merged
 
@@ -315,7 +330,8 @@ def add_speedups(cells: List[Dict]) -> None:
 
 def results_table(cells: List[Dict]) -> str:
     headers = ["gradients", "N", "link", "method", "s/all-reduce", "wire MB/worker", "wire/ideal",
-               "bound s", "x bound", "chunk path s", "x limit", "speedup vs TF fp32", "bottleneck", "pack+unpack %", "GF ops exposed %",
+               "bound s", "x bound", "chunk path s", "x limit", "speedup vs TF fp32", "paired vs TF",
+               "bottleneck", "pack+unpack %", "GF ops exposed %",
                "collectives", "plan", "check"]
     rows = []
     order = {m: i for i, m in enumerate(methods.METHODS)}
@@ -325,14 +341,14 @@ def results_table(cells: List[Dict]) -> str:
         if "error" in c:
             rows.append([gradients_label, c["workers"], report.link_label(c["rate_mbit"]), c["method"],
                          "FAILED", None, None, None, None, None, None, None, None, None, None, None,
-                         None, c["error"][:80]])
+                         None, None, c["error"][:80]])
             continue
         check = (f"err {c['max_rel_error']:.1e}" if "max_rel_error" in c else
                  f"nnz {100 * c['nonzero_fraction']:.2g}%" if "nonzero_fraction" in c else "")
         rows.append([gradients_label, c["workers"], report.link_label(c["rate_mbit"]), c["method"],
                      c["median_s"], c["wire_tx_bytes_per_worker"] / 1e6, c["wire_over_ideal"], c["bound_s"],
                      c["ratio_to_bound"], c.get("chunk_path_s"), c.get("ratio_to_limit"),
-                     c.get("speedup_vs_tf_fp32"), c.get("bottleneck"),
+                     c.get("speedup_vs_tf_fp32"), c.get("paired_speedup"), c.get("bottleneck"),
                      100 * c["pack_unpack_share"] if "pack_unpack_share" in c else None,
                      100 * c["gf_ops_exposed_share"] if "gf_ops_exposed_share" in c else None,
                      c["profile"]["collective_ops"] if "profile" in c else None,

@@ -414,7 +414,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
                     out[r][i] = value
             return out
 
-        def by_tf(indices, values):
+        def by_tf(indices, values):   # per index in `indices`, per replica: the SUM of values[r][i]
             pairs = [(pr, pr) for pr in (tf_internal.per_replica([replica[i] for replica in values])
                                          for i in indices)]
             return [tf_internal.local_values(r) for r in cross_ops.batch_reduce(_SUM, pairs, options)]

@@ -113,7 +113,7 @@ def test_scale_preset_covers_issue_17s_cells_and_estimates_its_time():
     configurations = {(n, rate) for n, rate, _, _ in launches}
     assert seconds == pytest.approx(sum(allreduce.estimate_launch_seconds(l, 5, 1) for l in launches)
                                     + len(configurations) * 5.0)
-    assert [l[2] for l in allreduce.preset_launches("quick")] == ["tf_fp32", "gf_fp16", "csc_1"]
+    assert [l[2] for l in allreduce.preset_launches("quick")] == ["tf_fp32", "gf_fp16", "csc_1", "auto"]
 
 
 def test_cells_carry_the_plan_and_costs_and_the_report_prints_them():
@@ -121,7 +121,8 @@ def test_cells_carry_the_plan_and_costs_and_the_report_prints_them():
     plan = {"method": "fp16", "algorithm": "recursive_doubling", "bytes_per_pack": 0, "seconds": 0.002,
             "describe": "fp16 packs (one pack per dtype), recursive doubling, predicted 2.00 ms per step"}
     chief = {"median_s": 0.01, "times_s": [0.01], "warmup_s": 1.0, "tx_bytes_per_iter": 1000.0,
-             "rx_bytes_per_iter": 1000.0, "max_rel_error": 1e-4, "plans": [plan]}
+             "rx_bytes_per_iter": 1000.0, "max_rel_error": 1e-4, "plans": [plan],
+             "paired_s": 0.008, "paired_tf_s": 0.012}
     workers = [{"worker": w, "sets": {"tiny": chief}, "costs": [1e-3, 8e-3, 1e-9, 1e-9, 2e-9]}
                for w in range(2)]
     (cell,) = allreduce.derive_cells((2, 1000.0, "auto", ["tiny"]), {"error": None, "workers": workers}, 9e8)
@@ -132,6 +133,8 @@ def test_cells_carry_the_plan_and_costs_and_the_report_prints_them():
     report_text = allreduce.plans_report([cell])
     assert "tiny, N=2, 1 Gbit/s, auto: fp16 packs" in report_text and "1.000 ms/hop, 8.000 ms/round" in report_text
     assert "fp16 rd 1 pack" in allreduce.results_table([cell])
+    assert cell["paired_speedup"] == pytest.approx(0.012 / 0.008)   # TF's own / ours, same processes
+    assert "| paired vs TF |" in allreduce.results_table([cell]) and "1.5 |" in allreduce.results_table([cell])
 
 
 def test_repeated_launches_merge_into_the_median_launch_with_its_spread():
@@ -139,13 +142,15 @@ def test_repeated_launches_merge_into_the_median_launch_with_its_spread():
     def cell(method, median, **extra):
         return {"set": "tiny", "workers": 2, "rate_mbit": None, "method": method, "median_s": median,
                 **extra}
-    cells = [cell("auto", 0.30, launch=0), cell("tf_fp32", 0.2), cell("auto", 0.10, launch=1),
-             cell("tf_fp32", 0.4), cell("auto", 0.20, launch=2), cell("tf_fp32", 0.3),
+    cells = [cell("auto", 0.30, launch=0, paired_speedup=0.9), cell("tf_fp32", 0.2),
+             cell("auto", 0.10, launch=1, paired_speedup=1.2), cell("tf_fp32", 0.4),
+             cell("auto", 0.20, launch=2, paired_speedup=1.0), cell("tf_fp32", 0.3),
              {"set": "tiny", "workers": 2, "rate_mbit": None, "method": "csc_1", "error": "boom"}]
     merged = {c["method"]: c for c in allreduce.merge_launches(cells)}
     assert merged["auto"]["launch"] == 2 and merged["auto"]["median_s"] == 0.20
     assert merged["auto"]["launch_medians_s"] == [0.30, 0.10, 0.20]
     assert merged["auto"]["launch_spread"] == pytest.approx((0.30 - 0.10) / 0.20)
+    assert merged["auto"]["paired_speedups"] == [0.9, 1.2, 1.0] and merged["auto"]["paired_speedup"] == 1.0
     assert merged["tf_fp32"]["median_s"] == 0.3 and merged["csc_1"]["error"] == "boom"
     two = allreduce.merge_launches([cell("auto", 0.4), cell("auto", 0.2)])
     assert [c["median_s"] for c in two] == [0.2]   # an even count takes the lower middle launch
@@ -353,6 +358,10 @@ def test_allreduce_quick_reports_sane_figures(tmp_path):
         assert cells["csc_1"]["wire_tx_bytes_per_worker"] < 0.2 * cells["tf_fp32"]["wire_tx_bytes_per_worker"]
         assert cells["csc_1"]["chunk_path_s"] > 0   # timed in the same worker processes
         assert cells["csc_1"]["limit_s"] == max(cells["csc_1"]["bound_s"], cells["csc_1"]["chunk_path_s"])
+    if "auto" in cells:   # the default, and TF's own beside it in the same processes
+        assert cells["auto"]["max_rel_error"] < 2e-3 and cells["auto"]["plans"]
+        assert cells["auto"]["paired_s"] > 0 and cells["auto"]["paired_tf_s"] > 0
+        assert cells["auto"]["paired_speedup"] == cells["auto"]["paired_tf_s"] / cells["auto"]["paired_s"]
     assert not [n for n in _namespaces() if n.startswith(PREFIX)]
 
 

@@ -29,6 +29,9 @@ import gf_tf
 from benchmarks.workers import gradients, methods
 
 
+PAIRED_CALLS, PAIRED_SMALL_ELEMENTS = 50, 1_000_000   # --paired: calls of each for sets this small
+
+
 def read_counters(dev: str = "eth0") -> dict:
     base = f"/sys/class/net/{dev}/statistics"
     with open(f"{base}/tx_bytes") as tx, open(f"{base}/rx_bytes") as rx:
@@ -58,6 +61,31 @@ def build_step(strategy, values, method):
             return reduced
         return strategy.run(replica_fn)
     return step
+
+
+def build_tf_own_step(strategy, values):
+    """TensorFlow's own all-reduce of `values` through `strategy`: ReplicaContext.all_reduce,
+    which GradientFlow hands to TF's ops unchanged (the paired baseline, --paired)."""
+    @tf.function
+    def step():
+        def replica_fn():
+            return tf.distribute.get_replica_context().all_reduce(
+                tf.distribute.ReduceOp.SUM, [tf.identity(v) for v in values])
+        return strategy.run(replica_fn)
+    return step
+
+
+def paired_seconds(strategy, step, shapes, iters):
+    """(median seconds of `step`, of TF's own all-reduce of a copy of the set): `iters` calls of
+    each, alternating, in these processes, after one untimed call of TF's own. The medians of 5
+    calls moved 15% between launches of ResNet-20's set: small sets get PAIRED_CALLS."""
+    tf_own = build_tf_own_step(strategy, make_values(shapes, seed=len(shapes)))
+    timed_calls(tf_own, 1, 0)
+    mine, theirs = [], []
+    for _ in range(iters):
+        mine += timed_calls(step, 0, 1)[0]
+        theirs += timed_calls(tf_own, 0, 1)[0]
+    return statistics.median(mine), statistics.median(theirs)
 
 
 def check_result(method, values, reduced, num_workers):
@@ -218,6 +246,8 @@ def main():
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--paired", action="store_true",
+                        help="also time each set's all-reduce alternating with TF's own, same processes")
     parser.add_argument("--pack-overhead", action="store_true",
                         help="also time gf_tf.ops pack+unpack of each set locally")
     parser.add_argument("--chunk-path", action="store_true",
@@ -267,6 +297,11 @@ def main():
         elif args.profile:
             step()   # the same collectives as worker 0's profiled step, without a profiler of its own:
             #          TF's profiler stop() crashed worker 1 in 3 of 15 profiled runs (issue 20)
+        if args.paired:
+            # The same count on every worker (each call is a collective): by the set's size.
+            small = gradients.num_elements(shapes) <= PAIRED_SMALL_ELEMENTS
+            calls = max(args.iters, PAIRED_CALLS if small else 5)
+            entry["paired_s"], entry["paired_tf_s"] = paired_seconds(strategy, step, shapes, calls)
         if args.pack_overhead:
             entry["pack_unpack_s"] = pack_unpack_seconds(values, num_workers, max(args.iters, 3))
         if args.chunk_path and args.method in methods.CSC_DENSITY:
