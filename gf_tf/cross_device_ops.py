@@ -421,22 +421,20 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
 
         @tf.function
         def tf_own(inputs):
-            values, out = as_gradient_list(inputs), as_gradient_list(inputs)
+            values, out = as_gradient_list(inputs), [[None] * size for _ in inputs]
             _reduce_by_tf(values, packable, lambda indices: by_tf(indices, values), out)
             return out
 
         @tf.function
         def gradient_flow(inputs):
-            values, out = as_gradient_list(inputs), as_gradient_list(inputs)
-            self._reduce_packs(state, values, comm, out)
+            out = [[None] * size for _ in inputs]
+            self._reduce_packs(state, as_gradient_list(inputs), comm, out)
             return out
 
+        ring = probe.ring_sum(cross_ops, options or tf.distribute.experimental.CommunicationOptions())
+
         def mean(mine):
-            rows = []
-            for r, device in enumerate(comm.devices):
-                with tf.device(device):
-                    rows.append(tf.constant(mine if r == 0 else np.zeros_like(mine)))
-            return by_tf([0], [[row] for row in rows])[0][0].numpy() / self._workers.num_workers
+            return probe.mean_over_workers(ring, comm.devices, mine, self._workers.num_workers)
 
         with tf.init_scope():
             inputs = []

@@ -73,6 +73,16 @@ def ring_sum(cross_ops, options) -> Callable[[List[tf.Tensor]], List[tf.Tensor]]
     return all_reduce
 
 
+def mean_over_workers(all_reduce_sum, devices: Sequence[str], values, num_workers: int) -> np.ndarray:
+    """float64 [len(values)]: the mean over the workers of each worker's `values`, the same bits
+    on every worker (one SUM all-reduce: the first local replica carries them, the others zeros)."""
+    rows = []
+    for i, device in enumerate(devices):
+        with tf.device(device):
+            rows.append(tf.constant(values if i == 0 else np.zeros(len(values)), tf.float64))
+    return np.asarray(all_reduce_sum(rows)[0]) / num_workers
+
+
 def _chain_seconds(all_reduce_sum, devices: Sequence[str], elements: int, count: int,
                    workers: int) -> float:
     """Seconds per all-reduce of `elements` float32 over `count` dependent all-reduces."""
@@ -114,12 +124,7 @@ def measure(cross_ops: tf.distribute.CrossDeviceOps, devices: Sequence[str], opt
     hops = 2 * (n - 1)
     mine = [small / hops, rounds / planner.recursive_doubling_rounds(n),
             max(0.0, large - small) / (hops / n * 4 * LARGE_ELEMENTS), copy_s, fp16_s]
-    table = []
-    for i, device in enumerate(devices):
-        with tf.device(device):
-            table.append(tf.constant(mine if i == 0 else [0.0] * len(mine), tf.float64))
-    mean = np.asarray(ring(table)[0]) / n
-    costs = Costs(*[float(x) for x in mean])
+    costs = Costs(*[float(x) for x in mean_over_workers(ring, devices, mine, n)])
     _log.info("gf_tf: measured %.3f ms per ring hop, %.3f ms per recursive-doubling round, "
               "%.2f ns per wire byte (%.2f Gbit/s), local %.2f / %.2f ns per element "
               "(float32 / FP16 packing), in %.1f s",
