@@ -24,6 +24,9 @@ import types
 
 import pytest
 
+# slow: builds the op library with Bazel and loads it in child processes.
+pytestmark = pytest.mark.slow
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CHILD_TIMEOUT_SECONDS = 300
 PUBLIC_OPS = ["pack", "unpack", "accumulate", "gather_chunks", "scatter_chunks", "abs_max"]

@@ -24,6 +24,9 @@ import pytest
 from benchmarks import netem, report
 from benchmarks.workers import gradients
 
+# slow: the benchmarks' --quick runs start worker processes; their harness tests stay with them.
+pytestmark = pytest.mark.slow
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREFIX = f"gftest{os.getpid()}"     # never collides with a benchmark running on the machine
 ENV = {**os.environ, "GF_BENCH_NETNS_PREFIX": PREFIX, "TF_CPP_MIN_LOG_LEVEL": "2",

@@ -8,8 +8,12 @@ and gf_tf.checkpoint.BackupAndRestore, TF op determinism on.
 import os
 
 import numpy as np
+import pytest
 
 from tests import cluster
+
+# slow: every test starts 2 worker processes (tests/workers/csc_resume_worker.py).
+pytestmark = pytest.mark.slow
 
 SCRIPT = "csc_resume_worker.py"
 

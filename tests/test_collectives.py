@@ -128,8 +128,8 @@ def _workers(n, *args, timeout=240, comm_timeout=60, per_worker_args=None):
     return [r.result for r in results]
 
 
-@pytest.mark.parametrize("n", [2, 3, 4, pytest.param(5, marks=pytest.mark.slow),
-                               pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
 def test_recursive_doubling_sum_matches_float64_and_is_identical_on_every_worker(n):
     """Eagerly and in a tf.function called twice, every dtype and size: within
     (ceil(log2 n) + 1) roundings of the float64 sum; TF's ring all-reduces interleaved

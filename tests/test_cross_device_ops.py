@@ -252,6 +252,7 @@ def run_mirrored(*args):
     return r.result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices", [2, 3])
 def test_mirrored_strategy_fit_runs_the_fp16_path(devices):
     gf = run_mirrored("--devices", str(devices))
@@ -279,6 +280,7 @@ def test_mirrored_strategy_fit_runs_the_fp16_path(devices):
     assert int(gf["replica_stat_steps"]) == 1     # the replica path counts its step once, too
 
 
+@pytest.mark.slow
 def test_replica_context_path_runs_csc_with_real_collectives():
     """Without merge_call (as under XLA on all-GPU devices) each replica runs the same funnel:
     CSC's first step sends the top chunk (of 2) of the 7-element float32 gradient."""
@@ -297,6 +299,7 @@ def test_replica_context_path_runs_csc_with_real_collectives():
     assert all(np.all(np.isfinite(gf[f"w{k}"])) for k in range(4))
 
 
+@pytest.mark.slow
 def test_mirrored_strategy_mixed_float16_with_loss_scale_optimizer():
     gf = run_mirrored("--devices", "2", "--mixed_precision")
     assert str(gf["optimizer"]) == "LossScaleOptimizer"

@@ -22,6 +22,9 @@ import pytest
 from gf_tf import launch, watchdog, worker
 import cluster
 
+# slow: real `python -m models.train` workers, killed, missing or interrupted.
+pytestmark = pytest.mark.slow
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WAIT = 240   # seconds: generous bound on any one wait, only to avoid hanging
 
@@ -420,7 +423,6 @@ def test_an_inf_on_replica_1_only_is_skipped_by_every_replica_and_halves_the_los
 _HEARTBEAT_LOST = "stopped sending heartbeats"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("barrier", ["no-barrier", "barrier"])
 def test_a_worker_that_finishes_late_is_not_told_its_peer_crashed_when_they_exit_together(barrier):
     """Worker 1 is done at once, worker 0 works 16 s longer (past TF's 10 s heartbeat timeout).

@@ -56,6 +56,7 @@ def test_tensorflow_and_numpy_scales_agree_bit_for_bit():
     np.testing.assert_array_equal(got, power_of_two_scale_np(bounds).astype(np.float32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 8, 32, 64])
 def test_measured_fp16_error_of_the_sum_meets_the_targets(n):
     measured = acc.run_worker(n, SCALES, compressions=("fp16",))

@@ -16,6 +16,9 @@ import sys
 
 import pytest
 
+# slow: installs the project into fresh venvs.
+pytestmark = pytest.mark.slow
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 USER_TF = "2.19"
 PROJECT_FILES = ("setup.py", "pyproject.toml", "MANIFEST.in", "README.md")
@@ -61,7 +64,6 @@ def user_venv(tmp_path_factory):
     return python, project, env, _versions(python), root / "cache"
 
 
-@pytest.mark.slow
 def test_install_keeps_the_users_tensorflow_and_builds_for_it_on_first_import(user_venv):
     python, project, env, before, cache = user_venv
     assert before["tensorflow-cpu"].startswith(USER_TF + ".")
@@ -76,7 +78,6 @@ def test_install_keeps_the_users_tensorflow_and_builds_for_it_on_first_import(us
     assert built == tf_version
 
 
-@pytest.mark.slow
 def test_no_build_isolation_builds_into_the_package_for_the_installed_tensorflow(user_venv):
     python, project, env, before, cache = user_venv
     _run([python, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "--force-reinstall",

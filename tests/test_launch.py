@@ -13,6 +13,9 @@ import pytest
 
 from gf_tf import launch, worker
 
+# slow: most tests start worker processes through gf-tf-run's launcher.
+pytestmark = pytest.mark.slow
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

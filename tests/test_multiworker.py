@@ -9,6 +9,9 @@ import pytest
 
 import cluster
 
+# slow: every test starts 2 worker processes (tests/workers/fit_worker.py).
+pytestmark = pytest.mark.slow
+
 TIMEOUT = 150        # hard limit per run, seconds
 COMM_TIMEOUT = 30    # CommunicationOptions(timeout_seconds=...)
 MODEL_ELEMENTS = 8 * 32 + 32 + 32 * 3 + 3   # the fit worker's Dense(32) -> Dense(3)

@@ -28,6 +28,7 @@ def _run(*args, workers=2):
 
 # -- values: overlapped and one barrier against a float64 reference ------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm,workers", [
     ("ring", 2), ("recursive_doubling", 2),
     ("recursive_doubling", 3),   # fold and unfold broadcasts, which carry no ordering token
@@ -68,6 +69,7 @@ def test_overlapped_and_one_barrier_sums_match_a_float64_reference(algorithm, wo
 
 # -- CSC: a group per pack, against one barrier and a float64 reference ----------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm,workers", [("ring", 2), ("recursive_doubling", 3)])
 def test_csc_in_groups_matches_one_barrier_bit_for_bit_and_a_float64_reference(algorithm, workers):
     seed = str(np.random.default_rng().integers(1 << 30))   # fresh, the same for both forms
@@ -116,6 +118,7 @@ def fits():
     return on, off, baseline.result
 
 
+@pytest.mark.slow
 def test_first_group_has_no_path_from_the_first_layers_gradient(fits):
     on, off, _ = fits
     for r in on:
@@ -137,6 +140,7 @@ def test_first_group_has_no_path_from_the_first_layers_gradient(fits):
         assert bool(r["first_reached_from_kernel"])
 
 
+@pytest.mark.slow
 def test_fit_with_overlap_is_identical_across_workers_and_close_to_float32(fits):
     on, off, baseline = fits
     keys = sorted((k for k in baseline if k[0] == "w"), key=lambda k: int(k[1:]))
@@ -149,6 +153,7 @@ def test_fit_with_overlap_is_identical_across_workers_and_close_to_float32(fits)
     assert any(np.any(on[0][k] != baseline[k]) for k in keys), "FP16 left no trace: did it run?"
 
 
+@pytest.mark.slow
 def test_csc_fit_in_groups_leaves_early_and_trains_as_one_barrier():
     on = _run("--mode", "fit", "--overlap", "on", "--density", "0.25", "--bytes_per_pack", "2048")
     off = _run("--mode", "fit", "--overlap", "off", "--density", "0.25", "--bytes_per_pack", "2048")
@@ -168,6 +173,7 @@ def test_csc_fit_in_groups_leaves_early_and_trains_as_one_barrier():
             assert r_on[k].tobytes() == on[0][k].tobytes() == r_off[k].tobytes(), k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("density", ["0", "0.25"])
 def test_fit_with_a_layers_kernel_and_bias_in_different_groups_trains(density):
     # oneDNN fuses a layer's Conv2DBackpropFilter (or MatMul) and BiasAddGrad of the same dy
@@ -180,6 +186,7 @@ def test_fit_with_a_layers_kernel_and_bias_in_different_groups_trains(density):
         assert np.all(np.isfinite(results[0][k])), k
 
 
+@pytest.mark.slow
 def test_workers_that_group_differently_fail_at_the_handshake():
     results = cluster.run_workers("overlap_worker.py", 2, ["--mode", "fit"], timeout=TIMEOUT,
                                   comm_timeout=COMM_TIMEOUT,

@@ -6,6 +6,9 @@ import pytest
 
 from cluster import describe, run_workers
 
+# slow: every test starts worker processes (tests/workers/planner_worker.py).
+pytestmark = pytest.mark.slow
+
 
 def _run(num_workers, *args):
     results = run_workers("planner_worker.py", num_workers=num_workers, args=list(args),
@@ -39,6 +42,5 @@ def test_two_workers_with_different_local_timings_plan_alike():
     _check(_run(2))
 
 
-@pytest.mark.slow
 def test_four_workers_with_different_local_timings_plan_alike():
     _check(_run(4, "--skew", "10"))

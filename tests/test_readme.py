@@ -10,6 +10,9 @@ import sys
 
 import pytest
 
+# slow: every test runs README's commands in fresh processes (TensorFlow, model.fit, workers).
+pytestmark = pytest.mark.slow
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -68,7 +71,6 @@ def _sample_output():
     return lines
 
 
-@pytest.mark.slow
 def test_the_sample_output_is_what_the_first_command_prints():
     """README's sample lines of `gf-tf-run -n 2 -- python -m models.train` (issue 19 item 8): the
     byte line exactly (seed 0), the accuracy to within 0.01 (3 of 360 images: its last digits follow

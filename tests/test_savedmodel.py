@@ -84,6 +84,7 @@ def _served_without_gf_tf(tmp_path, saved_model_dir, export_dir, x):
     return np.load(paths[1]), np.load(paths[2])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("settings", sorted(SETTINGS))
 def test_saved_model_and_export_after_training_serve_without_gf_tf(tmp_path, settings):
     """tf.saved_model.save and model.export after a fit; both serve the trained model's outputs

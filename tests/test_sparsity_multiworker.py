@@ -7,6 +7,9 @@ import pytest
 
 from cluster import describe, run_workers
 
+# slow: every test starts 2 worker processes (tests/workers/csc_fit_worker.py).
+pytestmark = pytest.mark.slow
+
 # The worker's model: Dense(8->32) + Dense(32->3) = 387 parameters, one pack.
 PARAMS = 8 * 32 + 32 + 32 * 3 + 3
 

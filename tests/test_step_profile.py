@@ -28,6 +28,7 @@ def _ops_by_thread(path):
     return ops
 
 
+@pytest.mark.slow
 def test_gradient_flow_stats_traces_one_step_with_its_collectives(tmp_path):
     result = cluster.run_process("step_profile_worker.py", [str(tmp_path)], timeout=180)
     assert result.returncode == 0 and result.result is not None, cluster.describe([result])

@@ -14,6 +14,9 @@ import gf_tf
 from gf_tf import launch
 from models import factory
 
+# slow: most tests run `python -m models.train` on worker processes; the flag tests stay with them.
+pytestmark = pytest.mark.slow
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -60,7 +60,8 @@ def _bytes(wire, elements, tensors):
     return {"fp16": 2 * elements + 4 * tensors, "bf16": 2 * elements, "none": 4 * elements}[str(wire)]
 
 
-@pytest.mark.parametrize("num_workers", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("num_workers", [2, 3])
 def test_workers_with_different_clocks_keep_the_same_candidate_and_sum_right(num_workers):
     results = run_workers("trial_worker.py", num_workers=num_workers, args=["--mode", "values"],
                           timeout=90 + 30 * num_workers, comm_timeout=30)
@@ -106,6 +107,7 @@ def test_workers_with_different_clocks_keep_the_same_candidate_and_sum_right(num
                 np.testing.assert_array_equal(r.result[name], first[name])
 
 
+@pytest.mark.slow
 def test_fit_through_a_trial_is_identical_across_workers_close_to_float32_and_saves(tmp_path):
     results = run_workers("trial_worker.py", num_workers=2, args=["--mode", "fit"], timeout=180,
                           comm_timeout=30,

@@ -124,6 +124,7 @@ print("max relative error:", max(float(np.max(np.abs(g - w)) / np.max(np.abs(w))
 """
 
 
+@pytest.mark.slow
 def test_the_core_imports_and_runs_without_keras():
     """TensorFlow imports Keras by itself when one is installed, so the core is tried with none."""
     out = subprocess.run([sys.executable, "-c", KERAS_FREE_CORE], capture_output=True, text=True,
