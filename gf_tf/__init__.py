@@ -6,11 +6,13 @@ Public API:
   ChunkSparsity  coarse-grained sparse communication (CSC) for GradientFlowAllReduce(sparsity=...)
   GradientFlowStats  Keras callback: bytes sent, compression ratio, chunks, residual norm
   all_reduce_gradients  a custom loop's gradient all-reduce, compressed by GradientFlow
-  checkpoint  CSC state in checkpoints; BackupAndRestore, load_weights_from_chief for multi-worker jobs
-  keras_compat  the Keras fixes for multi-worker fit and the gradient hook (install())
-  keras    the Keras wing holding those (`import gf_tf.keras`); the core imports no Keras
+  keras    the Keras wing: install() (the fixes for multi-worker fit and the gradient hook),
+           keras.checkpoint (CSC state in checkpoints), keras.backup (BackupAndRestore,
+           load_weights_from_chief); the core imports no Keras
+  checkpoint, keras_compat  deprecated names of parts of the Keras wing
   ops      pack/unpack, abs_max and the chunk ops (compiled, with a composite-TF fallback)
   launch   local multi-worker launcher and TF_CONFIG helpers (gf-tf-run)
+  worker   what a worker process of a multi-worker job calls (exit_together)
 
 Names are imported on first use, so `gf-tf-run` (gf_tf.launch) starts without
 importing TensorFlow. gf_tf does not install TensorFlow: importing it without one
@@ -54,11 +56,11 @@ integrations.register(_install_keras_wing)
 _EXPORTS = {
     "GradientFlowAllReduce": "gf_tf.cross_device_ops",
     "MultiWorkerMirroredStrategy": "gf_tf.strategy",
-    "ChunkSparsity": "gf_tf.sparsity",
+    "ChunkSparsity": "gf_tf.csc",
     "GradientFlowStats": "gf_tf.keras.callbacks",
     "all_reduce_gradients": "gf_tf.gradients",
 }
-_SUBMODULES = ("checkpoint", "keras_compat", "launch", "ops")
+_SUBMODULES = ("checkpoint", "keras", "keras_compat", "launch", "ops", "worker")
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES)
 

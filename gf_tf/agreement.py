@@ -13,7 +13,7 @@ from typing import Callable, List, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-from gf_tf import tf_internal
+from gf_tf import collectives
 
 # (name, number, how to print the number) of one setting.
 Setting = Tuple[str, float, Callable[[float], str]]
@@ -49,14 +49,8 @@ def check_workers_agree(workers, settings: List[Setting], devices: Sequence[str]
     width = 1 + len(settings)
     mine = np.zeros([workers.num_workers, width], np.float64)
     mine[workers.rank] = [1.0] + [float(number) for _, number, _ in settings]
-    with tf.init_scope():
-        rows = []
-        for r, device in enumerate(devices):
-            with tf.device(device):
-                rows.append(tf.constant(mine.ravel() if r == 0 else np.zeros(mine.size)))
-        pr = tf_internal.per_replica(rows)
-        summed = cross_device_ops.batch_reduce(tf.distribute.ReduceOp.SUM, [(pr, pr)], options)[0]
-        table = tf_internal.local_values(summed)[0].numpy().reshape(mine.shape)
+    ring = collectives.ring.ring_sum(cross_device_ops, options)
+    table = collectives.sum_over_workers(ring, devices, mine).reshape(mine.shape)
     problems = []
     for k, (name, _, show) in enumerate(settings, start=1):
         column = table[:, k]

@@ -1,8 +1,6 @@
-"""The Keras side of gf_tf, now the Keras wing gf_tf/keras/; this name keeps working.
+"""Deprecated: gf_tf.keras_compat moved to gf_tf.keras (gf_tf.keras.install()); this name keeps working with a DeprecationWarning."""
 
-`install()` applies every patch the running Keras needs (gf_tf.keras.patches.PATCHES);
-the hooks among them delegate to Keras's own code outside GradientFlow.
-"""
+import warnings
 
 from gf_tf.keras.flavour import (  # noqa: F401
     LEGACY_KERAS_ENV, TESTED_KERAS_VERSIONS, TESTED_TF_KERAS_VERSIONS, callback_base,
@@ -11,3 +9,5 @@ from gf_tf.keras.patches import OVERRIDES, PATCHES, in_multi_worker_mode, instal
 
 # Once separate installers of parts of the table; one install() serves them all now.
 install_gradient_hook = install_checkpoint_hook = install_loss_scale_agreement = install
+
+warnings.warn("gf_tf.keras_compat is deprecated: import from gf_tf.keras (gf_tf.keras.install())", DeprecationWarning, stacklevel=2)

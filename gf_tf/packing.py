@@ -15,7 +15,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
-from gf_tf.compression import PACKABLE_DTYPES
+from gf_tf.wire import PACKABLE_DTYPES
 
 # One entry per value in the caller's list: (shape, dtype) when it can be
 # packed, None when it goes to the wrapped cross-device ops untouched.

@@ -29,8 +29,8 @@ class VariableSetState(tf.Module):
     shared: the reducer's state of the whole set (e.g. `gf_tf.csc.CSCSetState`: the
       step counters) or None.
     packs: per pack, the reducer's state (e.g. `gf_tf.csc.CSCState`) or None.
-    transport: the `gf_tf.planner.Plan` its gradients travel by.
-    trial: with a trial plan, its `gf_tf.trial.Decision` (taken at the first trace; not
+    planned: the `gf_tf.plan.Planned` (plan and forecast) its gradients travel by.
+    trial: with a trial plan, its `gf_tf.plan.trial.Decision` (taken at the first trace; not
       checkpointed), else None.
     """
 
@@ -42,7 +42,7 @@ class VariableSetState(tf.Module):
         self.plan = plan
         self.shared = shared
         self.packs = packs
-        self.transport = None   # the gf_tf.planner.Plan it travels by, set on first use
+        self.planned = None   # the gf_tf.plan.Planned it travels by, set on first use
         self.trial = None
         self._refs = [_weak(v) for v in variables]
 

@@ -6,6 +6,7 @@ figures in the `fit` logs (hence `History` and TensorBoard), is in the Keras
 wing (`gf_tf.keras.callbacks`, exported as `gf_tf.GradientFlowStats`).
 """
 
+import warnings
 from typing import Dict, Optional
 
 import tensorflow as tf
@@ -66,6 +67,16 @@ class CommStats:
                 self.counts.assign_add(tf.constant(added, tf.float64))
             if residual_norm is not None:
                 self.residual_norm.assign(tf.cast(residual_norm, tf.float32))
+
+    def __getattr__(self, name):
+        """The per-figure variables of earlier versions (`stats.sent_bytes`, ...), read from
+        `counts`, with a DeprecationWarning naming `totals()`."""
+        if name in _COUNTS:
+            warnings.warn(f"CommStats.{name} is deprecated: the counts are one variable now; "
+                          f"read CommStats.totals()[{name!r}]", DeprecationWarning, stacklevel=2)
+            dtype = dict(_TOTALS)[name]
+            return tf.cast(self.__dict__["counts"][_COUNTS.index(name)], dtype)
+        raise AttributeError(f"'CommStats' object has no attribute {name!r}")
 
     def totals(self) -> Dict[str, float]:
         """The running totals since creation (eager): steps, bytes, chunks, last residual norm,

@@ -26,6 +26,8 @@ pieces used for that:
   `_next_instance_key()`, `_get_ordering_token()` and the ops' `_options`
   (`gf_tf.collectives` draws its instance keys from TF's own allocator and
   orders its subgroup collectives with TF's),
+- `ops.collective_ops.all_reduce_v2`, `broadcast_send_v2` and `broadcast_recv_v2`
+  (2-member collectives of recursive doubling),
 - `context.context().configure_coordination_service` and `coordination_config_pb2`
   (how long workers wait for a peer that never starts; the leader is `gf_tf.cluster`'s,
   which mirrors `multi_worker_util.coordination_leader`); `context.context().wait_at_barrier`
@@ -40,6 +42,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops as _tf_cross_device_ops
 from tensorflow.python.distribute import distribute_utils as _tf_distribute_utils
 from tensorflow.python.distribute import values as _tf_values
+from tensorflow.python.ops import collective_ops as _tf_collective_ops
 from tensorflow.python.ops import control_flow_util as _tf_control_flow_util
 from tensorflow.python.ops import resource_variable_ops as _tf_resource_variable_ops
 from tensorflow.python.saved_model import save_context as _tf_save_context
@@ -116,6 +119,25 @@ def next_instance_key(launcher):
 def ordering_token(launcher):
     """The resource handle TF orders the launcher's collectives by (None in TF1 graphs)."""
     return launcher._get_ordering_token()  # pylint: disable=protected-access
+
+
+def pair_all_reduce(value, group_key: int, instance_key, implementation: str, timeout: float,
+                    ordering_token):
+    """A SUM all-reduce between 2 workers (`collective_ops.all_reduce_v2`, group size 2)."""
+    return _tf_collective_ops.all_reduce_v2(value, 2, group_key, instance_key,
+                                            communication_hint=implementation, timeout=timeout,
+                                            ordering_token=ordering_token)
+
+
+def pair_broadcast_send(value, group_key: int, instance_key, timeout: float):
+    """Sends `value` to the other member of a 2-member group (`collective_ops.broadcast_send_v2`)."""
+    return _tf_collective_ops.broadcast_send_v2(value, 2, group_key, instance_key, timeout=timeout)
+
+
+def pair_broadcast_recv(shape, dtype, group_key: int, instance_key, timeout: float):
+    """Receives what the other member of a 2-member group sends (`broadcast_recv_v2`)."""
+    return _tf_collective_ops.broadcast_recv_v2(shape, dtype, 2, group_key, instance_key,
+                                                timeout=timeout)
 
 
 def merged_collective_options(ops: tf.distribute.CrossDeviceOps, options):

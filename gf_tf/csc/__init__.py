@@ -15,7 +15,7 @@ local replica, one step:
   idx = the k largest norms, ties to the lower chunk index, sorted ascending
   sel = chunks idx of acc, each prescaled on a float16 wire by a power of
         two chosen from its all-reduced L1 norm (which bounds every partial
-        sum of the ring; see gf_tf.compression), cast to the wire dtype,
+        sum of the ring; see gf_tf.wire), cast to the wire dtype,
         zero-padded to k*chunk_size (a static shape)
   sel = all-reduce(sel)                    SUM over all N replicas
   out = sel postscaled (the inverse power of two) and scattered back into

@@ -1,15 +1,17 @@
 """The CSC step: the reducer of `gf_tf.reducers` for `ChunkSparsity` (algorithm: `gf_tf.csc`)."""
 
 import dataclasses
+import zlib
 from typing import Any, List, NamedTuple, Optional, Tuple
 
 import tensorflow as tf
 
 from gf_tf import ops
-from gf_tf import reducers
+from gf_tf.agreement import hex_text
 from gf_tf.csc import auto, selection
 from gf_tf.csc.state import CSCSetState, CSCState
-from gf_tf.reducers import Communicator, PackStep, Reducer, Sent, StepInput
+from gf_tf.reducers import (Communicator, CostTerms, PackStep, Reducer, Sent, StepInput,
+                            for_each_group, fuse_controls, no_control, wire_scales)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +96,19 @@ class CSCReducer(Reducer):
         return shared, [CSCState(pack.key.replace("/", "_"), pack.num_elements, devices,
                                  self.sparsity.momentum > 0.0, shared.steps) for pack in packs]
 
-    def handshake_settings(self):
+    default_method = "fp16"   # compression="auto" with CSC: FP16 chunks
+
+    def settings(self):
+        """The density (-1 for "auto") and a CRC32 of every ChunkSparsity setting."""
         config = (type(self.sparsity).__name__, sorted(self.sparsity.get_config().items()))
-        return reducers.sparsity_settings(self.sparsity.density, config)
+        density = self.sparsity.density
+        return [("sparsity density", -1.0 if density == "auto" else float(density), density_text),
+                ("sparsity settings (CRC32)", zlib.crc32(repr(config).encode()), hex_text)]
+
+    def cost(self, elements):
+        """Two collectives a step: the chunk norms, then the selected chunks; groupable with
+        per-pack selection at a fixed density (`ChunkSparsity.overlaps`)."""
+        return CostTerms(self.sparsity.step_bytes(elements), groupable=self.sparsity.overlaps)
 
     def reduce(self, step: StepInput):
         """The packs share the schedule and step counter, so one `tf.switch_case` over
@@ -104,20 +116,22 @@ class CSCReducer(Reducer):
         stages and the rungs) picks every pack's k at once.
 
         With `step.groups` > 1 (`ChunkSparsity.overlaps`: per-pack selection, a fixed
-        density) each group of packs (`reducers.group_ranges`) all-reduces its own norms,
+        density) each group of packs (`for_each_group`) all-reduces its own norms,
         then its own chunks, under the name scope "gf_group<g>", so its collectives wait
         only for its own gradients; the candidate index (the step counter's stage) is the
         same for every group. Per-pack top k depends on the pack's own norms only, so
         the sums and residuals are those of one barrier, bit for bit.
         """
         comm = step.comm
-        ranges = reducers.group_ranges(len(step.packs), step.groups)
-        index, parts = None, []
-        for g, (start, end) in enumerate(ranges):
-            with tf.name_scope(f"gf_group{g}"):
-                part = self._reduce_group(step, step.packs[start:end], index)
+        index = None
+
+        def group(g, packs):
+            nonlocal index
+            part = self._reduce_group(step, packs, index)
             index = part.index
-            parts.append(part)
+            return part
+
+        parts = for_each_group(step, group)
         with tf.device("/cpu:0"):
             density = tf.gather(tf.constant([plan.density for plan in parts[0].plans], tf.float64),
                                 index)
@@ -144,9 +158,9 @@ class CSCReducer(Reducer):
         specs = [pack.spec for pack in packs]
         counts = [ops.num_chunks(spec.num_elements, cs) for spec in specs]
         timing = (auto.figures(step.shared.auto, self.clock, [p.grads for p in packs], comm)
-                  if self.sparsity.auto else reducers.no_control(comm))
+                  if self.sparsity.auto else no_control(comm))
         accumulated = [self._accumulate(pack, comm) for pack in packs]
-        timing, *norms = reducers.fuse_controls(comm, [timing] + [a.norms for a in accumulated])
+        timing, *norms = fuse_controls(comm, [timing] + [a.norms for a in accumulated])
         groups = selection.wire_groups(specs)
         control_bytes = 4 * int(timing[0].shape[0])
         plans = [selection.plan_step(specs, counts, groups, cs, self.selection, first, density,
@@ -253,7 +267,7 @@ class CSCReducer(Reducer):
                 idx = tf.range(ops.num_chunks(spec.num_elements, cs), dtype=tf.int32)
             else:
                 idx = selection.select_chunks(norm, k)
-            prescale, postscale = reducers.wire_scales(spec.wire_dtype, comm,
+            prescale, postscale = wire_scales(spec.wire_dtype, comm,
                                                        lambda: tf.gather(norm, idx))
             selected, new_residual, masked_u = ops.gather_chunks(
                 acc, idx, cs, spec.wire_dtype, prescale, new_u if k is not None else None)
@@ -331,3 +345,8 @@ def _per_pack(flat, specs, num_replicas):
         out.append([list(flat[i + r * size:i + (r + 1) * size]) for r in range(num_replicas)])
         i += size * num_replicas
     return out
+
+
+def density_text(code) -> str:
+    """How the handshake prints a density code: "auto" for -1, else the fraction."""
+    return "auto" if code < 0 else f"{code:g}"

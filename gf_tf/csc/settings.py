@@ -246,7 +246,7 @@ class ChunkSparsity:
     def step_bytes(self, elements: int) -> Tuple[int, int]:
         """(chunk-norm bytes, selected-chunk bytes) per worker of one sparse step over
         `elements` gradient elements in one pack, at the final density (density="auto":
-        its floor), for the planner (gf_tf.planner.choose_sparse_algorithm)."""
+        its floor), for the planner (`CSCReducer.cost`)."""
         chunks = math.ceil(elements / self.chunk_size)
         density = self.min_density if self.auto else self.density
         return 4 * chunks, 2 * self.chunk_size * selected_chunk_count(chunks, density)

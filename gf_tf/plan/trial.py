@@ -1,7 +1,8 @@
 """The trial: TensorFlow's own all-reduce against GradientFlow's wire, timed when a set is first traced.
 
-The planner's cost model (`gf_tf.planner`) comes from a probe of a few
-seconds, and its error on one all-reduce reaches 1.5-2x on shared cores. Where
+The planner's cost model (`gf_tf.plan.planner`) comes from a probe of a few
+seconds, and its error on one all-reduce reaches 1.5-2x where worker processes
+share cores. Where
 its prediction cannot tell TensorFlow's own float32 all-reduce and the best
 GradientFlow wire apart (`planner.TRIAL_BAND`), the two are timed on the
 set's own shapes while its step is first traced, eagerly (as the settings
@@ -19,9 +20,9 @@ handshake runs, `gf_tf.agreement`), and the step is traced with the one kept:
 
 Cost: (UNTIMED + SAMPLES) all-reduces by each candidate, once per variable set,
 while its step is traced. The step itself carries only the kept candidate:
-nothing of the trial runs in it (measured here, carrying both behind a
-`tf.switch_case` cost 0.5-1 ms of CPU per step on ResNet-20-sized sets). The
-decision lives in the set's state (`gf_tf.state.VariableSetState.trial`): a
+nothing of the trial runs in it (carrying both behind a `tf.switch_case` costs
+CPU time in every step). The decision lives in the set's state
+(`gf_tf.state.VariableSetState.trial`): a
 retrace keeps it, and nothing changes it afterwards. It is not checkpointed: a
 restored run measures again.
 
@@ -37,7 +38,8 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
 
-from gf_tf import planner
+from gf_tf import collectives
+from gf_tf.plan import planner
 
 TF_OWN, GRADIENT_FLOW = 0, 1    # the candidates' indices
 UNTIMED = 1                      # untimed runs of each candidate
@@ -94,13 +96,17 @@ def measure(candidates: Sequence[Callable[[], object]],
     return decision
 
 
-def effective_plan(transport: Optional[planner.Plan], decision: Optional[Decision]
-                   ) -> Optional[planner.Plan]:
-    """`transport`, or for a trial decided the candidate kept, with the measured seconds:
-    the GradientFlow wire, or TF's own float32 all-reduce."""
-    if transport is None or not transport.trial or decision is None:
-        return transport
+def report(planned: Optional[planner.Planned], decision: Optional[Decision]
+           ) -> Optional[planner.PlanReport]:
+    """The PlanReport of `planned`: for a trial decided, the candidate kept (the GradientFlow
+    wire, or TF's own float32 all-reduce) with the measured seconds."""
+    if planned is None:
+        return None
+    plan, forecast = planned
+    if not plan.trial or decision is None:
+        return planner.PlanReport(plan, forecast)
     measured: Tuple[float, float] = (decision.tf_seconds, decision.gf_seconds)
     if decision.choice == GRADIENT_FLOW:
-        return dataclasses.replace(transport, trial=False, measured=measured)
-    return planner.Plan("tf", 0, planner.RING, transport.tf_seconds, measured=measured)
+        return planner.PlanReport(dataclasses.replace(plan, trial=False), forecast, measured)
+    return planner.PlanReport(planner.Plan(planner.TF_OWN, 0, collectives.tf_own().name),
+                              planner.Forecast(forecast.tf_seconds), measured)

@@ -1,4 +1,4 @@
-"""Reducers: how the packs of one step are all-reduced (dense here; CSC in `gf_tf.csc`).
+"""The reducer seam: how the packs of one step are all-reduced (dense: `dense`; CSC: `gf_tf.csc`).
 
 The shape is that of PyTorch DDP communication hooks: a small object that
 takes the step's packs (buckets) with their explicit state, and returns the
@@ -11,14 +11,14 @@ The small side information of every pack (FP16 scale bounds, CSC chunk norms,
 CSC density="auto" timing figures) travels in ONE float32 SUM all-reduce per
 step: `fuse_controls`, which every reducer uses, concatenates the vectors,
 all-reduces them once and splits them back. The dense reducer can instead cut
-the packs into groups (`StepInput.groups`, `group_ranges`), each with its own
+the packs into groups (`StepInput.groups`, `for_each_group`), each with its own
 control all-reduce, so that a group's collectives depend only on its own
-gradients and run while backprop computes the rest (overlap, issue 18).
+gradients and run while backprop computes the rest (overlap).
 
 Deadlock-freedom of the groups: every worker must issue the same collectives
 in the same order. The groups are traced in pack order, and the packs and the
 group count depend only on the pack plan and `Plan.groups`, which the settings
-handshake compares (gf_tf.cross_device_ops `_settings`) before the first step.
+handshake compares (`gf_tf.route`) before the first step.
 TF's CollectiveAllReduce draws each collective's instance key at call time in
 trace order (CollectiveReplicaLauncher._next_instance_key, a call-time capture
 inside a tf.function), and gives every collective on a device its launcher's
@@ -41,14 +41,12 @@ communicator that keeps the replica axis out of the algorithm.
 """
 
 import dataclasses
-import zlib
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
-from gf_tf import compression as compression_lib
-from gf_tf import ops
-from gf_tf.agreement import Setting, hex_text
+from gf_tf import wire
+from gf_tf.agreement import Setting
 from gf_tf.packing import PackSpec
 
 # Per served replica: the pack's gradients, in pack order.
@@ -146,38 +144,56 @@ class Sent:
 Reduced = List[List[List[tf.Tensor]]]
 
 
+# Settings a reducer may declare for the handshake: the handshake has a fixed width (one
+# collective that cannot itself mismatch), so every reducer's settings are padded to this.
+MAX_REDUCER_SETTINGS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class CostTerms:
+    """What one step of a reducer costs on the wire, for the planner (`gf_tf.plan.planner`).
+
+    collective_bytes: bytes per worker of each collective a step issues, in order (for the
+      whole set; cut into groups, each group issues the same collectives over its share).
+    groupable: the packs may be cut into groups, each issuing its own collectives, so a
+      group waits only for its own gradients (overlap with backprop).
+    """
+    collective_bytes: Tuple[int, ...]
+    groupable: bool = False
+
+
 class Reducer:
-    """Interface of a reducer: state, handshake settings, and the step."""
+    """The interface of a reducer: its state, settings, cost and step.
+
+    default_method: the wire a reducer's packs travel by with compression="auto":
+      "auto" (for a reducer without its own `cost`: the planner chooses among the wire
+      formats and TF's own all-reduce; with one: the packs' own dtype) or a wire
+      format's method name (`gf_tf.wire`).
+    """
+
+    default_method = "auto"
 
     def create_states(self, packs: Sequence[PackSpec], devices: Sequence[str]
                       ) -> Tuple[Optional[tf.Module], List[Optional[tf.Module]]]:
         """(the set's state or None, per pack its state or None), as variables on this
-        worker's replica `devices`. Created eagerly, once per variable set."""
+        worker's replica `devices`. Created eagerly, once per variable set. A state
+        object serializes itself (`to_arrays`, `to_tensors`, `assign_arrays`)."""
         return None, [None] * len(packs)
 
-    def handshake_settings(self) -> List[Setting]:
-        """(name, number, how to print it) that every worker must agree on, beyond the
-        pack plan; the same names and count for every reducer (the handshake has a fixed
-        width). Default: no sparsity."""
-        return sparsity_settings(0.0, None)
+    def settings(self) -> List[Setting]:
+        """(name, number, how to print it) that every worker must agree on beyond the pack
+        plan, at most MAX_REDUCER_SETTINGS of them. Default: none."""
+        return []
+
+    def cost(self, elements: int) -> Optional[CostTerms]:
+        """The wire cost of one step over `elements` float32 gradient elements, or None:
+        the planner's model of packs (wire format, pack size, scale bounds, overlap groups),
+        as for the dense reducer."""
+        return None
 
     def reduce(self, step: StepInput) -> Tuple[Reduced, Sent]:
         """(per pack, per served replica the reduced tensors; what the step sent)."""
         raise NotImplementedError
-
-
-def sparsity_settings(density, config) -> List[Setting]:
-    """The handshake's two sparsity columns: the density (-1 for "auto", 0 without
-    sparsity) and a CRC32 of `config` (any repr-able value; None: 0)."""
-    code = -1.0 if density == "auto" else float(density)
-    fingerprint = 0 if config is None else zlib.crc32(repr(config).encode())
-    return [("sparsity density", code, density_text),
-            ("sparsity settings (CRC32)", fingerprint, hex_text)]
-
-
-def density_text(code) -> str:
-    """How the handshake prints a density code: "auto" for -1, else the fraction."""
-    return "auto" if code < 0 else f"{code:g}"
 
 
 def fuse_controls(comm: Communicator, parts: Sequence[Sequence[tf.Tensor]]
@@ -201,6 +217,16 @@ def fuse_controls(comm: Communicator, parts: Sequence[Sequence[tf.Tensor]]
     return [[split[i][j] for i in range(len(comm.replicas))] for j in range(len(parts))]
 
 
+def for_each_group(step: StepInput, fn: Callable[[int, Tuple[PackStep, ...]], Any]) -> list:
+    """[fn(g, the packs of group g)] for the `step.groups` consecutive groups of the step's
+    packs (`group_ranges`), in order, each under the name scope "gf_group<g>"."""
+    out = []
+    for g, (start, end) in enumerate(group_ranges(len(step.packs), step.groups)):
+        with tf.name_scope(f"gf_group{g}"):
+            out.append(fn(g, step.packs[start:end]))
+    return out
+
+
 def group_ranges(count: int, groups: int) -> List[Tuple[int, int]]:
     """[start, end) of each of `groups` consecutive groups of `count` packs, in order, as
     equal in pack count as they can be (group g: floor(g count / G) .. floor((g+1) count / G));
@@ -216,55 +242,8 @@ def no_control(comm: Communicator) -> List[tf.Tensor]:
 
 def wire_scales(wire_dtype: tf.DType, comm: Communicator, bound: Callable[[], tf.Tensor]):
     """(prescale, postscale) onto and off a wire: powers of two from the all-reduced
-    magnitude `bound()` on a scaled wire (gf_tf.compression), else (1, the postscale)."""
-    if not compression_lib.needs_scaling(wire_dtype):
+    magnitude `bound()` on a scaled wire (gf_tf.wire), else (1, the postscale)."""
+    if not wire.needs_scaling(wire_dtype):
         return 1.0, comm.postscale
-    prescale = compression_lib.power_of_two_scale(bound())
+    prescale = wire.power_of_two_scale(bound())
     return prescale, comm.postscale / prescale
-
-
-class DenseReducer(Reducer):
-    """Packs, scales into the wire dtype's range, all-reduces and unpacks (lazy all-reduce + FP16).
-
-    For a float16 wire the control vector holds each tensor's max |g|; its
-    all-reduced SUM picks a power-of-two scale per tensor
-    (`compression.power_of_two_scale`), so no partial sum of the ring
-    overflows and small gradients keep full FP16 precision at any N.
-    With `step.groups` > 1 each group of packs (`group_ranges`) all-reduces its
-    own bounds, then its packs, under the name scope "gf_group<g>" (module
-    docstring: the order and why it cannot deadlock).
-    """
-
-    def reduce(self, step):
-        comm = step.comm
-        outputs, sent = [], Sent()
-        ranges = group_ranges(len(step.packs), step.groups)
-        for g, (start, end) in enumerate(ranges):
-            packs = step.packs[start:end]
-            with tf.name_scope(f"gf_group{g}"):
-                bounds = fuse_controls(comm, [self._bounds(pack, comm) for pack in packs])
-                for pack, bound in zip(packs, bounds):
-                    reduced, pack_sent = self._reduce_pack(pack.spec, pack.grads, bound, comm)
-                    outputs.append(reduced)
-                    sent = sent + pack_sent
-        return outputs, sent
-
-    @staticmethod
-    def _bounds(pack: PackStep, comm: Communicator) -> List[tf.Tensor]:
-        """Per served replica float32 [tensors]: each tensor's max |g| (scaled wires only)."""
-        if not compression_lib.needs_scaling(pack.spec.wire_dtype):
-            return no_control(comm)
-        return comm.map(lambda r, g: ops.abs_max(g), pack.grads)
-
-    @staticmethod
-    def _reduce_pack(spec: PackSpec, grads, bounds, comm: Communicator):
-        def to_wire(r, g, bound):
-            prescale, postscale = wire_scales(spec.wire_dtype, comm, lambda: bound)
-            return ops.pack(g, spec.wire_dtype, prescale), postscale
-        buffers, postscales = zip(*comm.map(to_wire, grads, bounds))
-        buffers = comm.all_reduce_sum(list(buffers))
-        outputs = comm.map(lambda r, buffer, postscale: ops.unpack(
-            buffer, spec.shapes, spec.dtypes, postscale), buffers, postscales)
-        control_bytes = 4 * len(spec.shapes) if compression_lib.needs_scaling(spec.wire_dtype) else 0
-        return outputs, Sent(dense_bytes=4 * spec.num_elements,
-                             sent_bytes=spec.num_bytes + control_bytes)

@@ -40,31 +40,23 @@ order, or the job hangs until the timeout):
 Calls themselves come in the same order on every worker because every worker
 traces the same step (the model, the pack plan, the algorithm and the overlap
 groups are compared by GradientFlowAllReduce's settings handshake). With
-overlap groups (gf_tf.reducers) a group's bounds and packs are calls like any
+overlap groups (gf_tf.reducers.base) a group's bounds and packs are calls like any
 other, in pack order; a later group's broadcasts (fold, unfold) carry no token
 and may run before an earlier group's, which is safe: they are matched by
 their own instance key, and every dependency (the token chain, data within a
 call) goes from an earlier (call, stage) to a later one on every worker.
-
-Measured (2026-12-01, TF 2.21, 8 worker processes on 2 shared cores, loopback, load
-average 3-9; median of 20 calls after warm-up): float16[4], ring 20-28 ms, recursive
-doubling 43-48 ms; float16[135000], ring 50-63 ms, recursive doubling 60-62 ms. At N = 4,
-float16[4]: ring 10 ms, recursive doubling 18 ms. Here a collective op costs about 8-15 ms
-per round whatever its hops (a 2-member all-gather, one hop, timed the same as the
-all-reduce), so fewer rounds pay off only where a hop costs real network latency.
 
 Private TensorFlow names (the launcher, its instance keys, ordering token and
 options) are reached through `gf_tf.tf_internal`.
 """
 
 import dataclasses
+import math
 from typing import Callable, List, Sequence
 
 import tensorflow as tf
-from tensorflow.python.ops import collective_ops
 
 from gf_tf import tf_internal
-from gf_tf.planner import ALGORITHMS, RECURSIVE_DOUBLING, RING  # noqa: F401 (the names live there)
 
 GROUP_KEY_BASE = 0x47460000   # "GF" in the high bytes: 1,195,769,856
 MAX_WORKERS = 1 << 16         # room per stage; 18 stages stay below 2**31
@@ -167,17 +159,35 @@ def _run_step(step: Step, rank: int, value: tf.Tensor, instance_key, token, opti
     group_key = step.group_key(rank)
     timeout = options.timeout_seconds or 0
     if step.action == ALL_REDUCE:
-        return collective_ops.all_reduce_v2(
-            value, 2, group_key, instance_key, communication_hint=options.implementation.value,
-            timeout=timeout, ordering_token=token)
+        return tf_internal.pair_all_reduce(value, group_key, instance_key,
+                                           options.implementation.value, timeout, token)
     # TF's broadcasts take no bfloat16: its bits travel as float16 (a copy, never arithmetic).
     carrier = tf.float16 if value.dtype == tf.bfloat16 else value.dtype
     if step.action == SEND:
-        sent = collective_ops.broadcast_send_v2(tf.bitcast(value, carrier), 2, group_key,
-                                                instance_key, timeout=timeout)
+        sent = tf_internal.pair_broadcast_send(tf.bitcast(value, carrier), group_key,
+                                               instance_key, timeout)
         return tf.bitcast(sent, value.dtype)
     with tf.control_dependencies([value]):   # after this rank's earlier stages
-        received = collective_ops.broadcast_recv_v2(tf.shape(value), carrier, 2, group_key,
-                                                    instance_key, timeout=timeout)
+        received = tf_internal.pair_broadcast_recv(tf.shape(value), carrier, group_key,
+                                                   instance_key, timeout)
     received = tf.bitcast(tf.ensure_shape(received, value.shape), value.dtype)
     return value + received if step.action == RECEIVE_ADD else received
+
+
+def rounds(workers: int) -> int:
+    """Rounds of one all-reduce over `workers` (0 for 1): log2 of the largest power of two
+    <= workers, plus the fold and the unfold when workers is not a power of two."""
+    if workers <= 1:
+        return 0
+    power = int(math.floor(math.log2(workers)))
+    return power + (0 if 2 ** power == workers else 2)
+
+
+def build(context) -> Callable[[List[tf.Tensor]], List[tf.Tensor]]:
+    """The algorithm's all_reduce_sum for `context` (`gf_tf.collectives.Context`): recursive
+    doubling where several workers take part and every local replica is served (it sums
+    them before its rounds), else the wrapped TF ops' ring."""
+    workers = context.workers
+    if workers is None or workers.num_workers <= 1 or not context.all_replicas:
+        return context.ring_sum
+    return recursive_doubling_sum(context.cross_ops, workers, context.devices, context.options)

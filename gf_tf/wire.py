@@ -1,4 +1,4 @@
-"""Wire formats of mixed-precision communication, and how values are scaled into their range.
+"""Wire formats of mixed-precision communication (a registry), and how values are scaled into their range.
 
 Source: GradientFlow (arXiv 1902.06855), "mixed-precision communication":
 float32 gradients travel as float16 and the arithmetic stays float32.
@@ -27,18 +27,72 @@ from gf_tf import ops
 
 @dataclasses.dataclass(frozen=True)
 class WireFormat:
-    """dtype: what float32 values travel as (None: each pack in its own dtype).
-    scaled: values must be scaled into the dtype's range (see module doc)."""
+    """One wire format of packed float32 gradients.
+
+    name: what users pass as `compression` ("fp16", "bf16", ...; None: each pack
+      travels in its own dtype, float32 as float32).
+    dtype: what float32 values travel as (None: their own dtype).
+    scaled: values must be scaled into the dtype's range (module docstring): the
+      packs then need their all-reduced bounds first, one control collective.
+    auto: compression="auto" may choose it (the planner weighs it against
+      TensorFlow's own all-reduce).
+    """
+    name: Optional[str]
     dtype: Optional[tf.DType]
-    scaled: bool
+    scaled: bool = False
+    auto: bool = False
+
+    @property
+    def method(self) -> str:
+        """The planner's name of this wire (`gf_tf.plan.Plan.method`): the name, or "none"."""
+        return self.name or NO_COMPRESSION
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes on the wire per float32 gradient element."""
+        return self.dtype.size if self.dtype is not None else 4
+
+    @property
+    def exact(self) -> bool:
+        """float32 travels as float32: nothing saved over TensorFlow's own all-reduce but
+        the algorithm."""
+        return self.wire_bytes == 4
 
 
-# Wire formats by name. Adding a format is one entry here (plus the dtype in
-# the op library, gf_tf.ops.WIRE_DTYPES).
-WIRE_FORMATS: Dict[Optional[str], WireFormat] = {
-    None: WireFormat(None, scaled=False),
-    "fp16": WireFormat(tf.float16, scaled=True),
-    "bf16": WireFormat(tf.bfloat16, scaled=False)}
+NO_COMPRESSION = "none"   # the planner's name of the None format
+
+# Wire formats by name: adding a format is one `register` call (plus the dtype in the op
+# library, gf_tf.ops.WIRE_DTYPES, if it is a new one).
+FORMATS: Dict[Optional[str], WireFormat] = {}
+
+
+def register(wire_format: WireFormat) -> WireFormat:
+    """Adds (or replaces) a wire format under its name; returns it.
+
+    Raises ValueError for a dtype the op library cannot pack to, or the name "none"."""
+    if wire_format.dtype is not None and wire_format.dtype not in ops.WIRE_DTYPES:
+        raise ValueError(f"wire format {wire_format.name!r}: the op library packs to "
+                         f"{[d.name for d in ops.WIRE_DTYPES]}, not {wire_format.dtype.name}")
+    if wire_format.name == NO_COMPRESSION:
+        raise ValueError(f"{NO_COMPRESSION!r} is the planner's name of the None format")
+    FORMATS[wire_format.name] = wire_format
+    return wire_format
+
+
+register(WireFormat(None, None, auto=True))
+register(WireFormat("fp16", tf.float16, scaled=True, auto=True))
+register(WireFormat("bf16", tf.bfloat16))
+
+
+def format_of(method: str) -> WireFormat:
+    """The wire format of a planner method name ("none" is the None format).
+
+    Raises ValueError for an unknown name (listing the registered ones)."""
+    name = None if method == NO_COMPRESSION else method
+    if name not in FORMATS:
+        raise ValueError(f"compression must be \"auto\" or one of {list(FORMATS)}, got {method!r}")
+    return FORMATS[name]
+
 
 PACKABLE_DTYPES = ops.WIRE_DTYPES   # gradients that can travel packed: the wire dtypes themselves
 
@@ -60,13 +114,13 @@ class Compression:
     name: Optional[str] = "fp16"
 
     def __post_init__(self):
-        if self.name not in WIRE_FORMATS:
-            raise ValueError(f"compression must be one of {list(WIRE_FORMATS)}, got {self.name!r}")
+        if self.name not in FORMATS:
+            raise ValueError(f"compression must be \"auto\" or one of {list(FORMATS)}, "
+                             f"got {self.name!r}")
 
     @property
-    def code(self) -> int:
-        """Small integer naming the setting (its position in WIRE_FORMATS), for cross-worker checks."""
-        return list(WIRE_FORMATS).index(self.name)
+    def format(self) -> WireFormat:
+        return FORMATS[self.name]
 
     def wire_dtype(self, dtype: tf.DType) -> tf.DType:
         """Wire dtype of a pack of `dtype` values: float32 -> the compression
@@ -79,18 +133,18 @@ class Compression:
                              f"{[d.name for d in PACKABLE_DTYPES]}")
         if self.name is None or dtype != tf.float32:
             return dtype
-        return WIRE_FORMATS[self.name].dtype
+        return FORMATS[self.name].dtype
 
 
 def as_compression(value: Union[None, str, Compression]) -> Compression:
-    """Accepts a Compression, one of the WIRE_FORMATS names, or None."""
+    """Accepts a Compression, one of the FORMATS names, or None."""
     return value if isinstance(value, Compression) else Compression(value)
 
 
 def needs_scaling(wire_dtype: tf.DType) -> bool:
-    """True for wire dtypes with a narrower range than float32 (float16), as WIRE_FORMATS says."""
+    """True for wire dtypes with a narrower range than float32 (float16), as FORMATS says."""
     dtype = tf.as_dtype(wire_dtype)
-    return any(f.scaled and f.dtype == dtype for f in WIRE_FORMATS.values())
+    return any(f.scaled and f.dtype == dtype for f in FORMATS.values())
 
 
 def power_of_two_scale(bound: tf.Tensor) -> tf.Tensor:

@@ -1,0 +1,442 @@
+"""The planner: how one variable set's gradients travel, chosen by a measured cost model.
+
+GradientFlow pays off where bytes dominate (large payloads, slow links) and
+costs time where latency does (small payloads, fast links, many workers): a
+ring all-reduce pays 2(N-1) hop latencies per collective, and FP16 packs need
+a collective of their own for the scale bounds. The planner predicts the
+seconds of every candidate transport and picks the fastest, so that adding
+gf_tf never makes a step slower than TensorFlow's own float32 all-reduce.
+
+Model (alpha-beta model of collectives: Thakur, Rabenseifner & Gropp 2005,
+"Optimization of collective communication operations in MPICH"), for N
+workers, B payload bytes per worker, E float32 elements:
+
+  ring(B)               = 2(N-1) alpha + 2(N-1)/N B beta
+  recursive doubling(B) = R (rho + B beta),  R = log2 N rounds of pairs
+                          (+ 2 fold rounds when N is not a power of two)
+
+Each algorithm's latency unit (alpha for a ring hop, rho for a round) is
+measured on its own (`gf_tf.plan.probe`): ideally rho = 2 alpha (a 2-member
+ring), but where worker processes share cores a round costs about a whole
+collective's scheduling. The formulas live beside each algorithm
+(`gf_tf.collectives`), and a wire format's bytes and local cost beside it
+(`gf_tf.wire`, `Costs.local_s`); the planner only combines them.
+  TF's own ("tf")       = ring(4E) + copy E                (concat + split)
+  GradientFlow packs    = [ctl(4T)] + P lat + max(W, L) + min(W, L) / P
+
+where ctl is the scale bounds' collective (T tensors, scaled wires only),
+P the pack count, lat one collective's latency, W the wire time of all packs
+and L the measured local cost of the wire format's pack + unpack of E elements.
+In the one-barrier form packs leave after the step's last gradient (the
+control all-reduce waits for every pack), but within the all-reduce they form
+a pipeline: one pack is packed or unpacked while another is on the wire. More
+packs hide more of the local work and add one latency each. The overlapped
+form (`Plan.groups` > 1, "Overlap" below) cuts the packs into groups, each
+with a control collective of its own.
+
+The constants (`Costs`) are measured by `gf_tf.plan.probe` when a
+gf_tf.MultiWorkerMirroredStrategy starts and averaged over the workers, so
+every worker computes the same plan from the same numbers. Pure Python: the
+projection (benchmarks/projection.py) uses the same model.
+
+The model is refined by measurement where it is unsure: a GradientFlow wire
+predicted within TRIAL_BAND of TF's own seconds is a `Plan` with `trial`: both
+are timed on the set's own shapes when its step is first traced and the faster
+is kept (`gf_tf.plan.trial`), decided on all-reduced figures like everything else here.
+
+Overlap (scaled wires such as FP16, whose packs wait for their scale bounds). With G groups of the P packs (consecutive, in
+backprop order), group g's collectives depend only on group g's gradients, so
+they can run while backprop computes the later groups' gradients. What it
+costs and gains, in the same model, with C the control collective of T/G
+tensors:
+
+  all(G)  = G C + P lat + max(W, L) + min(W, L) G / P
+  last(G) = C + (P/G) lat + max(W, L) / G + min(W, L) / P
+
+all(G) is the step's all-reduce when nothing hides (every gradient ready at
+once: exactly what the one-barrier form, G = 1, always pays): one more control
+collective per group, and the pipeline refills in each group (a group's
+packing waits for its own scale). last(G) is the last group alone: what is
+left after backprop when every earlier group hid behind it. The planner knows
+no compute time, so it cannot tell which one a step will see. The rule
+(`choose_overlap`, overlap="auto"): take the G and pack size with the least
+last(G) among those with all(G) <= (1 + OVERLAP_SLACK) all(1) of the
+one-barrier plan. A step is C_b + all-reduce seconds at worst, so it is never
+predicted slower than the one-barrier form by more than OVERLAP_SLACK of its
+all-reduce (less of the step), and as fast as last(G) lets it be when backprop
+is long enough to hide the rest. With bytes_per_pack="auto" the pack sizes
+tried are OVERLAP_PACK_SIZES (smaller packs give more groups and a smaller last
+group, for more latency). Without measurements (one worker, or settings
+pinned so nothing was probed) "auto" keeps one barrier.
+"""
+
+import dataclasses
+import math
+from typing import List, Mapping, NamedTuple, Optional, Tuple
+
+from gf_tf import collectives, wire
+from gf_tf.reducers.base import CostTerms
+
+AUTO = "auto"
+TF_OWN = "tf"   # Plan.method of TensorFlow's own float32 batch all-reduce
+FLOAT32_BYTES = 4
+DEFAULT_BYTES_PER_PACK = 4 * 1024 * 1024
+# bytes_per_pack="auto" is 4 MiB packs (a set below 4 MiB is one pack): on ResNet-50-sized
+# sets they beat one pack, where the model below calls the two a tie, because it does not see
+# everything the pipeline hides (benchmarks.allreduce).
+PACK_SIZES = (DEFAULT_BYTES_PER_PACK,)
+# compression="auto": where the model is unsure, measure. A GradientFlow wire predicted at most
+# TRIAL_BAND[0] of TF's own seconds is taken; one predicted above TRIAL_BAND[1] is not; in between
+# both are timed when the set is first traced (`gf_tf.plan.trial`). The model's error on one
+# all-reduce reaches 1.5-2x where worker processes share cores; above 1.9 are the
+# latency-bound sets where a scaled wire's two collectives (bounds, pack) face TF's one.
+TRIAL_BAND = (0.4, 1.9)
+# overlap="auto" (module docstring, "Overlap"): the overlapped form may be predicted at most this
+# share slower than the one-barrier form when nothing hides behind backprop ...
+OVERLAP_SLACK = 0.05
+# ... and with bytes_per_pack="auto" it tries these pack sizes (the first is the one-barrier one).
+OVERLAP_PACK_SIZES = (DEFAULT_BYTES_PER_PACK, 1 << 20, 256 << 10)
+OVERLAP_CHOICES = (AUTO, True, False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """Measured constants of the model (`gf_tf.plan.probe`), in seconds.
+
+    byte_s: beta, wire time of one payload byte on one link.
+    latency_s: per algorithm name (`gf_tf.collectives.ALGORITHMS`), its latency unit
+      (the ring: one hop; recursive doubling: one round).
+    local_s: per wire method name (`gf_tf.wire.WireFormat.method`: "none", "fp16",
+      "bf16", ...), local seconds per float32 element of its pack + unpack (scaled wires:
+      with max |g| and the scaling). "none" is also TF's own concat + split.
+    """
+    byte_s: float
+    latency_s: Mapping[str, float]
+    local_s: Mapping[str, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The decision for one variable set's float32/float16/bfloat16 gradients.
+
+    method: "tf" (the wrapped TF cross-device ops' own float32 batch all-reduce,
+      gf_tf sends nothing itself) or a wire format's method name (`gf_tf.wire`:
+      "fp16", "bf16", "none" for packs in their own dtype, ...).
+    bytes_per_pack: pack threshold in wire bytes (0: one pack per dtype).
+    algorithm: a `gf_tf.collectives.ALGORITHMS` name.
+    groups: consecutive groups the packs are cut into, each with its own control
+      collective (1: one barrier, every pack waits for the step's last gradient;
+      `gf_tf.reducers.for_each_group`).
+    trial: this GradientFlow wire is timed against TensorFlow's own float32
+      all-reduce when the set is first traced and the faster is kept (`gf_tf.plan.trial`).
+    """
+    method: str
+    bytes_per_pack: int
+    algorithm: str
+    groups: int = 1
+    trial: bool = False
+
+    @property
+    def compression(self) -> Optional[str]:
+        """The GradientFlowAllReduce compression name of a GradientFlow wire (None for "none")."""
+        return None if self.method == TF_OWN else wire.format_of(self.method).name
+
+    @property
+    def scaled(self) -> bool:
+        """Its wire needs all-reduced scale bounds before its packs (`gf_tf.wire`)."""
+        return self.method != TF_OWN and wire.format_of(self.method).scaled
+
+
+@dataclasses.dataclass(frozen=True)
+class Forecast:
+    """What the model predicts of a plan, in seconds (None: not modelled, e.g. one worker or
+    settings pinned without measurements).
+
+    seconds: the step's all-reduce when nothing hides behind backprop.
+    last_seconds: with groups > 1, the last group alone (what is left after backprop at best).
+    tf_seconds: for a trial plan, TF's own all-reduce's.
+    """
+    seconds: Optional[float] = None
+    last_seconds: Optional[float] = None
+    tf_seconds: Optional[float] = None
+
+
+class Planned(NamedTuple):
+    """A plan and its forecast."""
+    plan: Plan
+    forecast: Forecast
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanReport:
+    """How a variable set travels, for people: the plan, its forecast and, once a trial has
+    decided, (TF's own, the GradientFlow wire's) measured seconds per all-reduce (the mean
+    over workers of each worker's median)."""
+    plan: Plan
+    forecast: Forecast = Forecast()
+    measured: Optional[Tuple[float, float]] = None
+
+    @property
+    def steady_seconds(self) -> Optional[float]:
+        """Predicted seconds once any trial has decided: the lesser of the two for a trial plan."""
+        seconds, tf_seconds = self.forecast.seconds, self.forecast.tf_seconds
+        if self.plan.trial and seconds is not None and tf_seconds is not None:
+            return min(seconds, tf_seconds)
+        return seconds
+
+    def describe(self) -> str:
+        plan, forecast = self.plan, self.forecast
+        if plan.method == TF_OWN:
+            what = "TensorFlow's own float32 all-reduce"
+        else:
+            packs = "one pack per dtype" if not plan.bytes_per_pack else \
+                f"packs of {plan.bytes_per_pack} bytes"
+            name = "float32" if plan.compression is None else plan.method
+            what = f"{name} packs ({packs}), {plan.algorithm.replace('_', ' ')}"
+            what += f", {plan.groups} groups overlapped with backprop" if plan.groups > 1 \
+                else ", one barrier" if plan.scaled else ""
+        if plan.trial:
+            what = (f"{what}, or TensorFlow's own float32 all-reduce, whichever measures faster "
+                    f"at the first trace")
+        if forecast.seconds is not None:
+            what = f"{what}, predicted {1000 * forecast.seconds:.2f} ms per step"
+            if plan.trial and forecast.tf_seconds is not None:
+                what = f"{what} against {1000 * forecast.tf_seconds:.2f} ms"
+            if forecast.last_seconds is not None:
+                what = f"{what} ({1000 * forecast.last_seconds:.2f} ms after the last gradient at best)"
+        if self.measured is not None:
+            tf_s, gf_s = self.measured
+            what = (f"{what}; measured {1000 * gf_s:.2f} ms (GradientFlow) against "
+                    f"{1000 * tf_s:.2f} ms (TensorFlow's own)")
+        return what
+
+
+def auto_methods() -> Tuple[str, ...]:
+    """What compression="auto" chooses among: TF's own all-reduce, then every wire format
+    registered with auto=True, in registry order (float32 packs and FP16 by default)."""
+    return (TF_OWN,) + tuple(f.method for f in wire.FORMATS.values() if f.auto)
+
+
+def collective_seconds(algorithm: str, nbytes: float, workers: int, costs: Costs) -> float:
+    """Predicted seconds of one SUM all-reduce of `nbytes` per worker (`gf_tf.collectives`)."""
+    return collectives.get(algorithm).seconds(nbytes, workers, costs.latency_s[algorithm],
+                                              costs.byte_s)
+
+
+def predict_seconds(method: str, algorithm: str, elements: float, tensors: float, workers: int,
+                    costs: Costs, packs: float = 1, groups: int = 1) -> float:
+    """Predicted seconds of one step's all-reduce of `elements` float32 gradients in `tensors`
+    tensors by `method` over `algorithm`, in `packs` packs, cut into `groups` groups (scaled
+    wires; module docstring, "Overlap"), nothing hidden by backprop.
+
+    GradientFlow's packs form a two-stage pipeline (the local pack/unpack of one pack runs
+    while another is on the wire): with W the wire time and L the local time of the
+    whole set, T = [control] + packs x latency + max(W, L) + min(W, L) / packs.
+    TF's own batch all-reduce is one collective after one concat: ring(4E) + copy E.
+    """
+    if method == TF_OWN:
+        return collective_seconds(collectives.tf_own().name, FLOAT32_BYTES * elements, workers,
+                                  costs) + costs.local_s[wire.NO_COMPRESSION] * elements
+    fmt = wire.format_of(method)
+    latency = collective_seconds(algorithm, 0, workers, costs)
+    wire_s = collective_seconds(algorithm, fmt.wire_bytes * elements, workers, costs) - latency
+    local_s = costs.local_s[method] * elements
+    groups = max(1, groups) if fmt.scaled else 1   # other wires have no control barrier
+    control = groups * collective_seconds(algorithm, FLOAT32_BYTES * tensors / groups, workers,
+                                          costs) if fmt.scaled else 0.0
+    packs = max(1, packs)
+    return control + packs * latency + max(wire_s, local_s) + min(wire_s, local_s) * groups / packs
+
+
+def last_group_seconds(method: str, algorithm: str, elements: float, tensors: float, workers: int,
+                       costs: Costs, packs: float, groups: int) -> float:
+    """Predicted seconds of the last of `groups` equal groups of `packs` packs on its own
+    (module docstring, "Overlap": last(G))."""
+    return predict_seconds(method, algorithm, elements / groups, tensors / groups, workers, costs,
+                           packs / groups)
+
+
+def choose(elements: int, tensors: int, workers: int, costs: Optional[Costs],
+           method: str = AUTO, algorithm: str = AUTO, bytes_per_pack=AUTO, overlap=False) -> Planned:
+    """The plan of one variable set: the pinned settings kept, the "auto" ones chosen.
+
+    Args:
+      elements / tensors: float32 elements and tensors of the set's packable gradients.
+      workers: N.
+      costs: the measured constants, or None (one worker, or not measured): then
+        "auto" means TF's own all-reduce when the method is "auto" (nothing to save
+        without a network), the first algorithm (the ring), and 4 MiB packs.
+      method: "auto" or a pinned wire method ("fp16", "bf16", "none", ...).
+      algorithm: "auto" or a pinned `gf_tf.collectives.ALGORITHMS` name.
+      bytes_per_pack: "auto" (one of PACK_SIZES) or a pinned number of bytes.
+      overlap: "auto", True or False (default): how a scaled wire's packs are grouped
+        (`choose_overlap`).
+
+    Returns: the Plan with the lowest predicted seconds and its Forecast (ties go to the
+      earlier candidate: "tf", the first algorithm, fewer packs), except with method "auto",
+      where the model's error is larger than many of its margins: the best GradientFlow
+      wire is taken outright only when predicted at most TRIAL_BAND[0] of TF's own
+      seconds, TF's own when the wire is predicted above TRIAL_BAND[1] of it, and in
+      between the wire with `trial` set (both timed at the set's first trace). The same on
+      every worker given the same arguments.
+    """
+    methods = auto_methods() if method == AUTO else (method,)
+    algorithms = tuple(collectives.ALGORITHMS) if algorithm == AUTO else (algorithm,)
+    if costs is None or workers <= 1:
+        if method == AUTO:
+            return Planned(Plan(TF_OWN, 0 if bytes_per_pack == AUTO else int(bytes_per_pack),
+                                algorithms[0]), Forecast())
+        plan = Plan(method, _pack_options(elements, method, bytes_per_pack)[0][1], algorithms[0])
+        return choose_overlap(Planned(plan, Forecast()), elements, tensors, workers, costs,
+                              overlap, bytes_per_pack)
+    candidates: List[Tuple[Plan, float]] = []
+    for m in methods:
+        for a in (collectives.tf_own().name,) if m == TF_OWN else algorithms:
+            if (method == AUTO and m != TF_OWN and wire.format_of(m).exact
+                    and collectives.get(a).same_as_tf_own(workers)):
+                continue   # TF's own all-reduce again
+            for count, pack in _pack_options(elements, m, bytes_per_pack):
+                candidates.append((Plan(m, pack, a), predict_seconds(
+                    m, a, elements, tensors, workers, costs, count)))
+    wires = [c for c in candidates if c[0].method != TF_OWN]
+    best, seconds = min(wires or candidates, key=lambda c: c[1])
+    forecast = Forecast(seconds)
+    if method == AUTO:
+        tf_own, tf_seconds = candidates[0]
+        ratio = seconds / tf_seconds if tf_seconds > 0 else math.inf
+        if ratio > TRIAL_BAND[1]:
+            return Planned(tf_own, Forecast(tf_seconds))
+        if ratio >= TRIAL_BAND[0]:
+            best, forecast = dataclasses.replace(best, trial=True), Forecast(seconds,
+                                                                             tf_seconds=tf_seconds)
+    return choose_overlap(Planned(best, forecast), elements, tensors, workers, costs, overlap,
+                          bytes_per_pack)
+
+
+def check_overlap(overlap):
+    """`overlap` if it is one of OVERLAP_CHOICES ("auto", True, False), else ValueError."""
+    if not any(overlap is c or (isinstance(c, str) and overlap == c) for c in OVERLAP_CHOICES):
+        raise ValueError(f"overlap must be \"auto\", True or False, got {overlap!r}")
+    return overlap
+
+
+def with_pack_count(plan: Plan, packs: int, overlap) -> Plan:
+    """`plan` with its groups fitted to the `packs` packs (with elements) actually cut:
+    one per pack for overlap=True on a scaled wire, else at most one per pack, at least 1."""
+    groups = packs if overlap is True and plan.scaled else min(plan.groups, packs)
+    return dataclasses.replace(plan, groups=max(1, groups))
+
+
+def choose_overlap(planned: Planned, elements: int, tensors: int, workers: int,
+                   costs: Optional[Costs], overlap=AUTO, bytes_per_pack=AUTO) -> Planned:
+    """`planned` with its packs grouped for overlap (module docstring, "Overlap").
+
+    Args:
+      planned: the one-barrier plan (`choose`); only a scaled wire has groups to choose.
+      overlap: False: one barrier (plan unchanged). True: one group per pack; with
+        bytes_per_pack "auto" and measurements, of the OVERLAP_PACK_SIZES that give 2
+        packs or more (if any), the one with the least all(G): the least harm when
+        nothing hides.
+        "auto": the rule: the least last(G) with all(G) <= (1 + OVERLAP_SLACK) all(1);
+        one barrier without measurements.
+      bytes_per_pack: the setting ("auto" or pinned bytes): whether the size may change.
+
+    Returns:
+      the Plan with groups (an estimate from the element count; the caller clamps it to
+      the packs it cuts) and bytes_per_pack, with seconds = all(G) and last_seconds =
+      last(G) (None for one group) in its Forecast. Ties go to fewer groups, then to
+      larger packs.
+    """
+    plan = planned.plan
+    if not plan.scaled or overlap is False:
+        return planned
+    modelled = costs is not None and workers > 1
+    sizes = OVERLAP_PACK_SIZES if bytes_per_pack == AUTO and modelled else (plan.bytes_per_pack,)
+    options = []   # (size, packs, groups)
+    for size in sizes:
+        count = _pack_options(elements, plan.method, size)[0][0]
+        options += [(size, count, g) for g in ((count,) if overlap is True else range(1, count + 1))]
+    if not modelled:
+        return Planned(dataclasses.replace(plan, groups=options[0][2] if overlap is True else 1),
+                       planned.forecast)
+
+    def all_s(option):
+        return predict_seconds(plan.method, plan.algorithm, elements, tensors, workers, costs,
+                               option[1], option[2])
+
+    def last_s(option):
+        return last_group_seconds(plan.method, plan.algorithm, elements, tensors, workers, costs,
+                                  option[1], option[2])
+
+    if overlap is True:   # the least all(G) of one group per pack, 2 packs or more if any size gives them
+        options = [o for o in options if o[2] > 1] or options
+        size, count, groups = min(options, key=lambda o: (all_s(o), sizes.index(o[0])))
+    else:
+        barrier = (plan.bytes_per_pack, _pack_options(elements, plan.method,
+                                                      plan.bytes_per_pack)[0][0], 1)
+        budget = (1 + OVERLAP_SLACK) * all_s(barrier)
+        options = [o for o in options if all_s(o) <= budget] or [barrier]
+        size, count, groups = min(options, key=lambda o: (last_s(o), o[2], sizes.index(o[0])))
+    forecast = dataclasses.replace(planned.forecast, seconds=all_s((size, count, groups)),
+                                   last_seconds=last_s((size, count, groups)) if groups > 1 else None)
+    return Planned(dataclasses.replace(plan, bytes_per_pack=size, groups=groups), forecast)
+
+
+def _pack_options(elements: int, method: str, bytes_per_pack) -> List[Tuple[int, int]]:
+    """(pack count, bytes_per_pack) to consider: PACK_SIZES for "auto", else the pinned size
+    (0: one pack), with the count it gives (tensors are not split: approximate)."""
+    if method == TF_OWN:   # TF's own batch all-reduce: one collective, no pack size of ours
+        return [(1, 0 if bytes_per_pack == AUTO else int(bytes_per_pack))]
+    wire_bytes = wire.format_of(method).wire_bytes
+    sizes = PACK_SIZES if bytes_per_pack == AUTO else (int(bytes_per_pack),)
+    options = {}
+    for size in sizes:
+        count = max(1, math.ceil(wire_bytes * elements / size)) if size else 1
+        options.setdefault(count, size)   # equal counts: the first size
+    return sorted(options.items())
+
+
+def choose_fixed_algorithm(terms: CostTerms, workers: int, costs: Optional[Costs],
+                           algorithm: str = AUTO) -> str:
+    """The algorithm for a reducer's own collectives (`CostTerms.collective_bytes` per
+    worker): the pinned one, or the fastest (the first algorithm without measurements)."""
+    if algorithm != AUTO:
+        return algorithm
+    names = list(collectives.ALGORITHMS)
+    if costs is None or workers <= 1:
+        return names[0]
+    return min(names, key=lambda a: sum(collective_seconds(a, b, workers, costs)
+                                        for b in terms.collective_bytes))
+
+
+def choose_fixed_groups(packs: int, terms: CostTerms, workers: int, costs: Optional[Costs],
+                        algorithm: str, overlap) -> int:
+    """How many groups a reducer with its own collectives (`CostTerms`) cuts its packs into,
+    each group issuing those collectives over its share (overlap with backprop).
+
+    Args:
+      packs: packs with elements; terms: the reducer's collectives; algorithm: theirs.
+      overlap: False (1), True (one group per pack) or "auto": with C collectives and G
+        groups the step costs all(G) = C G lat + W when nothing hides, and the last group
+        alone last(G) = C lat + W / G (W: the wire time of the collectives' bytes); the G
+        with the least last(G) among those with all(G) <= (1 + OVERLAP_SLACK) all(1), as
+        for scaled wires (module docstring, "Overlap"). 1 without measurements, and for
+        a reducer that cannot be grouped.
+    """
+    packs = max(1, packs)
+    if not terms.groupable or overlap is False:
+        return 1
+    if overlap is True:
+        return packs
+    if costs is None or workers <= 1:
+        return 1
+    latency = collective_seconds(algorithm, 0, workers, costs)
+    count = len(terms.collective_bytes)
+    wire_s = sum(collective_seconds(algorithm, b, workers, costs) - latency
+                 for b in terms.collective_bytes)
+
+    def all_s(g):
+        return count * g * latency + wire_s
+
+    fits = [g for g in range(1, packs + 1) if all_s(g) <= (1 + OVERLAP_SLACK) * all_s(1)]
+    return min(fits, key=lambda g: (count * latency + wire_s / g, g))

@@ -1,0 +1,16 @@
+"""Reducers: how the packs of one step are all-reduced.
+
+`base` holds the seam (the `Reducer` interface, its `StepInput` and `Communicator`,
+what a step `Sent`, the `CostTerms` the planner reads, the group loop), `dense`
+the dense reducer; CSC's lives in `gf_tf.csc`. A new reducer is one module that
+subclasses `Reducer`, passed as `GradientFlowAllReduce(reducer=...)`.
+"""
+
+from gf_tf.reducers.base import (MAX_REDUCER_SETTINGS, Communicator, CostTerms, PackStep, Reduced,
+                                 Reducer, Sent, StepInput, for_each_group, fuse_controls,
+                                 group_ranges, no_control, wire_scales)
+from gf_tf.reducers.dense import DenseReducer
+
+__all__ = ["MAX_REDUCER_SETTINGS", "Communicator", "CostTerms", "DenseReducer", "PackStep",
+           "Reduced", "Reducer", "Sent", "StepInput", "for_each_group", "fuse_controls",
+           "group_ranges", "no_control", "wire_scales"]

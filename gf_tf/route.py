@@ -1,0 +1,245 @@
+"""One variable set's gradient all-reduce in one step: the route its gradients take.
+
+`run` is the funnel both replica paths of `GradientFlowAllReduce` go through:
+the set's plan (`gf_tf.plan.plan_set`) and state (`gf_tf.state`), the settings
+handshake (`gf_tf.agreement`), the `Communicator` over the planned algorithm
+(`gf_tf.collectives`), then either TensorFlow's own all-reduce of every
+gradient or the packs through the reducer (`gf_tf.reducers`) with the rest
+(IndexedSlices, integers, float64, unknown shapes) through TensorFlow's own,
+stitched back in the caller's order. A trial plan (`gf_tf.plan.trial`) runs
+its two candidates here, eagerly, at the set's first trace.
+"""
+
+import dataclasses
+import logging
+import zlib
+from typing import Callable, List, Optional, Sequence
+
+import tensorflow as tf
+
+from gf_tf import agreement, collectives, packing, plan, tf_internal, wire
+from gf_tf.agreement import hex_text
+from gf_tf.plan import trial
+from gf_tf.reducers import MAX_REDUCER_SETTINGS, Communicator, PackStep, Reducer, Sent, StepInput
+from gf_tf.state import StateRegistry, VariableSetState
+
+_log = logging.getLogger("gf_tf.planner")
+_SUM = tf.distribute.ReduceOp.SUM
+
+
+@dataclasses.dataclass(frozen=True)
+class Links:
+    """What a route travels by, passed in whole (the orchestrator's, for this call).
+
+    cross_ops: the wrapped TF cross-device ops. workers: `gf_tf.cluster.WorkerInfo` or None
+    (one worker, a MirroredStrategy). costs: the probe's `Costs` or None. settings and
+    reducer: the GradientFlowAllReduce's. states: its StateRegistry. stats: its CommStats.
+    trial_clock: the trial's clock (seconds).
+    """
+    cross_ops: tf.distribute.CrossDeviceOps
+    workers: object
+    costs: Optional[plan.Costs]
+    settings: plan.Settings
+    reducer: Reducer
+    states: StateRegistry
+    stats: object
+    trial_clock: Callable[[], float]
+
+    @property
+    def num_workers(self) -> int:
+        return self.workers.num_workers if self.workers is not None else 1
+
+    def plan_set(self, signature) -> plan.SetPlan:
+        return plan.plan_set(signature, self.settings, self.reducer, self.num_workers, self.costs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One call of the funnel. grads: per served replica, the caller's gradient list.
+    replicas: the served replicas' indices among this worker's. ring_sum: the wrapped ops'
+    SUM all-reduce of one 1-D tensor per served replica. others(indices): the wrapped
+    ops' all-reduce (the caller's reduce_op) of those gradients, per index per served
+    replica."""
+    strategy: tf.distribute.Strategy
+    grads: List[List]
+    replicas: tuple
+    variables: Sequence
+    reduce_op: tf.distribute.ReduceOp
+    ring_sum: Callable
+    others: Callable
+    options: object
+
+
+def run(links: Links, call: Call) -> List[List]:
+    """Per served replica the reduced gradient list (packs through the reducer, the rest
+    through `others`, one batch per dtype)."""
+    grads = call.grads
+    signature = [packing.packable_signature([g[i] for g in grads]) for i in range(len(grads[0]))]
+    packable = [i for i, entry in enumerate(signature) if entry is not None]
+    planned, signature, packs = links.plan_set(signature)
+    devices = list(call.strategy.extended.worker_devices)
+    state = links.states.get(list(call.variables), signature, packs,
+                             lambda specs: links.reducer.create_states(specs, devices))
+    if state.planned != planned:
+        state.planned = planned
+        _log.info("gf_tf: variable set [%s] travels as %s", state.set_name,
+                  plan.PlanReport(*planned).describe())
+    if call.replicas[0] == 0 and links.workers is not None:
+        agreement.check_workers_agree(links.workers, settings(state, links.reducer), devices,
+                                      links.cross_ops, call.options)
+    comm = _communicator(links, call, planned.plan, devices)
+    results = [[None] * len(signature) for _ in grads]
+    if planned.plan.method == plan.TF_OWN or (planned.plan.trial and _trial_choice(
+            links, state, call, packable, comm, devices) == trial.TF_OWN):
+        sent = _sent_by_tf([grads[0][i] for i in packable])
+        rest = list(range(len(signature)))   # every gradient by TF's own all-reduce
+    else:
+        sent = reduce_packs(links.reducer, state, grads, comm, results)
+        rest = [i for i, entry in enumerate(signature) if entry is None]
+    reduce_by_tf(grads, rest, call.others, results)
+    if packable and call.replicas[0] == 0:
+        links.stats.update(**vars(sent))
+    return results
+
+
+def _communicator(links: Links, call: Call, set_plan: plan.Plan, devices) -> Communicator:
+    context = collectives.Context(call.ring_sum, links.cross_ops, links.workers,
+                                  tuple(devices[r] for r in call.replicas),
+                                  len(call.replicas) == len(devices), call.options)
+    return Communicator(collectives.get(set_plan.algorithm).build(context),
+                        call.strategy.num_replicas_in_sync,
+                        call.reduce_op == tf.distribute.ReduceOp.MEAN, call.replicas,
+                        context.devices)
+
+
+def reduce_packs(reducer: Reducer, state: VariableSetState, grads, comm: Communicator,
+                 results) -> Sent:
+    """Hands the reducer the packs with elements (one record of the step) and writes their
+    reduced values into `results`; an empty pack's values are zeros of their shapes."""
+    live = [p for p, pack in enumerate(state.plan) if pack.num_elements]
+    for pack in state.plan:
+        if not pack.num_elements:
+            for r in range(len(grads)):
+                for i, shape, dtype in zip(pack.indices, pack.shapes, pack.dtypes):
+                    results[r][i] = tf.zeros(shape, dtype)
+    if not live:
+        return Sent()
+    step = StepInput(tuple(PackStep(state.plan[p], [[g[i] for i in state.plan[p].indices]
+                                                    for g in grads], state.packs[p])
+                           for p in live), state.shared, comm, state.planned.plan.groups)
+    outputs, sent = reducer.reduce(step)
+    for pack, per_replica in zip(step.packs, outputs):
+        for r, reduced in enumerate(per_replica):
+            for i, value in zip(pack.spec.indices, reduced):
+                results[r][i] = value
+    return sent
+
+
+def reduce_by_tf(grads, indices, others, results) -> None:
+    """results[r][i] for i in `indices`: the wrapped TF ops' all-reduce, one batch per dtype."""
+    for group in packing.groups_by_dtype(indices, [grads[0][i] for i in indices]):
+        for i, reduced in zip(group, others(group)):
+            for r, value in enumerate(reduced):
+                results[r][i] = value
+
+
+def _sent_by_tf(grads) -> Sent:
+    """What TF's own all-reduce of these gradients sends (its dtypes, float32 dense equivalent)."""
+    elements = [int(g.shape.num_elements() or 0) for g in grads]
+    return Sent(dense_bytes=4 * sum(elements),
+                sent_bytes=sum(n * g.dtype.size for n, g in zip(elements, grads)))
+
+
+def settings(state: VariableSetState, reducer: Reducer) -> List[agreement.Setting]:
+    """The fields every worker must agree on, as (name, number, how to print it): the plan,
+    the gradients, the reducer's type and its own settings padded to MAX_REDUCER_SETTINGS
+    (the handshake has a fixed width, so it cannot itself mismatch)."""
+    shapes = repr([None if s is None else (tuple(s[0].as_list()), s[1].name)
+                   for s in state.signature]).encode()
+    set_plan = state.planned.plan
+    methods = (plan.TF_OWN,) + tuple(f.method for f in wire.FORMATS.values())
+    algorithms = list(collectives.ALGORITHMS)
+    own = list(reducer.settings())
+    if len(own) > MAX_REDUCER_SETTINGS:
+        raise ValueError(f"{type(reducer).__name__} declares {len(own)} handshake settings; "
+                         f"at most {MAX_REDUCER_SETTINGS} fit the handshake")
+    padding = [(f"reducer setting {k}", 0, lambda v: f"{v:g}")
+               for k in range(len(own), MAX_REDUCER_SETTINGS)]
+    return [
+        ("compression", methods.index(set_plan.method), lambda c: _method_text(methods[int(c)])),
+        ("bytes_per_pack", set_plan.bytes_per_pack, lambda b: str(int(b))),
+        ("algorithm", algorithms.index(set_plan.algorithm), lambda a: repr(algorithms[int(a)])),
+        ("overlap groups", set_plan.groups, lambda g: str(int(g))),
+        ("trial against TensorFlow's own", int(set_plan.trial), lambda t: str(bool(t))),
+        ("number of gradients", len(state.signature), lambda n: str(int(n))),
+        ("gradient shapes/dtypes (CRC32)", zlib.crc32(shapes), hex_text),
+        ("reducer (CRC32 of its class name)", zlib.crc32(type(reducer).__qualname__.encode()),
+         hex_text),
+    ] + own + padding
+
+
+def _method_text(method: str) -> str:
+    """How the handshake prints a method: the compression name a user passes."""
+    if method == plan.TF_OWN:
+        return "'tf' (TensorFlow's own all-reduce)"
+    return repr(wire.format_of(method).name)
+
+
+def _trial_choice(links: Links, state: VariableSetState, call: Call, packable,
+                  comm: Communicator, devices) -> int:
+    """trial.TF_OWN or trial.GRADIENT_FLOW: the set's trial decision, timed at its first
+    trace where every local replica is served (the merge-call path); else the model's pick
+    (the replica-context path: one replica a call)."""
+    if len(comm.replicas) != len(devices):
+        forecast = state.planned.forecast
+        faster = forecast.seconds <= forecast.tf_seconds
+        return trial.GRADIENT_FLOW if faster else trial.TF_OWN
+    if state.trial is None:
+        state.trial = _measure_trial(links, state, [[g[i] for i in packable] for g in call.grads],
+                                     packable, comm, call.options)
+    return state.trial.choice
+
+
+def _measure_trial(links: Links, state: VariableSetState, grads, packable, comm: Communicator,
+                   options) -> trial.Decision:
+    """Runs the set's trial eagerly on tensors shaped like its packable gradients `grads`
+    (per served replica), on their devices: TF's own all-reduce against the reducer's."""
+    cross_ops, size = links.cross_ops, len(state.signature)
+
+    def as_gradient_list(inputs):   # per replica, the packable ones at their indices
+        out = [[None] * size for _ in inputs]
+        for r, replica in enumerate(inputs):
+            for i, value in zip(packable, replica):
+                out[r][i] = value
+        return out
+
+    def by_tf(indices, values):   # per index in `indices`, per replica: the SUM of values[r][i]
+        pairs = [(pr, pr) for pr in (tf_internal.per_replica([replica[i] for replica in values])
+                                     for i in indices)]
+        return [tf_internal.local_values(r) for r in cross_ops.batch_reduce(_SUM, pairs, options)]
+
+    @tf.function
+    def tf_own(inputs):
+        values, out = as_gradient_list(inputs), [[None] * size for _ in inputs]
+        reduce_by_tf(values, packable, lambda indices: by_tf(indices, values), out)
+        return out
+
+    @tf.function
+    def gradient_flow(inputs):
+        out = [[None] * size for _ in inputs]
+        reduce_packs(links.reducer, state, as_gradient_list(inputs), comm, out)
+        return out
+
+    ring = collectives.ring.ring_sum(
+        cross_ops, options or tf.distribute.experimental.CommunicationOptions())
+
+    def mean(mine):
+        return collectives.sum_over_workers(ring, comm.devices, mine) / links.num_workers
+
+    with tf.init_scope():
+        inputs = []
+        for device, replica in zip(comm.devices, grads):
+            with tf.device(device):
+                inputs.append([tf.fill(g.shape, tf.constant(1e-3, g.dtype)) for g in replica])
+        return trial.measure([lambda: tf_own(inputs), lambda: gradient_flow(inputs)], mean,
+                             state.set_name, links.trial_clock)

@@ -1,0 +1,100 @@
+"""One worker of tests/test_seams.py: a reducer, a wire format and a collective algorithm
+defined here, outside gf_tf/, through its registries and its public reducer seam.
+
+--extension values:
+  reducer    `SendEverything`: a float32 reducer of our own (concatenate, all-reduce, split),
+             passed as GradientFlowAllReduce(reducer=...)
+  wire       "fp32_alias": float32 under another name, registered in gf_tf.wire.FORMATS and
+             passed as compression="fp32_alias"
+  algorithm  "ring_alias": the ring under another name, registered in
+             gf_tf.collectives.ALGORITHMS and passed as algorithm="ring_alias" (FP16 packs)
+Each worker all-reduces --steps steps of fresh random gradients (per worker, per step) of
+VARIABLES with gf_tf.all_reduce_gradients and writes them (g{step}_{i}) with the results
+(out{step}_{i}) and the dtypes of the traced step's collectives.
+"""
+
+import argparse
+
+import numpy as np
+import tensorflow as tf
+
+import worker_util
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--extension", required=True, choices=["reducer", "wire", "algorithm"])
+parser.add_argument("--steps", type=int, default=2)
+args = parser.parse_args()
+
+import gf_tf  # pylint: disable=wrong-import-position
+from gf_tf import collectives, reducers, wire  # pylint: disable=wrong-import-position
+
+VARIABLES = [(7, 3), (1009,), (1,)]
+
+
+class SendEverything(reducers.Reducer):
+    """Every pack as float32, concatenated, in one all-reduce per pack, split back."""
+
+    def settings(self):
+        return [("send-everything version", 1, str)]
+
+    def cost(self, elements):
+        return reducers.CostTerms((4 * elements,))
+
+    def reduce(self, step):
+        comm, outputs, sent = step.comm, [], reducers.Sent()
+        for pack in step.packs:
+            flat = comm.map(lambda r, g: tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1])
+                                                    for t in g], 0), pack.grads)
+            summed = comm.all_reduce_sum(flat)
+            outputs.append(comm.map(lambda r, s: [
+                tf.cast(tf.reshape(part, shape), dtype) * comm.postscale for part, shape, dtype in
+                zip(tf.split(s, [int(np.prod(x)) for x in pack.spec.shapes]), pack.spec.shapes,
+                    pack.spec.dtypes)], summed))
+            sent = sent + reducers.Sent(4 * pack.spec.num_elements, 4 * pack.spec.num_elements)
+        return outputs, sent
+
+
+if args.extension == "reducer":
+    gradient_flow = gf_tf.GradientFlowAllReduce(reducer=SendEverything())
+elif args.extension == "wire":
+    wire.register(wire.WireFormat("fp32_alias", tf.float32))
+    gradient_flow = gf_tf.GradientFlowAllReduce(compression="fp32_alias")
+else:
+    ring = collectives.ALGORITHMS[collectives.RING]
+    collectives.register(collectives.Algorithm(
+        "ring_alias", lambda context: context.ring_sum, ring.latency_units, ring.byte_factor,
+        ring.same_as_tf_own))
+    gradient_flow = gf_tf.GradientFlowAllReduce(compression="fp16", algorithm="ring_alias")
+
+strategy = gf_tf.MultiWorkerMirroredStrategy(communication_options=worker_util.communication_options(),
+                                            gradient_flow=gradient_flow)
+rank = worker_util.task_index()
+with tf.init_scope():
+    variables = [tf.Variable(tf.zeros(shape), name=f"v{i}") for i, shape in enumerate(VARIABLES)]
+
+
+@tf.function
+def step_fn(grads):
+    def replica(*g):
+        g = [tf.identity(t) for t in g]
+        return gf_tf.all_reduce_gradients(g, variables, options=worker_util.communication_options())
+    return strategy.run(replica, args=tuple(grads))
+
+
+arrays = {}
+for step in range(args.steps):
+    rng = np.random.default_rng([step, rank])
+    grads = [rng.standard_normal(shape).astype(np.float32) for shape in VARIABLES]
+    out = step_fn([tf.constant(g) for g in grads])
+    for i, (g, o) in enumerate(zip(grads, out)):
+        arrays[f"g{step}_{i}"] = g
+        arrays[f"out{step}_{i}"] = strategy.experimental_local_results(o)[0].numpy()
+graph = step_fn.get_concrete_function([tf.TensorSpec(s, tf.float32) for s in VARIABLES]).graph
+dtypes = [op.get_attr("T").name for op in graph.get_operations()
+          if op.type.startswith("CollectiveReduce")]
+for f in graph.as_graph_def().library.function:
+    dtypes += [node.attr["T"].type for node in f.node_def if node.op.startswith("CollectiveReduce")]
+arrays["collective_dtypes"] = np.array([tf.as_dtype(d).name if isinstance(d, int) else d
+                                        for d in dtypes])
+arrays["plans"] = np.array([report.describe() for report in gradient_flow.plans().values()])
+worker_util.write_result(**arrays)
