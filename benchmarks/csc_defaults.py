@@ -32,7 +32,7 @@ import tensorflow as tf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gf_tf  # noqa: E402
-from gf_tf.sparsity import select_chunks, selected_chunk_count  # noqa: E402
+from gf_tf.csc import select_chunks, selected_chunk_count  # noqa: E402
 
 CHUNK_SIZES = (16, 64, 256, 1024, 4096, 16384)
 

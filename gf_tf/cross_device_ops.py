@@ -44,28 +44,21 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
       power of two chosen from the all-reduced SUM of every replica's max |g|
       (`gf_tf.wire`), so no partial sum overflows and small gradients keep
       FP16's precision at any replica count; the scale is undone after.
-    - everything else (IndexedSlices, integers, float64, unknown shapes) goes
-      to the strategy's own batch all-reduce untouched; None stays None.
-    Per step: one float32 all-reduce of every pack's control values (FP16
-    scale bounds, CSC chunk norms), then one collective per pack; or, with
-    `overlap`, the same per group of packs (`gf_tf.reducers.for_each_group`).
+    - everything else (IndexedSlices, integers, float64, unknown shapes, None)
+      goes to the strategy's own batch all-reduce untouched.
+    Per step: one float32 all-reduce of every pack's control values (FP16 scale
+    bounds, CSC chunk norms), then one collective per pack (with `overlap`, per group).
 
-    Across workers the settings and the gradient list must agree: before the
-    first step of each trace a fixed-shape float64 all-reduce compares them
-    and raises ValueError naming the setting and the workers.
+    Across workers the settings and the gradient list must agree: a fixed-shape
+    float64 all-reduce compares them before the first step of each trace.
 
     The defaults are the planner's (`gf_tf.plan`): when a
     gf_tf.MultiWorkerMirroredStrategy starts, `gf_tf.plan.probe` measures the
-    links' latency and bandwidth and the local packing cost (a few seconds),
-    and each variable set then travels the way the cost model predicts is
-    fastest: FP16 packs, or TensorFlow's own float32 all-reduce where latency
-    outweighs bytes (small sets, fast links, many workers), over the ring or
-    recursive doubling. Where the model cannot tell the two apart
-    (`gf_tf.plan.planner.TRIAL_BAND`), both are timed on the set's shapes while
-    its step is first traced, and every worker keeps the same, faster one
-    (`gf_tf.plan.trial`); the step carries only that one. With one worker there
-    is no network to save: "auto" is TensorFlow's own all-reduce. `plans()`
-    shows the choice.
+    links and the local packing cost, and each variable set travels the way the
+    cost model predicts is fastest: FP16 packs, or TensorFlow's own float32
+    all-reduce where latency outweighs bytes; where the model cannot tell them
+    apart, both are timed at the set's first trace (`gf_tf.plan.trial`). With one
+    worker "auto" is TensorFlow's own all-reduce. `plans()` shows the choice.
 
     Args:
       compression: "auto" (default: the planner picks "fp16" or TF's own
@@ -78,36 +71,30 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
       cross_device_ops: the TensorFlow cross-device ops that carry the packs;
         None = the one the strategy would use by itself (MirroredStrategy's
         CollectiveAllReduce; set by gf_tf.MultiWorkerMirroredStrategy).
-      algorithm: how the packs (and the per-step control vector, CSC's norms
-        and chunks) cross workers: "auto" (default: the planner's choice),
-        "ring" (the wrapped TF ops, 2(N-1) hops), "recursive_doubling"
-        (ceil(log2 N) rounds of 2-member all-reduces, for small, latency-bound
-        packs) or another name registered in `gf_tf.collectives.ALGORITHMS`.
-        Recursive doubling applies to multi-worker runs of
-        gf_tf.MultiWorkerMirroredStrategy on the merge-call path (every CPU
-        run); one worker has nothing to double and uses the ring, as does the
-        replica-context path (XLA on all-GPU devices) with several local replicas.
+      algorithm: how the packs (and the control vector, CSC's norms and chunks)
+        cross workers: "auto" (default: the planner's choice), "ring" (the
+        wrapped TF ops, 2(N-1) hops), "recursive_doubling" (ceil(log2 N) rounds
+        of 2-member all-reduces, multi-worker runs of
+        gf_tf.MultiWorkerMirroredStrategy on the merge-call path; elsewhere the
+        ring) or another name registered in `gf_tf.collectives.ALGORITHMS`.
       overlap: packs in groups, each with its own control all-reduce, so a
         group's collectives wait only for its own gradients and can run during
         the rest of backprop: False (default: one barrier, every pack waits for
         the step's last gradient), "auto" (the planner's rule,
         `gf_tf.plan.planner.choose_overlap`, which may pick smaller packs when
         bytes_per_pack is "auto"; one barrier when nothing was measured) or
-        True (one group per pack). Not the default: where TF runs a worker's
-        ops on one inter-op thread, the groups' first ops wait for backprop's
-        last, and each group adds collectives (README "Overlap"). Unscaled
-        wires (BF16, float32 packs) have no bounds to wait for; TF's own
-        all-reduce keeps one barrier. A reducer groups its packs where its
-        `CostTerms.groupable` says so (CSC: per-pack selection at a fixed density).
+        True (one group per pack). Not the default: each group adds collectives,
+        and on one inter-op thread nothing overlaps (README "Overlap"). Unscaled
+        wires and TF's own all-reduce keep one barrier; a reducer groups where
+        its `CostTerms.groupable` says (CSC: per-pack selection, fixed density).
       reducer: a `gf_tf.reducers.Reducer` of your own (the packs' step: state,
         settings, cost terms and the all-reduce); None: the dense reducer, or
         CSC's with `sparsity`.
 
     Attributes:
-      stats: `gf_tf.stats.CommStats`, updated once per gradient all-reduce.
-        Its variables are created on first use, not in the constructor:
-        creating variables initialises the TF runtime, which must not happen
-        before a MultiWorkerMirroredStrategy configures its collectives.
+      stats: `gf_tf.stats.CommStats`, updated once per gradient all-reduce; created
+        on first use (variables initialise the TF runtime, which must wait until
+        a MultiWorkerMirroredStrategy has configured its collectives).
       trial_clock: the clock of `gf_tf.plan.trial` (a callable returning seconds;
         `time.perf_counter` by default); replace it before the first trace.
 
@@ -127,40 +114,26 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         if sparsity is not None and not hasattr(sparsity, "reducer"):
             raise ValueError(f"sparsity must be a gf_tf.ChunkSparsity (e.g. "
                              f"gf_tf.ChunkSparsity(density={sparsity!r})), got {sparsity!r}")
-        if sparsity is not None and reducer is not None:
-            raise ValueError("pass sparsity or reducer, not both (sparsity=ChunkSparsity(...) "
-                             "is the CSC reducer)")
-        if reducer is not None and not isinstance(reducer, Reducer):
-            raise ValueError(f"reducer must be a gf_tf.reducers.Reducer, got {reducer!r}")
+        if (reducer is not None and not isinstance(reducer, Reducer)) or (sparsity and reducer):
+            raise ValueError(f"reducer must be a gf_tf.reducers.Reducer, and not given beside "
+                             f"sparsity (the CSC reducer), got {reducer!r}")
         self.sparsity = sparsity
         self.reducer = sparsity.reducer() if sparsity is not None else reducer or DenseReducer()
         self._costs: Optional[plan.Costs] = None   # measured by gf_tf.plan.probe at _attach
-        self._wrapped = cross_device_ops
+        self._wrapped, self._strategy = cross_device_ops, None   # the strategy whose ops we took
         self._workers = None  # gf_tf.strategy.WorkerInfo, set by gf_tf.MultiWorkerMirroredStrategy
         self._stats = None
-        self._strategy = None  # the strategy whose default ops we took
         self._states = StateRegistry()
         self.trial_clock = time.perf_counter   # gf_tf.plan.trial's clock (seconds); tests replace it
         # Keras's gradient all-reduce comes here; Keras's fit fixes (multi-step loop, replicas
         # skipping non-finite steps together) for MirroredStrategy users too.
         integrations.install_all()
 
-    @property
-    def compression(self):
-        """"auto" or the `gf_tf.wire.Compression` packs travel as."""
-        return self._settings.compression
-
-    @property
-    def bytes_per_pack(self):
-        return self._settings.bytes_per_pack
-
-    @property
-    def algorithm(self) -> str:
-        return self._settings.algorithm
-
-    @property
-    def overlap(self):
-        return self._settings.overlap
+    # The settings as given (compression: "auto" or the `gf_tf.wire.Compression`), checked.
+    compression = property(lambda self: self._settings.compression)
+    bytes_per_pack = property(lambda self: self._settings.bytes_per_pack)
+    algorithm = property(lambda self: self._settings.algorithm)
+    overlap = property(lambda self: self._settings.overlap)
 
     def __repr__(self):
         compression = self.compression if self.compression == AUTO else self.compression.name
@@ -176,9 +149,8 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         return self._stats
 
     def states(self):
-        """{variable-set name: gf_tf.state.VariableSetState}: plan and per-pack state (read-only use).
-
-        Oldest first; a set whose name an older one has gets " (#2)", " (#3)", ... appended."""
+        """{variable-set name: gf_tf.state.VariableSetState} (read-only use), oldest first; a
+        name an older set has gets " (#2)", " (#3)", ... appended."""
         return self._states.states()
 
     @property
@@ -195,8 +167,6 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
     def reset_states(self) -> None:
         """Drops every variable set's state (CSC residuals, velocities, step counters)."""
         self._states.clear()
-
-    # --- wiring -------------------------------------------------------------
 
     def _attach(self, wrapped, workers, devices=(), options=None):
         """Called by gf_tf.MultiWorkerMirroredStrategy: wrap its CollectiveAllReduce, and
@@ -234,11 +204,14 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         return self._wrapped
 
     @property
+    def _num_workers(self) -> int:
+        return self._workers.num_workers if self._workers is not None else 1
+
+    @property
     def _num_between_graph_workers(self):
         return tf_internal.num_workers_of(self._wrapped) if self._wrapped is not None else 1
 
-    # --- everything that is not a gradient: exactly the wrapped ops -----------
-
+    # Everything that is not a gradient: exactly the wrapped ops.
     def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
         return self._cross_ops().batch_reduce_implementation(reduce_op, value_destination_pairs,
                                                              options)
@@ -258,16 +231,11 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         return tf_internal.replica_all_reduce(self._cross_ops(), reduce_op, value, replica_id,
                                               options)
 
-    # --- gradients ------------------------------------------------------------
-
     def all_reduce_gradients(self, replica_ctx, grads: List[tf.Tensor], variables: Sequence,
                              reduce_op, options=None) -> List[tf.Tensor]:
-        """The gradient all-reduce of one replica (see `gf_tf.all_reduce_gradients`).
-
-        Both ways TensorFlow runs a replica's all-reduce go through `gf_tf.route.run`:
-        merge_call (every CPU run) and the replica context (XLA on all-GPU
-        devices), so they cannot drift apart.
-        """
+        """The gradient all-reduce of one replica (see `gf_tf.all_reduce_gradients`). Both
+        ways TensorFlow runs it, merge_call (every CPU run) and the replica context (XLA on
+        all-GPU devices), go through `gf_tf.route.run`, so they cannot drift apart."""
         strategy = replica_ctx.strategy
         self._cross_ops()
         if tf_internal.use_merge_call(strategy):
@@ -328,5 +296,4 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         """(the plan and its forecast, the signature it packs, its PackSpecs) of a
         gradient signature (per gradient (shape, dtype), or None where it cannot be packed):
         what a step builds, and a checkpoint restore compares (`gf_tf.plan.plan_set`)."""
-        workers = self._workers.num_workers if self._workers is not None else 1
-        return plan.plan_set(signature, self._settings, self.reducer, workers, self._costs)
+        return plan.plan_set(signature, self._settings, self.reducer, self._num_workers, self._costs)

@@ -34,8 +34,7 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         then every 30 s (`gf_tf.watchdog`). On the
         leader (chief, or worker 0), where TensorFlow's wait cannot be
         interrupted, a watchdog process prints that message and kills it (SIGKILL). A peer lost
-        later is detected by TensorFlow's coordination-service heartbeats (a
-        killed worker within a second here, a frozen one in about 7 s).
+        later is detected by TensorFlow's coordination-service heartbeats.
       heartbeat_timeout: seconds without a peer's coordination-service
         heartbeats before every worker gives it up (default None: TensorFlow's,
         10 s). Raise it on slow links: heartbeats share the link with the

@@ -227,8 +227,7 @@ def configure_coordination_service(cluster, startup_seconds: Optional[float],
 
     TF 2.21's MultiWorkerMirroredStrategy starts TensorFlow's coordination
     service with `cluster_register_timeout_in_ms=0`, which waits for missing
-    peers forever, and the default heartbeat timeout (10 s: a stopped peer was
-    detected in about 7 s here); it keeps a coordination service configured
+    peers forever, and the default heartbeat timeout (10 s); it keeps a coordination service configured
     before it is created. This configures the same service (leader: the chief,
     or worker 0; jobs chief and worker) with these timeouts (None: TensorFlow's).
     `cluster` is a `gf_tf.cluster.Cluster` (its jobs and leader).

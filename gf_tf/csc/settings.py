@@ -29,9 +29,8 @@ AUTO_LADDER = (0.25, 0.1, 0.03, 0.01, 0.003, 0.001)
 # convergence bound: the fixed default, the sparsest density measured to train at
 # models.train's defaults. Top-k with error feedback sends a chunk once its residual is
 # among the k largest, so at density d every chunk can be sent within ceil(C / k) <= 1/d
-# steps (100 at 1%). The former floor 0.1% (1 chunk of the digits CNN's 532 per step: 532
-# steps, more than the 200 sparse steps of the whole run) trained it to 49-83% (dense 98%):
-# the residual grew 80x. README "density="auto"" has the table.
+# steps (100 at 1%); a floor whose 1/d exceeds a run's sparse steps leaves residuals stale
+# and trains worse (README "density="auto"" has the table).
 DEFAULT_MIN_DENSITY = DEFAULT_DENSITY
 DEFAULT_AUTO_BUDGET = 0.05
 
