@@ -1,7 +1,7 @@
 """The supported matrix, one nox session per cell, each in its own venv (README "Supported versions").
 
     nox -l                                  # list the cells
-    nox                                     # run every cell (~4-8 min each on 2 cores)
+    nox                                     # run every cell
     nox -s "tf2.18-keras3" "tf2.21-tf_keras"  # the cells CI runs (.ci/run)
 
 A cell is a TensorFlow minor version and a Keras flavour:
@@ -10,7 +10,7 @@ A cell is a TensorFlow minor version and a Keras flavour:
   tf_keras  tensorflow-cpu X.Y with tf-keras X.Y (installed --no-deps: tf-keras requires the
             `tensorflow` distribution, which would put a second TensorFlow beside tensorflow-cpu)
             and TF_USE_LEGACY_KERAS=1
-Per cell: the op build against the cell's TensorFlow (`python -m gf_tf._build --force`, into
+Per cell: the op build against the cell's TensorFlow (`python -m gf_tf.ops --force`, into
 the cell's own cache), the op tests on that library, the fast tests (`-m "not slow"`), the
 2-worker FP16 + CSC fit (tests/test_matrix_fit.py) and Keras's multi-step loop under
 MirroredStrategy and 2 workers (tests/test_multistep.py). gf_tf runs from this checkout (PYTHONPATH),
@@ -70,7 +70,7 @@ def _install(session, tf_version: str, flavour: str, keras_minor: str = None) ->
 
 def _cell(session, tf_version: str, flavour: str, keras_minor: str = None) -> None:
     env = _install(session, tf_version, flavour, keras_minor)
-    output = session.run("python", "-m", "gf_tf._build", "--force", env=env, silent=True)
+    output = session.run("python", "-m", "gf_tf.ops", "--force", env=env, silent=True)
     env["GF_TF_OPS_LIBRARY"] = output.strip().splitlines()[-1]
     session.log(f"op library: {env['GF_TF_OPS_LIBRARY']}")
     pytest = ("python", "-m", "pytest", "-q", "-p", "no:cacheprovider")

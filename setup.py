@@ -1,11 +1,11 @@
 """Builds gf_tf, compiling the op library ops/*.cc into gf_tf/_gf_tf_ops.so when it can.
 
-The compile command lives in gf_tf/_build.py (loaded here by path), shared with the build that
+The compile command lives in gf_tf/ops/_build.py (loaded here by path), shared with the build that
 gf_tf.ops runs on first import. The library is compiled with g++ against the TensorFlow found
 at build time and only loads into that exact version, so the version is written next to it
 (gf_tf/_gf_tf_ops.tf_version) and checked at import.
 
-    pip install --no-build-isolation .      # builds against the installed TensorFlow (~20-60 s)
+    pip install --no-build-isolation .      # builds against the installed TensorFlow
     pip install .                           # isolated build env without TensorFlow: no library in
                                             # the wheel; gf_tf compiles it on first import against
                                             # the runtime TensorFlow, into ~/.cache/gf_tf/
@@ -31,7 +31,7 @@ HEADERS = sorted(glob.glob(os.path.join("ops", "*.h"), root_dir=HERE))
 
 
 def _load_build_module():
-    spec = importlib.util.spec_from_file_location("gf_tf_build", os.path.join(HERE, "gf_tf", "_build.py"))
+    spec = importlib.util.spec_from_file_location("gf_tf_build", os.path.join(HERE, "gf_tf", "ops", "_build.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -51,7 +51,7 @@ def _tensorflow():
 
 
 class BuildTfOps(build_ext):
-    """Compiles the TensorFlow op library with gf_tf/_build.py (not as a Python extension)."""
+    """Compiles the TensorFlow op library with gf_tf/ops/_build.py (not as a Python extension)."""
 
     def get_ext_filename(self, fullname):
         # A plain .so, not a Python extension: no ".cpython-3XX-..." suffix.

@@ -1,6 +1,6 @@
 """Builds gf_tf's op library with AddressSanitizer: `python .ci/asan_build.py OUT_DIR`.
 
-Same sources, TensorFlow flags and sidecar as gf_tf/_build.py (loaded by path, as setup.py
+Same sources, TensorFlow flags and sidecar as gf_tf/ops/_build.py (loaded by path, as setup.py
 does: no -march flag, AVX2/F16C per function), with `-O3` replaced by ASAN_FLAGS. Writes
 OUT_DIR/_gf_tf_ops.so (never into gf_tf's cache) and prints `export` lines for the run-time
 environment (`runtime_env`), then the library's path as the last line. README "Memory
@@ -16,10 +16,10 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 ASAN_FLAGS = ["-fsanitize=address", "-fno-omit-frame-pointer", "-g", "-O1"]
-# The only suppression: leak checking. At exit, TensorFlow's and Python's never-freed
-# globals are ~6.5 MB in ~10k allocations (LeakSanitizer, nothing of gf_tf's); every stack
-# passes through Python frames, so no suppression pattern could tell ours apart. The kernels
-# own no heap memory outliving Compute (TensorFlow allocates their outputs).
+# The only suppression: leak checking. At exit, LeakSanitizer reports TensorFlow's and
+# Python's never-freed globals (nothing of gf_tf's); every stack passes through Python
+# frames, so no suppression pattern could tell ours apart. The kernels own no heap memory
+# outliving Compute (TensorFlow allocates their outputs).
 ASAN_OPTIONS = "detect_leaks=0"
 # Preloaded: the ASan runtime (Python is not linked with it) and libstdc++, which must be
 # loaded before the runtime starts, or its __cxa_throw interceptor finds no real
@@ -37,7 +37,7 @@ def runtime_env(cxx=None):
 
 
 def _load_build_module():
-    spec = importlib.util.spec_from_file_location("gf_tf_build", os.path.join(REPO, "gf_tf", "_build.py"))
+    spec = importlib.util.spec_from_file_location("gf_tf_build", os.path.join(REPO, "gf_tf", "ops", "_build.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

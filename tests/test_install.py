@@ -5,7 +5,7 @@ project into it, first with pip's default build isolation, then with --no-build-
 keep TensorFlow and Keras at the versions the user had, and `gf_tf.ops.library_status()` must
 report the compiled library built for TF 2.19: compiled on first import into the per-TF cache
 (isolated build: no TF in the build environment) or at build time into the package.
-Wheels come from pip's cache after the first run; the slow part is two ~20-60 s compiles.
+Wheels come from pip's cache after the first run; the slow part is the two compiles.
 """
 
 import os
@@ -37,7 +37,7 @@ def _versions(python):
 
 
 def _library_status(python, env):
-    code = ("import gf_tf.ops as o, gf_tf._build as b, tensorflow as tf; "
+    code = ("import gf_tf.ops as o, gf_tf.ops._build as b, tensorflow as tf; "
             "s = o.library_status(); print(tf.__version__); print(s); print(b.built_for(o.library_path()))")
     lines = _run([python, "-c", code], env=env, cwd="/").strip().splitlines()
     return lines[-3], lines[-2], lines[-1]

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from gf_tf import _ops_library, ops
+from gf_tf import ops
+from gf_tf.ops import _library
 
 F16, BF16, F32, F64 = tf.float16, tf.bfloat16, tf.float32, tf.float64
 BF16_MAX = float.fromhex("0x1.fep127")
@@ -38,7 +39,7 @@ IMPLEMENTATIONS = {
 
 @pytest.fixture(params=list(IMPLEMENTATIONS))
 def impl(request):
-    if request.param.startswith("compiled") and _ops_library.load() is None:
+    if request.param.startswith("compiled") and _library.load() is None:
         pytest.skip(f"compiled ops unavailable: {ops.library_status()}")
     return IMPLEMENTATIONS[request.param]
 
@@ -328,7 +329,7 @@ def test_gather_no_indices_sends_nothing(impl):
 
 def test_outputs_larger_than_the_caches_match_reference():
     """Outputs of >= 16 MB take the non-temporal-store path of the compiled vector kernels."""
-    if _ops_library.load() is None:
+    if _library.load() is None:
         pytest.skip(f"compiled ops unavailable: {ops.library_status()}")
     impl = ops.compiled
     sizes, chunk_size = [3, (16 << 20) // 4 + 1001, 5], 1000
@@ -768,7 +769,7 @@ def _graph_op_types(fn, *args):
 
 
 def test_public_functions_use_the_compiled_ops_on_cpu():
-    if _ops_library.load() is None:
+    if _library.load() is None:
         pytest.skip(f"compiled ops unavailable: {ops.library_status()}")
     assert ops.library_status().startswith("compiled (")
     x = tf.constant(RNG.normal(size=100), F32)
@@ -830,7 +831,7 @@ def test_public_functions_use_composite_for_gpu_tensors():
 @pytest.fixture
 def fresh_library_state(monkeypatch):
     """A not-yet-loaded library state, restored after the test."""
-    monkeypatch.setattr(_ops_library, "_library", _ops_library._Library())
+    monkeypatch.setattr(_library, "_library", _library._Library())
     return monkeypatch
 
 
@@ -973,7 +974,7 @@ def test_rejects_scales_of_the_wrong_shape_known_only_at_run_time(impl, bad_shap
 
 def test_shape_functions_check_the_scale_rank():
     """The registered ops reject a statically wrong scale while the graph is built."""
-    lib = _ops_library.load()
+    lib = _library.load()
     if lib is None:
         pytest.skip(f"compiled ops unavailable: {ops.library_status()}")
     bad, indices = tf.ones([2]), tf.constant([0, 2, 4], tf.int32)
@@ -1002,7 +1003,7 @@ def test_rejects_scale_tensors_not_float32(impl):
 
 # ---------------------------------------------------------------------------
 # Indices and lengths read from tensors: the kernels validate them before
-# touching a buffer (issue 20). Run under AddressSanitizer (nox -s asan), a
+# touching a buffer. Run under AddressSanitizer (nox -s asan), a
 # missing check is an out-of-bounds access, not just a wrong message. Traced
 # with unknown shapes where gf_tf.ops would check a static shape first, so the
 # kernel's OP_REQUIRES is what answers.
@@ -1010,7 +1011,7 @@ def test_rejects_scale_tensors_not_float32(impl):
 
 @pytest.fixture(params=["compiled", "compiled_scalar"])
 def kernels(request):
-    if _ops_library.load() is None:
+    if _library.load() is None:
         pytest.skip(f"compiled ops unavailable: {ops.library_status()}")
     return IMPLEMENTATIONS[request.param]
 
@@ -1131,8 +1132,8 @@ def test_unpack_kernel_rejects_a_packed_buffer_of_the_wrong_run_time_length(kern
 
 @pytest.mark.parametrize("chunk_size", [2 ** 31, 2 ** 62, 2 ** 63 - 1], ids=["2^31", "2^62", "2^63-1"])
 def test_chunk_kernels_with_a_chunk_larger_than_the_buffer_see_one_chunk(kernels, chunk_size):
-    """ceil(n / chunk_size) must not overflow: n + chunk_size - 1 wrapped for chunk_size near
-    2^63, giving 0 chunks, norms [] and an accumulator never written (issue 20)."""
+    """ceil(n / chunk_size) must not overflow: n + chunk_size - 1 would wrap for chunk_size near
+    2^63, giving 0 chunks, norms [] and an accumulator never written."""
     sizes = [7, 0, 5]
     tensors, grad = random_tensors(sizes, (F32, F64, F16), spread=1.0)
     n = sum(sizes)

@@ -9,7 +9,9 @@ import sys
 import pytest
 import tensorflow as tf
 
-from gf_tf import _build, _ops_library, ops
+import gf_tf
+from gf_tf import ops
+from gf_tf.ops import _build, _library
 
 
 def test_the_compiled_library_is_loaded():
@@ -17,14 +19,14 @@ def test_the_compiled_library_is_loaded():
     would only skip. GF_TF_ALLOW_COMPOSITE=1 allows a run of the composite path alone."""
     if os.environ.get("GF_TF_ALLOW_COMPOSITE") == "1":
         pytest.skip("GF_TF_ALLOW_COMPOSITE=1")
-    assert _ops_library.load() is not None, (
+    assert _library.load() is not None, (
         f"{ops.library_status()}; build it with `pip install -e .` in the checkout "
         f"(or set GF_TF_ALLOW_COMPOSITE=1 to test the composite ops alone)")
 
 
 @pytest.fixture(scope="module")
 def library():
-    if _ops_library.load() is None:
+    if _library.load() is None:
         pytest.skip(f"compiled ops unavailable: {ops.library_status()}")
     return ops.library_path()
 
@@ -54,7 +56,7 @@ def test_library_records_the_tensorflow_version_it_was_built_against(library):
     if not os.path.exists(version_file):
         pytest.skip(f"{version_file} not written by this build")
     assert _build.built_for(library) == tf.__version__
-    src_dir = _build.source_dir(os.path.dirname(ops.__file__))
+    src_dir = _build.source_dir(os.path.dirname(gf_tf.__file__))
     if _build.built_from(library) is not None and src_dir is not None:
         assert _build.built_from(library) == _build.source_hash(src_dir), "a stale library loaded"
 
@@ -63,14 +65,15 @@ _BUILD_IN_CACHE = """
 import os, sys
 import tensorflow as tf
 import gf_tf
-from gf_tf import _build
+from gf_tf.ops import _build
 src = _build.source_dir(os.path.dirname(gf_tf.__file__))
 print("PATH", _build.build_in_cache(tf, src, lambda line: print("ANNOUNCE", line, flush=True)))
 """
 
 _LOAD_AND_PACK = """
 import numpy as np, tensorflow as tf
-from gf_tf import _build, ops
+from gf_tf import ops
+from gf_tf.ops import _build
 print(ops.library_status())
 x = np.random.default_rng(1).normal(size=1009).astype(np.float32)
 got = ops.compiled.pack([tf.constant(x)], tf.float16, 0.5).numpy()
@@ -105,15 +108,15 @@ def test_two_processes_importing_at_once_build_the_cache_once(tmp_path):
 def test_a_library_built_from_other_sources_is_stale(tmp_path):
     """An editable checkout's old build (same TensorFlow, older ops/) is not loaded: its ops
     would be missing or differ. The sidecar's source hash tells; Bazel's sidecar has none."""
-    src_dir = _build.source_dir(os.path.dirname(ops.__file__))
+    src_dir = _build.source_dir(os.path.dirname(gf_tf.__file__))
     library = tmp_path / "_gf_tf_ops.so"
     library.write_bytes(b"never loaded: the checks come first")
     sidecar = tmp_path / "_gf_tf_ops.tf_version"
     sidecar.write_text(f"{tf.__version__}\nsources 000000000000\n")
-    assert "built from other sources" in _ops_library.mismatch(str(library), src_dir)
+    assert "built from other sources" in _library.mismatch(str(library), src_dir)
     sidecar.write_text(f"{tf.__version__}\nsources {_build.source_hash(src_dir)}\n")
-    assert _ops_library.mismatch(str(library), src_dir) is None
+    assert _library.mismatch(str(library), src_dir) is None
     sidecar.write_text(f"{tf.__version__}\n")
-    assert _ops_library.mismatch(str(library), src_dir) is None
+    assert _library.mismatch(str(library), src_dir) is None
     sidecar.write_text("2.0.0\n")
-    assert "built against TensorFlow 2.0.0" in _ops_library.mismatch(str(library), src_dir)
+    assert "built against TensorFlow 2.0.0" in _library.mismatch(str(library), src_dir)

@@ -3,7 +3,7 @@
 In order: $GF_TF_OPS_LIBRARY (that library or none); the package's own
 `gf_tf/_gf_tf_ops.so` if it was built for the running TensorFlow from these sources; the
 per-TensorFlow-version cache, compiled there on first use when a C++ compiler is present
-(`gf_tf._build`, which holds the compile command and the cache layout). Without one,
+(`gf_tf.ops._build`, which holds the compile command and the cache layout). Without one,
 `load()` warns once and the public functions run the composite ops.
 """
 
@@ -16,17 +16,18 @@ from typing import Optional, Tuple
 
 import tensorflow as tf
 
-from gf_tf import _build
+from gf_tf.ops import _build
 
 LIBRARY_ENV = "GF_TF_OPS_LIBRARY"
 LIBRARY_FILE = _build.LIBRARY_FILE
-# Written next to the library (by gf_tf/_build.py or Bazel): the TensorFlow version it was built against.
+# Written next to the library (by gf_tf/ops/_build.py or Bazel): the TensorFlow version it was built against.
 VERSION_FILE_SUFFIX = _build.VERSION_SUFFIX
 BUILD_COMMAND = ("a C++ compiler (g++, or $CXX) on PATH: gf_tf then compiles the library on first "
                  "import into ~/.cache/gf_tf ($GF_TF_CACHE_DIR); or, in a checkout, "
                  "`pip install --no-build-isolation -e .`")
-# Modules whose frames a fallback warning skips, to name the first caller outside gf_tf.ops.
-_OPS_MODULES = ("gf_tf.ops", "gf_tf._ops_")
+# Modules whose frames a fallback warning skips (gf_tf.ops and its modules), to name the first
+# caller outside gf_tf.ops.
+_OPS_MODULES = ("gf_tf.ops",)
 
 
 class _Library:
@@ -38,7 +39,8 @@ class _Library:
 
 _library = _Library()
 _library_lock = threading.Lock()
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+# gf_tf/, which holds the shipped library and the wheel's op sources (not this module's gf_tf/ops/).
+_PACKAGE_DIR = _build.PACKAGE_DIR
 
 
 def path() -> str:

@@ -10,8 +10,8 @@ Two callers, one command:
 
 The library links against libtensorflow_framework.so.2 and loads only into the exact
 TensorFlow version it was compiled against; that version is written next to it
-(`<library>.tf_version`: the version, then `sources <hash of ops/*.cc, *.h>`). Flags: tf.sysconfig's compile and link flags as given, plus
-EXTRA_FLAGS. AVX2/F16C code is enabled per function and chosen at run time, so no -march flag
+(`<library>.tf_version`: the version, then `sources <hash of ops/*.cc, *.h>`). Flags:
+tf.sysconfig's compile and link flags as given, plus EXTRA_FLAGS. AVX2/F16C code is enabled per function and chosen at run time, so no -march flag
 is passed and the library runs on any x86-64.
 
 This module imports only the standard library; TensorFlow is passed in.
@@ -34,6 +34,9 @@ LIBRARY_FILE = "_gf_tf_ops.so"
 VERSION_SUFFIX = ".tf_version"          # <library minus .so> + this: the TF version it was built for
 CACHE_ENV = "GF_TF_CACHE_DIR"           # overrides ~/.cache/gf_tf (or $XDG_CACHE_HOME/gf_tf)
 SOURCE_PACKAGE_DIR = "_ops_src"         # where wheels carry ops/*.cc and ops/*.h inside gf_tf/
+# The gf_tf package directory (this module sits in gf_tf/ops/): it holds the shipped library
+# (LIBRARY_FILE and its sidecar) and the wheel's SOURCE_PACKAGE_DIR.
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXTRA_FLAGS = ["-O3", "-fPIC", "-Wall", "-Wno-deprecated-declarations",
                "-Wno-sign-compare", "-Wno-interference-size"]
 
@@ -217,17 +220,18 @@ def announce_to_stderr(line: str) -> None:
 
 
 def main(argv: Sequence[str] = None) -> int:
-    """`python -m gf_tf._build [--force]`: builds the cached library for the running TensorFlow.
+    """`python -m gf_tf.ops [--force]` (gf_tf/ops/__main__.py): builds the cached library for the
+    running TensorFlow.
 
     Prints the library's path as the last line (--force: rebuild even if it is cached).
     """
     import argparse  # pylint: disable=import-outside-toplevel
-    parser = argparse.ArgumentParser(prog="python -m gf_tf._build", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m gf_tf.ops", description=main.__doc__)
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
     args = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    src_dir = source_dir(os.path.dirname(os.path.abspath(__file__)))
+    src_dir = source_dir(PACKAGE_DIR)
     if src_dir is None:
         print("gf_tf: the op sources (ops/*.cc) are not installed with this gf_tf", file=sys.stderr)
         return 1
@@ -235,7 +239,3 @@ def main(argv: Sequence[str] = None) -> int:
         shutil.rmtree(os.path.dirname(cached_library(tf, src_dir)))
     print(build_in_cache(tf, src_dir, announce_to_stderr))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

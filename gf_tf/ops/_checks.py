@@ -1,6 +1,6 @@
 """Argument checks of gf_tf.ops, shared by the compiled and the composite implementations.
 
-The errors raised here are the public functions' documented errors (see gf_tf/ops.py); both
+The errors raised here are the public functions' documented errors (see gf_tf/ops/__init__.py); both
 implementations call the same check, so they raise the same error for the same bad input.
 """
 

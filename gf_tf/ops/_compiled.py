@@ -3,13 +3,13 @@
 Each checks its arguments in Python where the check is static (the same checks and errors
 as the composite), leaves the rest to the kernels, and raises RuntimeError if the library
 is unavailable. `simd=False` forces the kernels' portable scalar code (tests).
-gf_tf/ops.py documents each function.
+gf_tf/ops/__init__.py documents each function.
 """
 
 import tensorflow as tf
 
-from gf_tf import _ops_checks as checks
-from gf_tf import _ops_library as library
+from gf_tf.ops import _checks as checks
+from gf_tf.ops import _library as library
 
 
 def _scale_tensor(scale, count, what: str, items: str) -> tf.Tensor:

@@ -5,7 +5,7 @@ the compiled custom ops of ``ops/`` and an equivalent composite of stock
 TensorFlow ops. The library is loaded once, lazily: ``gf_tf/_gf_tf_ops.so`` if
 it was built for the running TensorFlow, else the per-TensorFlow-version cache
 (``~/.cache/gf_tf/<tf version>-<abi tag>/``), compiled there on first use when a
-C++ compiler is present (``gf_tf._build``). The public functions pick one
+C++ compiler is present (``gf_tf.ops._build``). The public functions pick one
 implementation per call: the compiled kernels when the library loaded, every
 input tensor is on the CPU and the call is not being compiled by XLA; the
 composite otherwise (no library and no compiler, GPU/TPU tensors,
@@ -28,9 +28,10 @@ Source: GradientFlow (arXiv 1902.06855), sections on lazy all-reduce,
 mixed-precision communication and coarse-grained sparse communication.
 
 This module is the public face (dtype sets, the functions and their contracts, the choice
-of implementation). Behind it: ``_ops_library`` finds, builds and loads the library;
-``_ops_checks`` holds the argument checks both implementations share; ``_ops_composite``
-and ``_ops_compiled`` are the two implementations.
+of implementation). Behind it, private to the package: ``_library`` finds, builds and loads
+the library; ``_build`` holds the compile command and the cache layout; ``_checks`` holds the
+argument checks both implementations share; ``_composite`` and ``_compiled`` are the two
+implementations (reached as the namespaces ``composite`` and ``compiled``).
 """
 
 import types
@@ -38,9 +39,10 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
 
-from gf_tf import _ops_checks, _ops_compiled, _ops_composite, _ops_library, tf_internal
-from gf_tf._ops_checks import GRAD_DTYPES, WIRE_DTYPES  # noqa: F401  (the ops' dtype sets)
-from gf_tf._ops_library import (  # noqa: F401  (where the library comes from)
+from gf_tf import tf_internal
+from gf_tf.ops import _checks, _compiled, _composite, _library
+from gf_tf.ops._checks import GRAD_DTYPES, WIRE_DTYPES  # noqa: F401  (the ops' dtype sets)
+from gf_tf.ops._library import (  # noqa: F401  (where the library comes from)
     BUILD_COMMAND, LIBRARY_ENV, LIBRARY_FILE, VERSION_FILE_SUFFIX)
 
 _OP_NAMES = ("pack", "unpack", "accumulate", "gather_chunks", "scatter_chunks", "abs_max")
@@ -48,16 +50,16 @@ _OP_NAMES = ("pack", "unpack", "accumulate", "gather_chunks", "scatter_chunks", 
 
 def num_chunks(num_elements: int, chunk_size: int) -> int:
     """ceil(num_elements / chunk_size); raises ValueError if chunk_size < 1."""
-    return -(-num_elements // _ops_checks.chunk_size(chunk_size))
+    return -(-num_elements // _checks.chunk_size(chunk_size))
 
 
 def library_path() -> str:
     """Path of the op library this process loaded, or else the first place it looks.
 
     In order: $GF_TF_OPS_LIBRARY; the package's own `gf_tf/_gf_tf_ops.so` if it was built
-    for the running TensorFlow; the per-TensorFlow-version cache (`gf_tf._build.cache_root()`).
+    for the running TensorFlow; the per-TensorFlow-version cache (`gf_tf.ops._build.cache_root()`).
     """
-    return _ops_library.path()
+    return _library.path()
 
 
 def library_status() -> str:
@@ -66,7 +68,7 @@ def library_status() -> str:
     Says what runs for CPU tensors outside XLA; GPU tensors and XLA always use
     the composite ops.
     """
-    return _ops_library.status()
+    return _library.status()
 
 
 def _implementation_namespace(module, doc: str) -> types.SimpleNamespace:
@@ -76,10 +78,10 @@ def _implementation_namespace(module, doc: str) -> types.SimpleNamespace:
 
 
 composite = _implementation_namespace(
-    _ops_composite, "The composite-TF implementation, called explicitly (same arguments as the "
+    _composite, "The composite-TF implementation, called explicitly (same arguments as the "
     "public functions).")
 compiled = _implementation_namespace(
-    _ops_compiled, "The compiled kernels, called explicitly (same arguments as the public "
+    _compiled, "The compiled kernels, called explicitly (same arguments as the public "
     "functions plus simd=True; RuntimeError if the library is unavailable).")
 
 
@@ -92,7 +94,7 @@ def _on_cpu(tensors) -> bool:
 
 
 def _implementation(tensors):
-    if _ops_library.load() is not None and _on_cpu(tensors) and not tf_internal.in_xla_context():
+    if _library.load() is not None and _on_cpu(tensors) and not tf_internal.in_xla_context():
         return compiled
     return composite
 

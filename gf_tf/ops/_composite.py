@@ -1,12 +1,12 @@
 """The composite implementation of gf_tf.ops: the same contract from stock TensorFlow ops only.
 
 It runs where the compiled kernels cannot (no library, GPU/TPU tensors, XLA) and is the
-reference the kernels are tested against; gf_tf/ops.py documents each function.
+reference the kernels are tested against; gf_tf/ops/__init__.py documents each function.
 """
 
 import tensorflow as tf
 
-from gf_tf import _ops_checks as checks
+from gf_tf.ops import _checks as checks
 
 
 def _round_to_odd_float32(x64):
