@@ -19,8 +19,8 @@ import tensorflow as tf
 
 import gf_tf
 from gf_tf.sparsity import AUTO_LADDER, choose_rung
-from test_sparsity import (DEVICES, NumpyCSC, NumpyGlobalCSC, Runner, _all_ops, _pack_states,
-                           only_state, three_pack_step)
+from csc_reference import NumpyCSC, NumpyGlobalCSC
+from helpers import DEVICES, Runner, all_ops, only_state, pack_states, three_pack_step
 
 
 class FakeClock:
@@ -280,7 +280,7 @@ def test_auto_travels_in_two_collectives_per_step():
     graph = step.get_concrete_function(*values).graph
     main = _vector_sums(graph.get_operations())
     assert main == [("float32", 3 + 3 + 2 + 5)], main     # timing + norms, outside the branches
-    cases = [op for op in _all_ops(graph) if op.type in ("Case", "StatelessCase")]
+    cases = [op for op in all_ops(graph) if op.type in ("Case", "StatelessCase")]
     assert len(cases) == 1
     branch_sums = [_vector_sums(graph._get_function(fn.name).graph.get_operations())  # pylint: disable=protected-access
                    for fn in cases[0].get_attr("branches")]
@@ -373,7 +373,7 @@ def test_auto_with_global_selection_prices_rungs_by_one_top_k_over_all_packs():
                   for n, sc in zip(sizes, scales)] for _ in range(2)]
         out = run(grads)
         if model is None:
-            order, _ = _pack_states(run)
+            order, _ = pack_states(run)
             model = NumpyGlobalCSC([sizes[i] for i in order], 2, CS)
         now = run.gfar.stats.totals()
         k = int(now["selected_chunks"] - before["selected_chunks"])

@@ -11,7 +11,7 @@ import gf_tf
 from gf_tf import collectives
 from gf_tf.cluster import WorkerInfo
 from cluster import describe, run_workers
-from test_sparsity import NumpyCSC, _chunks_zero, _flat, _pack_order
+from csc_reference import NumpyCSC, chunks_zero, flatten, pack_order
 
 # Unit roundoff per dtype, and the worker's cases (tests/workers/collectives_worker.py).
 UNIT = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -24}
@@ -181,18 +181,18 @@ def test_gradient_flow_csc_over_recursive_doubling_at_3_workers_matches_the_nump
                        f"--chunk_size={cs}", timeout=300)
     for rank, r in enumerate(results):   # the chunk norms and the selected chunks
         assert sorted(r["collectives"].tolist()) == sorted(_expected_collectives(n, rank, 2))
-    order = _pack_order(VARIABLES)
+    order = pack_order(VARIABLES)
     model = NumpyCSC(1030, n, cs)
     for s in range(steps):
-        grads = [_flat([r[f"g{s}_{i}"] for i in range(len(VARIABLES))], order) for r in results]
+        grads = [flatten([r[f"g{s}_{i}"] for i in range(len(VARIABLES))], order) for r in results]
         ref, idx = model.step(grads, 0.01)
         assert len(idx) == 1
-        outs = [_flat([r[f"out{s}_{i}"] for i in range(len(VARIABLES))], order) for r in results]
+        outs = [flatten([r[f"out{s}_{i}"] for i in range(len(VARIABLES))], order) for r in results]
         for got in outs:
             np.testing.assert_array_equal(got.astype(np.float32).view(np.uint32),
                                           outs[0].astype(np.float32).view(np.uint32))
         np.testing.assert_allclose(outs[0], ref, rtol=4e-3, atol=4e-3 * np.abs(ref).max())
-        np.testing.assert_array_equal(np.flatnonzero(~_chunks_zero(outs[0], cs)), idx)
+        np.testing.assert_array_equal(np.flatnonzero(~chunks_zero(outs[0], cs)), idx)
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 import gf_tf
-from test_sparsity import NumpyCSC
+from csc_reference import NumpyCSC
 
 DEVICES = [d.name for d in tf.config.list_logical_devices("CPU")]
 SETTINGS = {

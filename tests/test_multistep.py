@@ -12,17 +12,12 @@ import pytest
 from cluster import describe, run_process, run_workers
 
 from gf_tf import keras_compat
-from gf_tf.keras import patches
-from test_sparsity import NumpyCSC
+from csc_reference import NumpyCSC
+from helpers import GRADIENT_SCALE
 
 pytestmark = pytest.mark.slow
 
 EPOCHS, EXAMPLES, BATCH = 2, 112, 16
-# Keras 3.6 and 3.7 divide each replica's loss by its own batch (8 of 16 here, on 2 replicas or 2
-# workers) and the optimizer sums the replicas' gradients: 2x the gradient of the global batch's mean
-# loss (stock Keras alike; 3.7.0 has no `scale_loss_for_distribution` yet). Keras 3.8 on and tf-keras
-# scale to the global batch.
-GRADIENT_SCALE = 2.0 if not keras_compat.uses_tf_keras() and patches.keras3_minor() < (3, 8) else 1.0
 
 
 def _mirrored(*args):

@@ -12,8 +12,8 @@ import cluster
 import gf_tf
 from gf_tf import planner, reducers
 from gf_tf.planner import Costs, Plan
-from test_multistep import GRADIENT_SCALE
-from test_sparsity import NumpyCSC
+from csc_reference import NumpyCSC
+from helpers import GRADIENT_SCALE
 
 TIMEOUT, COMM_TIMEOUT = 180, 30
 GIGABIT = Costs(hop_s=1.5e-3, round_s=3e-3, byte_s=8e-9, copy_s=1e-9, fp16_s=2e-9)
@@ -84,7 +84,7 @@ def test_csc_in_groups_matches_one_barrier_bit_for_bit_and_a_float64_reference(a
             np.testing.assert_array_equal(r_on[key], r_off[key], err_msg=key)
             if key.startswith("sum"):   # every worker holds the same sums
                 np.testing.assert_array_equal(r_on[key], on[0][key], err_msg=key)
-    # The float64 reference of each pack (tests/test_sparsity.py's NumpyCSC; float32 wire).
+    # The float64 reference of each pack (tests/csc_reference.py's NumpyCSC; float32 wire).
     steps = sorted({int(k[3:].split("_")[0]) for k in on[0] if k.startswith("sum")})
     for p in packs:
         indices = [int(i) for i in on[0][f"pack{p}_indices"]]

@@ -8,7 +8,6 @@ object, so one process cannot mix 2- and 3-device collective groups.
 Collectives across processes are covered by test_sparsity_multiworker.py.
 """
 
-import math
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -19,112 +18,13 @@ import pytest
 import tensorflow as tf
 
 import gf_tf
-from gf_tf.cross_device_ops import DEFAULT_BYTES_PER_PACK
 from gf_tf.sparsity import select_chunks, selected_chunk_count
 
+from csc_reference import NumpyCSC, NumpyGlobalCSC, chunks_zero, flatten, pack_order
+from helpers import DEVICES, Runner, all_ops, only_state, pack_states, three_pack_step
 
-# Logical CPU devices: configured by tests/conftest.py before TF initialises.
-DEVICES = [d.name for d in tf.config.list_logical_devices("CPU")]
-assert len(DEVICES) >= 3, f"tests/conftest.py should configure >= 3 logical CPUs, got {DEVICES}"
+
 SUM = tf.distribute.ReduceOp.SUM
-
-
-class Runner:
-    """One traced all-reduce step of `num_replicas` replicas through GradientFlowAllReduce."""
-
-    def __init__(self, num_replicas, sparsity, compression="fp16",
-                 bytes_per_pack=DEFAULT_BYTES_PER_PACK):
-        self.sparsity = sparsity
-        self.gfar = gf_tf.GradientFlowAllReduce(
-            compression=compression, sparsity=sparsity, bytes_per_pack=bytes_per_pack,
-            cross_device_ops=tf.distribute.ReductionToOneDevice())
-        self.strategy = tf.distribute.MirroredStrategy(DEVICES[:num_replicas],
-                                                       cross_device_ops=self.gfar)
-
-        self.variables = None   # the gradients' variables: one fixed list (the CSC state's owner)
-
-        @tf.function
-        def step(inputs):
-            def replica_fn(*tensors):
-                tensors = [tf.identity(t) for t in tensors]  # gives them the replica's device
-                return gf_tf.all_reduce_gradients(tensors, self.variables)
-            return self.strategy.run(replica_fn, args=inputs)
-
-        self._step = step
-
-    def __call__(self, grads):
-        """grads[r] = list of arrays of replica r -> per replica, list of reduced arrays."""
-        if self.variables is None or len(self.variables) != len(grads[0]):
-            self.variables = [tf.Variable(0.0, name=f"v{i}") for i in range(len(grads[0]))]
-        inputs = self.strategy.experimental_distribute_values_from_function(
-            lambda ctx: tuple(tf.constant(a) for a in grads[ctx.replica_id_in_sync_group]))
-        out = self._step(inputs)
-        per_value = [self.strategy.experimental_local_results(o) for o in out]
-        return [[v[r].numpy() for v in per_value] for r in range(len(grads))]
-
-    def state(self):
-        return only_state(self.gfar)
-
-    def residuals(self):
-        return [v.numpy() for v in self.state().residuals]
-
-
-class NumpyCSC:
-    """The algorithm of gf_tf/sparsity.py in float64, for one pack (no wire rounding)."""
-
-    def __init__(self, n, num_replicas, chunk_size, momentum=0.0):
-        self.n, self.cs, self.m = n, chunk_size, momentum
-        self.c = -(-n // chunk_size)
-        self.residual = np.zeros([num_replicas, n])
-        self.velocity = np.zeros([num_replicas, n])
-
-    def chunk_norms(self, x):
-        return np.array([np.abs(x[i * self.cs:(i + 1) * self.cs]).sum() for i in range(self.c)])
-
-    def step(self, g, density):
-        """g: [replicas, n] -> (output [n], selected chunk indices or None for dense)."""
-        g = np.asarray(g, np.float64)
-        k = max(1, math.ceil(density * self.c))
-        u = self.m * self.velocity + g if self.m else g
-        if k >= self.c:  # dense step: residual stays zero, plain momentum
-            if np.all(np.isfinite(u.sum(0))):
-                self.velocity = u
-            return u.sum(0), None
-        acc = self.residual + u
-        norms = sum(self.chunk_norms(a) for a in acc)
-        finite = np.all(np.isfinite(norms))
-        norms = np.where(np.isnan(norms), np.inf, norms)
-        order = np.lexsort((np.arange(self.c), -norms))  # largest first, ties: lower index
-        idx = np.sort(order[:k])
-        mask = np.zeros(self.n, bool)
-        for i in idx:
-            mask[i * self.cs:(i + 1) * self.cs] = True
-        out = np.where(mask, acc.sum(0), 0.0)
-        if finite:
-            self.residual = np.where(mask, 0.0, acc)
-            self.velocity = np.where(mask, 0.0, u) if self.m else self.velocity
-        return out, idx
-
-
-def only_state(gfar):
-    """The CSC state of the one pack of the one variable set `gfar` serves."""
-    (variable_set,) = gfar.states().values()
-    (state,) = variable_set.packs
-    return state
-
-
-def _pack_order(shapes):
-    """Element order of the single pack: tensors in backprop (reverse) order."""
-    return list(reversed(range(len(shapes))))
-
-
-def _flat(arrays, order):
-    return np.concatenate([np.ravel(arrays[i]) for i in order]).astype(np.float64)
-
-
-def _chunks_zero(x, cs):
-    c = -(-len(x) // cs)
-    return np.array([not np.any(x[i * cs:(i + 1) * cs]) for i in range(c)])
 
 
 # --- k and selection -----------------------------------------------------------
@@ -183,7 +83,7 @@ def test_matches_numpy_model_over_steps(num_replicas, momentum):
     shapes = [(7, 3), (1009,)]            # 1030 elements: 65 chunks, the last of 6
     csc = gf_tf.ChunkSparsity(density=density, chunk_size=cs, momentum=momentum)
     run = Runner(num_replicas, csc)
-    order = _pack_order(shapes)
+    order = pack_order(shapes)
     model = NumpyCSC(1030, num_replicas, cs, momentum)
     rng = np.random.default_rng(num_replicas)
     for step in range(steps):
@@ -192,23 +92,23 @@ def test_matches_numpy_model_over_steps(num_replicas, momentum):
         grads = [[(rng.normal(size=s)).astype(np.float32) for s in shapes]
                  for _ in range(num_replicas)]
         for r in range(num_replicas):
-            flat = _flat(grads[r], order) * scale
+            flat = flatten(grads[r], order) * scale
             sizes = [int(np.prod(shapes[i])) for i in order]
             parts = np.split(flat, np.cumsum(sizes)[:-1])
             for i, p in zip(order, parts):
                 grads[r][i] = p.reshape(shapes[i]).astype(np.float32)
         out = run(grads)
-        ref, idx = model.step([_flat(g, order) for g in grads], density)
+        ref, idx = model.step([flatten(g, order) for g in grads], density)
         assert len(idx) == 7
         for r in range(num_replicas):
-            got = _flat(out[r], order)
-            np.testing.assert_array_equal(got, _flat(out[0], order))  # identical everywhere
+            got = flatten(out[r], order)
+            np.testing.assert_array_equal(got, flatten(out[0], order))  # identical everywhere
             np.testing.assert_allclose(got, ref, rtol=4e-3, atol=4e-3 * np.abs(ref).max())
-            sent_chunks = np.flatnonzero(~_chunks_zero(got, cs))
+            sent_chunks = np.flatnonzero(~chunks_zero(got, cs))
             np.testing.assert_array_equal(sent_chunks, idx)
         for r, residual in enumerate(run.residuals()):
             np.testing.assert_allclose(residual, model.residual[r], rtol=1e-5, atol=1e-4)
-            np.testing.assert_array_equal(np.flatnonzero(_chunks_zero(residual, cs)), idx)
+            np.testing.assert_array_equal(np.flatnonzero(chunks_zero(residual, cs)), idx)
         if momentum:
             for r, u in enumerate(run.state().velocities):
                 np.testing.assert_allclose(u.numpy(), model.velocity[r], rtol=1e-5, atol=1e-4)
@@ -227,7 +127,7 @@ def test_replicas_disagreeing_on_importance_select_the_same_chunks(num_replicas)
         out = run([[g] for g in grads])
         for r in range(num_replicas):
             np.testing.assert_array_equal(out[r][0], out[0][0])
-            np.testing.assert_array_equal(np.flatnonzero(~_chunks_zero(out[r][0], 4)), expected)
+            np.testing.assert_array_equal(np.flatnonzero(~chunks_zero(out[r][0], 4)), expected)
         total = np.sum(grads, axis=0)
         for c in expected:
             np.testing.assert_allclose(out[0][0][4 * c:4 * c + 4], total[4 * c:4 * c + 4],
@@ -317,7 +217,7 @@ def test_partial_last_chunk_is_sent_whole_and_the_wire_stays_static():
     g2 = np.zeros(1009, np.float32)
     g2[16:48] = 1.0
     out = run([[g2], [g2]])
-    np.testing.assert_array_equal(np.flatnonzero(~_chunks_zero(out[0][0], 16)), [1, 2])
+    np.testing.assert_array_equal(np.flatnonzero(~chunks_zero(out[0][0], 16)), [1, 2])
     np.testing.assert_allclose(out[0][0][16:48], 2 * 1.01, rtol=1e-3)
     stats = run.gfar.stats.totals()
     # Per step: 64 float32 norms + 2 chunks x 16 float16 elements, padded when partial.
@@ -448,7 +348,6 @@ def test_state_variables_are_plain_local_variables_on_each_replica_device():
 
 
 # --- Keras: statistics callback and restarts -----------------------------------------
-
 
 
 def _keras_setup(sparsity, seed=0):
@@ -606,24 +505,6 @@ def test_mixed_float16_with_loss_scaling_trains_through_csc():
     assert all(np.all(np.isfinite(w)) for w in model.get_weights())
 
 
-def three_pack_step(csc, sizes, clock=None):
-    """(gfar, strategy, step): 2 replicas, float32 wire, one pack per variable of `sizes`
-    (bytes_per_pack=16); step(*per_replica) all-reduces one gradient per variable."""
-    gfar = gf_tf.GradientFlowAllReduce(bytes_per_pack=16, sparsity=csc, compression=None,
-                                       cross_device_ops=tf.distribute.ReductionToOneDevice())
-    if clock is not None:
-        gfar.reducer.clock = clock
-    strategy = tf.distribute.MirroredStrategy(DEVICES[:2], cross_device_ops=gfar)
-    variables = [tf.Variable(np.zeros(n, np.float32)) for n in sizes]
-
-    @tf.function
-    def step(*per_replica):
-        def fn(*grads):
-            return gf_tf.all_reduce_gradients([tf.identity(g) for g in grads], variables)
-        return strategy.run(fn, args=per_replica)
-    return gfar, strategy, step
-
-
 @pytest.mark.parametrize("selection, chunk_elements", [("per_pack", 24), ("global", 20)])
 def test_several_packs_travel_in_two_collectives_per_step(selection, chunk_elements):
     """Three packs (bytes_per_pack=16 wire bytes: one tensor each): all chunk norms in one float32
@@ -653,65 +534,13 @@ def test_several_packs_travel_in_two_collectives_per_step(selection, chunk_eleme
     assert [pack.indices for pack in variable_set.plan] == [(i,) for i in order]
     graph = step.get_concrete_function(*values).graph
     vector_sums = sorted((op.get_attr("T").name, op.outputs[0].shape.num_elements())
-                         for op in _all_ops(graph) if op.type == "AddN"
+                         for op in all_ops(graph) if op.type == "AddN"
                          and op.outputs[0].shape.num_elements() not in (None, 1))
     # norms: 3 + 2 + 5 chunks; chunks: per pack (2 + 1 + 3) x 4 elements, global 5 x 4.
     assert vector_sums == sorted([("float32", 10), ("float32", chunk_elements)]), vector_sums
 
 
-def _all_ops(graph):
-    """The ops of a graph and of the branch functions of its cond / switch_case ops."""
-    for op in graph.get_operations():
-        yield op
-        for attr in ("then_branch", "else_branch", "branches"):
-            try:
-                fns = op.get_attr(attr)
-            except (ValueError, TypeError):
-                continue
-            for fn in fns if isinstance(fns, list) else [fns]:
-                yield from _all_ops(graph._get_function(fn.name).graph)  # pylint: disable=protected-access
-
-
 # --- selection="global": one top-K over the chunks of all packs ---------------------------
-
-class NumpyGlobalCSC:
-    """selection="global" in float64: one top K over the chunk norms of all packs,
-    concatenated in pack order; each pack keeps its own residual, velocity and finite check."""
-
-    def __init__(self, sizes, num_replicas, chunk_size, momentum=0.0):
-        self.packs = [NumpyCSC(n, num_replicas, chunk_size, momentum) for n in sizes]
-        self.c = sum(p.c for p in self.packs)
-
-    def step(self, gs, density):
-        """gs[p]: [replicas, n_p] -> (per pack output [n_p], per pack its chunks or None: dense)."""
-        k = selected_chunk_count(self.c, density)
-        if k >= self.c:
-            return [p.step(g, 1.0)[0] for p, g in zip(self.packs, gs)], None
-        us = [p.m * p.velocity + g if p.m else np.asarray(g, np.float64)
-              for p, g in zip(self.packs, gs)]
-        accs = [p.residual + u for p, u in zip(self.packs, us)]
-        norms = [sum(p.chunk_norms(a) for a in acc) for p, acc in zip(self.packs, accs)]
-        key = np.concatenate(norms)
-        key = np.where(np.isnan(key), np.inf, key)
-        idx = np.sort(np.lexsort((np.arange(self.c), -key))[:k])  # largest; ties: lower index
-        outs, shares, offset = [], [], 0
-        for p, u, acc, norm in zip(self.packs, us, accs, norms):
-            share = idx[(idx >= offset) & (idx < offset + p.c)] - offset
-            offset += p.c
-            mask = np.repeat(np.isin(np.arange(p.c), share), p.cs)[:p.n]
-            outs.append(np.where(mask, acc.sum(0), 0.0))
-            shares.append(share)
-            if np.all(np.isfinite(norm)):
-                p.residual = np.where(mask, 0.0, acc)
-                p.velocity = np.where(mask, 0.0, u) if p.m else p.velocity
-        return outs, shares
-
-
-def _pack_states(run):
-    """(tensor index of each pack, its CSC state), in pack order; one tensor per pack."""
-    (variable_set,) = run.gfar.states().values()
-    assert all(len(pack.indices) == 1 for pack in variable_set.plan)
-    return [pack.indices[0] for pack in variable_set.plan], variable_set.packs
 
 
 def test_selection_is_in_the_config_repr_and_cross_worker_fingerprint():
@@ -756,7 +585,7 @@ def test_global_selection_matches_numpy_model_over_steps(num_replicas, momentum)
                  for _ in range(num_replicas)]
         out = run(grads)
         if model is None:
-            order, states = _pack_states(run)
+            order, states = pack_states(run)
             model = NumpyGlobalCSC([sizes[i] for i in order], num_replicas, cs, momentum)
         refs, shares = model.step([np.stack([g[i] for g in grads]) for i in order], density)
         assert sum(len(s) for s in shares) == 7
@@ -770,7 +599,7 @@ def test_global_selection_matches_numpy_model_over_steps(num_replicas, momentum)
                 got = out[r][i].astype(np.float64)
                 np.testing.assert_array_equal(got, out[0][i])     # identical everywhere
                 np.testing.assert_allclose(got, ref, rtol=4e-3, atol=4e-3 * np.abs(ref).max())
-                np.testing.assert_array_equal(np.flatnonzero(~_chunks_zero(got, cs)), by_tensor[i])
+                np.testing.assert_array_equal(np.flatnonzero(~chunks_zero(got, cs)), by_tensor[i])
         for p, (state, ref) in enumerate(zip(states, model.packs)):
             for r in range(num_replicas):
                 residual = state.residuals[r].numpy()
@@ -792,7 +621,7 @@ def test_global_selection_ties_go_to_the_first_packs_and_a_pack_may_send_all_or_
     run = Runner(2, csc, compression=None, bytes_per_pack=1)
     ones = [np.ones(8, np.float32), np.ones(8, np.float32)]
     out = run([ones, ones])
-    (first, second), states = _pack_states(run)
+    (first, second), states = pack_states(run)
     np.testing.assert_array_equal(out[0][first], np.full(8, 2.0))
     np.testing.assert_array_equal(out[0][second], np.zeros(8))
     for r in range(2):
@@ -816,7 +645,7 @@ def test_global_selection_sends_a_non_finite_chunk_and_keeps_only_that_packs_sta
     g0 = [np.array([bad, 1.0, 1.0, 1.0], np.float32), np.full(4, 9.0, np.float32)]
     g1 = [np.ones(4, np.float32), np.full(4, 9.0, np.float32)]
     out = run([g0, g1])
-    order, states = _pack_states(run)
+    order, states = pack_states(run)
     model = NumpyGlobalCSC([4, 4], 2, 2, momentum=0.5)
     _, shares = model.step([np.stack([g0[i], g1[i]]) for i in order], 0.25)
     assert not np.isfinite(out[0][0][0]) and not np.isfinite(out[1][0][0])
@@ -860,7 +689,7 @@ def test_global_selection_after_dense_warmup_sends_k_of_all_chunks():
                      now["selected_chunks"] - before["selected_chunks"]))
         before = now
         if model is None:
-            order, states = _pack_states(run)
+            order, states = pack_states(run)
             model = NumpyGlobalCSC([sizes[i] for i in order], 2, 10, momentum=0.9)
         refs, shares = model.step([np.stack([g[i] for g in grads]) for i in order],
                                   csc.density_at(step))

@@ -6,7 +6,7 @@ import pytest
 
 from gf_tf import trial
 from cluster import describe, run_process, run_workers
-from test_multistep import GRADIENT_SCALE
+from helpers import GRADIENT_SCALE
 
 
 @pytest.mark.parametrize("tf_s,gf_s,kept", [

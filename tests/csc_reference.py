@@ -1,0 +1,97 @@
+"""NumPy float64 reference models of CSC (gf_tf.ChunkSparsity), without wire rounding.
+
+NumpyCSC is the algorithm of one pack; NumpyGlobalCSC is selection="global" (one top K over
+the chunks of all packs). pack_order, flatten and chunks_zero lay a single pack's tensors out
+the way the reference sees them. Shared by the CSC tests (test_sparsity, test_auto_density,
+test_collectives, test_gradients_only, test_multistep, test_overlap).
+"""
+
+import math
+
+import numpy as np
+
+from gf_tf.sparsity import selected_chunk_count
+
+
+class NumpyCSC:
+    """The algorithm of gf_tf/sparsity.py in float64, for one pack (no wire rounding)."""
+
+    def __init__(self, n, num_replicas, chunk_size, momentum=0.0):
+        self.n, self.cs, self.m = n, chunk_size, momentum
+        self.c = -(-n // chunk_size)
+        self.residual = np.zeros([num_replicas, n])
+        self.velocity = np.zeros([num_replicas, n])
+
+    def chunk_norms(self, x):
+        return np.array([np.abs(x[i * self.cs:(i + 1) * self.cs]).sum() for i in range(self.c)])
+
+    def step(self, g, density):
+        """g: [replicas, n] -> (output [n], selected chunk indices or None for dense)."""
+        g = np.asarray(g, np.float64)
+        k = max(1, math.ceil(density * self.c))
+        u = self.m * self.velocity + g if self.m else g
+        if k >= self.c:  # dense step: residual stays zero, plain momentum
+            if np.all(np.isfinite(u.sum(0))):
+                self.velocity = u
+            return u.sum(0), None
+        acc = self.residual + u
+        norms = sum(self.chunk_norms(a) for a in acc)
+        finite = np.all(np.isfinite(norms))
+        norms = np.where(np.isnan(norms), np.inf, norms)
+        order = np.lexsort((np.arange(self.c), -norms))  # largest first, ties: lower index
+        idx = np.sort(order[:k])
+        mask = np.zeros(self.n, bool)
+        for i in idx:
+            mask[i * self.cs:(i + 1) * self.cs] = True
+        out = np.where(mask, acc.sum(0), 0.0)
+        if finite:
+            self.residual = np.where(mask, 0.0, acc)
+            self.velocity = np.where(mask, 0.0, u) if self.m else self.velocity
+        return out, idx
+
+
+class NumpyGlobalCSC:
+    """selection="global" in float64: one top K over the chunk norms of all packs,
+    concatenated in pack order; each pack keeps its own residual, velocity and finite check."""
+
+    def __init__(self, sizes, num_replicas, chunk_size, momentum=0.0):
+        self.packs = [NumpyCSC(n, num_replicas, chunk_size, momentum) for n in sizes]
+        self.c = sum(p.c for p in self.packs)
+
+    def step(self, gs, density):
+        """gs[p]: [replicas, n_p] -> (per pack output [n_p], per pack its chunks or None: dense)."""
+        k = selected_chunk_count(self.c, density)
+        if k >= self.c:
+            return [p.step(g, 1.0)[0] for p, g in zip(self.packs, gs)], None
+        us = [p.m * p.velocity + g if p.m else np.asarray(g, np.float64)
+              for p, g in zip(self.packs, gs)]
+        accs = [p.residual + u for p, u in zip(self.packs, us)]
+        norms = [sum(p.chunk_norms(a) for a in acc) for p, acc in zip(self.packs, accs)]
+        key = np.concatenate(norms)
+        key = np.where(np.isnan(key), np.inf, key)
+        idx = np.sort(np.lexsort((np.arange(self.c), -key))[:k])  # largest; ties: lower index
+        outs, shares, offset = [], [], 0
+        for p, u, acc, norm in zip(self.packs, us, accs, norms):
+            share = idx[(idx >= offset) & (idx < offset + p.c)] - offset
+            offset += p.c
+            mask = np.repeat(np.isin(np.arange(p.c), share), p.cs)[:p.n]
+            outs.append(np.where(mask, acc.sum(0), 0.0))
+            shares.append(share)
+            if np.all(np.isfinite(norm)):
+                p.residual = np.where(mask, 0.0, acc)
+                p.velocity = np.where(mask, 0.0, u) if p.m else p.velocity
+        return outs, shares
+
+
+def pack_order(shapes):
+    """Element order of the single pack: tensors in backprop (reverse) order."""
+    return list(reversed(range(len(shapes))))
+
+
+def flatten(arrays, order):
+    return np.concatenate([np.ravel(arrays[i]) for i in order]).astype(np.float64)
+
+
+def chunks_zero(x, cs):
+    c = -(-len(x) // cs)
+    return np.array([not np.any(x[i * cs:(i + 1) * cs]) for i in range(c)])
