@@ -35,8 +35,11 @@ DATASETS: Dict[str, Callable[[str, Tuple[int, int, int], int], datasets.Source]]
 }
 
 STRATEGIES = ("multi_worker_mirrored", "mirrored", "one_device")
-# flag value -> gf_tf compression argument
-COMPRESSIONS = {"fp16": "fp16", "bf16": "bf16", "none": None}
+# flag value -> GradientFlowAllReduce argument of the same name ("auto": the planner chooses;
+# models/train.py's enum flags list the same values, so a typo fails before TensorFlow starts)
+COMPRESSIONS = {"fp16": "fp16", "bf16": "bf16", "none": None, "auto": "auto"}
+ALGORITHMS = {"auto": "auto", "ring": "ring", "recursive_doubling": "recursive_doubling"}
+OVERLAPS = {"auto": "auto", "true": True, "false": False}
 MIXED_PRECISION = {"none": "float32", "mixed_float16": "mixed_float16",
                    "mixed_bfloat16": "mixed_bfloat16"}
 
@@ -104,19 +107,28 @@ def uses_csc(density: Union[float, str]) -> bool:
 
 def build_gradient_flow(compression: str = "fp16", bytes_per_pack: int = 4 << 20,
                         density: Union[float, str] = 1.0, chunk_size: int = 1024,
-                        warmup_steps: int = 0, momentum: float = 0.0, selection: str = "per_pack"):
+                        warmup_steps: int = 0, momentum: float = 0.0, selection: str = "per_pack",
+                        algorithm: str = "auto", overlap: str = "false"):
     """A gf_tf.GradientFlowAllReduce for these flags, or None for TF's own all-reduce.
 
+    compression, algorithm, overlap: the flag values ("fp16", "bf16", "none" or "auto";
+    "auto", "ring" or "recursive_doubling"; "auto", "true" or "false"), passed as
+    GradientFlowAllReduce(compression=..., algorithm=..., overlap=...) ("none": None,
+    "true"/"false": True/False).
     density: --density as given (text or number), parsed here once; 1 means
     dense (no CSC); "auto" means CSC with ChunkSparsity(density="auto");
-    --compression none with density 1 means plain TF (float32, TF's packing).
+    --compression none with density 1 means plain TF (float32, TF's packing),
+    unless --algorithm or --overlap asks for GradientFlow's (then a float32 wire).
     momentum: CSC momentum correction (the optimizer must then run without
     momentum). selection: CSC's top-k "per_pack" or "global". The CSC flags
     are checked by gf_tf.ChunkSparsity, even for a dense run, and its
     ValueError names the flag ("--density must be a fraction in (0, 1] ...");
-    also ValueError for a negative bytes_per_pack or an unknown compression.
+    also ValueError for a negative bytes_per_pack or an unknown compression,
+    algorithm or overlap.
     """
     wire = choose("compression", compression, COMPRESSIONS)
+    algorithm = choose("algorithm", algorithm, ALGORITHMS)
+    overlap = choose("overlap", overlap, OVERLAPS)
     density = parse_density(density)
     if bytes_per_pack < 0:
         raise ValueError(f"--bytes_per_pack must be >= 0 (wire bytes; 0 = one pack per dtype), "
@@ -127,10 +139,10 @@ def build_gradient_flow(compression: str = "fp16", bytes_per_pack: int = 4 << 20
     except ValueError as e:
         raise ValueError(f"--{e}") from None
     sparsity = settings if uses_csc(density) else None
-    if wire is None and sparsity is None:
+    if wire is None and sparsity is None and algorithm == "auto" and overlap is False:
         return None
     return gf_tf.GradientFlowAllReduce(compression=wire, bytes_per_pack=bytes_per_pack,
-                                       sparsity=sparsity)
+                                       sparsity=sparsity, algorithm=algorithm, overlap=overlap)
 
 
 def build_strategy(name: str, num_devices: int = 1, gradient_flow=None,

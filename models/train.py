@@ -4,6 +4,9 @@ r"""Train a reference model with Keras `model.fit` and GradientFlow all-reduce.
                                                 # FP16 + CSC after warm-up, ~1 minute on 2 cores
   python -m models.train                        # the same job as 2 replicas in one process
   python -m models.train --model resnet50 --dataset synthetic --batch_size 16 --steps_per_epoch 5
+  python -m models.train --compression auto --algorithm auto --overlap auto --density 1
+                                                # the library's planner chooses the wire, the
+                                                # algorithm and the overlap (no CSC)
 
 Without TF_CONFIG (not under gf-tf-run) and without an explicit --strategy, it
 trains with --strategy mirrored over 2 logical CPU devices of this process
@@ -33,8 +36,18 @@ flags.DEFINE_string("dataset", "digits", "digits, mnist, cifar10, imagenet, tfre
 flags.DEFINE_string("data_dir", "", "directory of TFRecord files (--dataset imagenet or tfrecord)")
 flags.DEFINE_string("strategy", "multi_worker_mirrored", "multi_worker_mirrored, mirrored, one_device")
 flags.DEFINE_integer("num_devices", 1, "replicas (logical CPU devices) per worker")
-flags.DEFINE_string("compression", "fp16", "wire format of gradients: fp16, bf16, none")
+# The enum flags are checked when the flags are parsed, before TensorFlow is imported; their values
+# are GradientFlowAllReduce's arguments of the same name (models/factory.py maps them).
+flags.DEFINE_enum("compression", "fp16", ["fp16", "bf16", "none", "auto"],
+                  "wire format of gradients: fp16, bf16, none (float32), auto (the planner's choice, "
+                  "TF's own all-reduce included)")
 flags.DEFINE_integer("bytes_per_pack", 4 << 20, "lazy all-reduce threshold: wire bytes per pack; 0 = one pack per dtype")
+flags.DEFINE_enum("algorithm", "auto", ["auto", "ring", "recursive_doubling"],
+                  "collective algorithm across workers: auto (the planner's choice), ring (the wrapped "
+                  "TF ops' own collective), recursive_doubling")
+flags.DEFINE_enum("overlap", "false", ["auto", "true", "false"],
+                  "all-reduce packs in groups during backprop: auto (the planner decides), true, "
+                  "false (one barrier)")
 flags.DEFINE_string("density", "0.01", "fraction of chunks sent per step after warm-up (CSC); 1 = dense; "
                     "auto = chosen each step from the measured compute and all-reduce time")
 flags.DEFINE_integer("chunk_size", 1024, "CSC chunk size in elements")
@@ -149,7 +162,7 @@ def main(argv):
     keras.utils.set_random_seed(FLAGS.seed)
     gradient_flow = factory.build_gradient_flow(
         FLAGS.compression, FLAGS.bytes_per_pack, FLAGS.density, FLAGS.chunk_size, FLAGS.warmup_steps,
-        FLAGS.momentum, FLAGS.selection)
+        FLAGS.momentum, FLAGS.selection, algorithm=FLAGS.algorithm, overlap=FLAGS.overlap)
     # With CSC the momentum lives in ChunkSparsity (momentum correction), not in the optimizer.
     csc = gradient_flow is not None and gradient_flow.sparsity is not None
     optimizer_momentum = 0.0 if csc else FLAGS.momentum
@@ -160,7 +173,8 @@ def main(argv):
     say(f"{factory.tf_config_summary()}; {strategy.num_replicas_in_sync} replicas; "
         f"chief: {is_chief}; gradient all-reduce: "
         f"{'TF float32' if gradient_flow is None else type(gradient_flow).__name__} "
-        f"(compression {FLAGS.compression}, density {FLAGS.density}, warm-up {FLAGS.warmup_steps} steps)")
+        f"(compression {FLAGS.compression}, algorithm {FLAGS.algorithm}, overlap {FLAGS.overlap}, "
+        f"density {FLAGS.density}, warm-up {FLAGS.warmup_steps} steps)")
 
     source = factory.load_dataset(FLAGS.dataset, FLAGS.data_dir, FLAGS.model, FLAGS.seed)
     steps = FLAGS.steps_per_epoch or datasets.steps_per_epoch(
@@ -227,9 +241,21 @@ def main(argv):
 
 
 _TRAIN_FLAGS = ("model", "dataset", "data_dir", "strategy", "num_devices", "compression",
-                "bytes_per_pack", "density", "chunk_size", "warmup_steps", "selection", "epochs",
-                "steps_per_epoch", "batch_size", "learning_rate", "momentum", "mixed_precision",
-                "model_dir", "seed", "collective_timeout", "startup_timeout", "heartbeat_timeout")
+                "bytes_per_pack", "algorithm", "overlap", "density", "chunk_size", "warmup_steps",
+                "selection", "epochs", "steps_per_epoch", "batch_size", "learning_rate", "momentum",
+                "mixed_precision", "model_dir", "seed", "collective_timeout", "startup_timeout",
+                "heartbeat_timeout")
+
+
+def parse_flags(argv):
+    """absl's flag parsing, with a bad flag (an enum flag's unknown value, a malformed number, an
+    unknown flag) printed as one line and exit code 2, like the other flag errors. It runs before
+    TensorFlow is imported, so a typo fails at once."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        print(f"models.train: error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 def run():
@@ -241,18 +267,18 @@ def run():
     """
     from gf_tf import worker
     worker.exit_on_signals("models.train")   # before TensorFlow starts any thread
-    from models.datasets import DatasetUnavailable   # imports TensorFlow
     try:
-        app.run(main)
-    except DatasetUnavailable as e:
-        print(f"models.train: error: {e}", file=sys.stderr)
-        sys.exit(1)
+        app.run(main, flags_parser=parse_flags)   # main imports TensorFlow, after the flags
     except ValueError as e:
         if "unknown --" in str(e) or str(e).startswith(("--", "TF_CONFIG")):
             print(f"models.train: error: {e}", file=sys.stderr)
             sys.exit(2)
         raise
     except Exception as e:  # pylint: disable=broad-except
+        from models.datasets import DatasetUnavailable   # TensorFlow is imported by now
+        if isinstance(e, DatasetUnavailable):
+            print(f"models.train: error: {e}", file=sys.stderr)
+            sys.exit(1)
         lost = worker.lost_worker_message(e)
         if lost is None:
             raise

@@ -1,10 +1,22 @@
-"""models.networks: every reference model builds, has its published size, and trains a step."""
+"""models.networks: every reference model builds, has its published size, and trains a step.
+models.factory and models.train: the planner's flags (--compression auto, --algorithm, --overlap)
+become GradientFlowAllReduce's arguments of the same name, and a bad value fails before TensorFlow
+is imported."""
+
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import keras
+from absl import flags
 
-from models import networks
+import gf_tf
+from gf_tf import collectives
+from models import factory, networks, train
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _train_steps(model, input_shape, num_classes, steps=1, batch=2, seed=0, run_eagerly=False):
@@ -78,3 +90,90 @@ def test_option_a_shortcut_pads_channels_with_zeros_around_the_input():
     assert y.shape == (2, 3, 3, 32)
     np.testing.assert_array_equal(y[..., 8:24], x)
     assert not y[..., :8].any() and not y[..., 24:].any()
+
+
+# --- the planner's flags: models.train -> models.factory -> GradientFlowAllReduce -----------
+
+@pytest.mark.parametrize("flag, table", [("compression", factory.COMPRESSIONS),
+                                         ("algorithm", factory.ALGORITHMS),
+                                         ("overlap", factory.OVERLAPS)])
+def test_the_enum_flags_take_the_factorys_values(flag, table):
+    assert train.FLAGS[flag].parser.enum_values == list(table)
+
+
+def test_every_algorithm_flag_value_is_auto_or_a_registered_algorithm():
+    assert factory.ALGORITHMS["auto"] == "auto"
+    assert all(name in collectives.ALGORITHMS for name in factory.ALGORITHMS if name != "auto")
+
+
+def test_the_main_jobs_defaults_stay_fp16_with_csc_at_density_0_01_and_one_barrier():
+    defaults = {f: train.FLAGS[f].default for f in ("compression", "density", "algorithm", "overlap")}
+    assert defaults == {"compression": "fp16", "density": "0.01", "algorithm": "auto", "overlap": "false"}
+    gfar = factory.build_gradient_flow(defaults["compression"], density=defaults["density"],
+                                       algorithm=defaults["algorithm"], overlap=defaults["overlap"])
+    assert gfar.compression.name == "fp16" and gfar.sparsity.density == 0.01
+    assert gfar.algorithm == "auto" and gfar.overlap is False
+
+
+@pytest.mark.parametrize("compression, algorithm, overlap, expected", [
+    ("auto", "auto", "auto", ("auto", "auto", "auto")),
+    ("fp16", "ring", "true", ("fp16", "ring", True)),
+    ("bf16", "recursive_doubling", "false", ("bf16", "recursive_doubling", False)),
+    ("auto", "recursive_doubling", "true", ("auto", "recursive_doubling", True)),
+    # float32 packs: TF's own all-reduce unless --algorithm or --overlap asks for GradientFlow's
+    ("none", "recursive_doubling", "false", (None, "recursive_doubling", False)),
+    ("none", "auto", "auto", (None, "auto", "auto")),
+])
+def test_the_planner_flags_become_the_arguments_of_the_same_name(compression, algorithm, overlap, expected):
+    gfar = factory.build_gradient_flow(compression, density=1.0, algorithm=algorithm, overlap=overlap)
+    assert isinstance(gfar, gf_tf.GradientFlowAllReduce) and gfar.sparsity is None
+    got_compression = gfar.compression if gfar.compression == "auto" else gfar.compression.name
+    assert (got_compression, gfar.algorithm, gfar.overlap) == expected
+    assert gfar.overlap is expected[2]   # True / False themselves, as the API takes them
+    want = gf_tf.GradientFlowAllReduce(compression=expected[0], bytes_per_pack=4 << 20,
+                                       algorithm=expected[1], overlap=expected[2])
+    assert repr(gfar) == repr(want)
+
+
+def test_compression_none_at_density_1_is_still_tensorflows_own_all_reduce():
+    assert factory.build_gradient_flow("none", density=1.0) is None
+    assert factory.build_gradient_flow("none", density=1.0, algorithm="auto", overlap="false") is None
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"algorithm": "rign"}, "unknown --algorithm 'rign'; valid values: auto, ring, recursive_doubling"),
+    ({"overlap": "yes"}, "unknown --overlap 'yes'; valid values: auto, true, false"),
+    ({"overlap": True}, "unknown --overlap True; valid values: auto, true, false"),   # the flag's text only
+    ({"compression": "int8"}, "unknown --compression 'int8'; valid values: fp16, bf16, none, auto"),
+])
+def test_the_factory_rejects_a_bad_planner_flag_value_naming_the_valid_ones(kwargs, message):
+    with pytest.raises(ValueError) as error:
+        factory.build_gradient_flow(**kwargs)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize("flag, value", [("algorithm", "rign"), ("overlap", "yes"), ("compression", "int8")])
+def test_the_flag_parser_rejects_a_bad_value(flag, value):
+    with pytest.raises(flags.IllegalFlagValueError, match=f"flag --{flag}={value}: value should be one of"):
+        train.FLAGS[flag].parse(value)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--algorithm", "rign"], "flag --algorithm=rign: value should be one of <auto|ring|recursive_doubling>"),
+    (["--overlap=yes"], "flag --overlap=yes: value should be one of <auto|true|false>"),
+    (["--compression", "int8"], "flag --compression=int8: value should be one of <fp16|bf16|none|auto>"),
+])
+def test_a_bad_value_exits_2_with_one_line_before_tensorflow_is_imported(argv, message):
+    code = ("import sys\n"
+            f"sys.argv = ['models.train', *{argv!r}]\n"
+            "from models import train\n"
+            "try:\n"
+            "    train.run()\n"
+            "except SystemExit as e:\n"
+            "    print('exit', e.code, 'tensorflow' in sys.modules)\n")
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT}
+    env.pop("TF_CONFIG", None)
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=REPO_ROOT)
+    assert run.stdout.strip() == "exit 2 False", run.stdout + run.stderr
+    assert run.stderr.strip() == f"models.train: error: {message}", run.stderr

@@ -173,6 +173,26 @@ def test_density_auto_flag_trains_and_reports_the_chosen_density(tmp_path):
     assert results["sent_bytes_per_step"] < results["dense_bytes_per_step"]
 
 
+def test_planner_flags_reach_gradient_flow_and_the_results(tmp_path):
+    """--compression auto --algorithm recursive_doubling --overlap auto: the library's planner,
+    in one process of 2 replicas; the start line and results.json carry the values."""
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env.pop("TF_CONFIG", None)
+    model_dir = tmp_path / "model"
+    run = subprocess.run([sys.executable, "-m", "models.train", "--epochs", "1", "--steps_per_epoch", "4",
+                          "--compression", "auto", "--algorithm", "recursive_doubling", "--overlap", "auto",
+                          "--density", "1", f"--model_dir={model_dir}"],
+                         env=env, capture_output=True, timeout=300, cwd=REPO_ROOT)
+    text = run.stdout.decode()
+    assert run.returncode == 0, (text + run.stderr.decode())[-3000:]
+    assert "gradient all-reduce: GradientFlowAllReduce (compression auto, algorithm recursive_doubling, " \
+           "overlap auto, density 1," in text, text
+    results = json.loads((model_dir / "results.json").read_text())
+    assert {f: results["flags"][f] for f in ("compression", "algorithm", "overlap")} == \
+        {"compression": "auto", "algorithm": "recursive_doubling", "overlap": "auto"}
+    assert results["steps"] == 4 and results["source"] == "gf_tf CommStats"
+
+
 def test_two_workers_without_gradient_flow_back_up_from_the_chief_only(tmp_path):
     """TF's own float32 all-reduce (no GradientFlow) with --model_dir on 2 workers: only the
     chief writes the BackupAndRestore files. (Both once wrote latest.weights.h5 and one died
