@@ -2,7 +2,9 @@
 
   flavour     which Keras runs (Keras 3 or tf-keras) and the versions gf_tf was tested with
   patches     the one table of private Keras names gf_tf touches; install() applies them
-  multi_step  Keras's step loop rebuilt so no step is counted past the data's end (patches uses it)
+  trainer_patches, optimizer_patches  the wrappers that table installs (fit and the step loop;
+              gradients, loss scaling, accumulation, checkpoints)
+  multi_step  Keras's step loop rebuilt so no step is counted past the data's end (trainer_patches uses it)
   checkpoint  CSC state in Keras checkpoints (checkpoint_checks: does it fit this run?)
   backup      restoring every worker from the chief's files: BackupAndRestore, load_weights_from_chief
   callbacks   GradientFlowStats, the Keras callback of a GradientFlowAllReduce's CommStats

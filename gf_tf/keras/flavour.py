@@ -8,7 +8,7 @@ Two Keras flavours are supported:
 
 import importlib
 import os
-from typing import FrozenSet
+from typing import FrozenSet, Tuple
 
 import tensorflow as tf
 
@@ -38,6 +38,17 @@ def flavour() -> str:
 
 def _minor(version: str) -> str:
     return ".".join(version.split(".")[:2])
+
+
+def minor_number(version: str) -> Tuple[int, int]:
+    """(major, minor) of a version: (3, 7) for "3.7" or "3.7.1"."""
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
+
+
+def keras3_minor() -> Tuple[int, int]:
+    """(3, N) of the installed Keras 3, the one the Keras 3 patches wrap (also in a tf-keras process)."""
+    return minor_number(importlib.import_module("keras").__version__)
 
 
 def check_keras_version(version: str = None, tf_keras: bool = None) -> None:
