@@ -12,8 +12,9 @@ A cell is a TensorFlow minor version and a Keras flavour:
             and TF_USE_LEGACY_KERAS=1
 Per cell: the op build against the cell's TensorFlow (`python -m gf_tf.ops --force`, into
 the cell's own cache), the op tests on that library, the fast tests (`-m "not slow"`), the
-2-worker FP16 + CSC fit (tests/test_matrix_fit.py) and Keras's multi-step loop under
-MirroredStrategy and 2 workers (tests/test_multistep.py). gf_tf runs from this checkout (PYTHONPATH),
+2-worker FP16 + CSC fit (tests/test_matrix_fit.py), Keras's multi-step loop under
+MirroredStrategy and 2 workers (tests/test_multistep.py), and CELL_SLOW_TESTS: the slow tests
+that exercise version-dependent wiring (MirroredStrategy fit, the Keras-free core). gf_tf runs from this checkout (PYTHONPATH),
 with GF_TF_OPS_LIBRARY naming the cell's library, so cells never share a build. A keras3.N cell
 sets GF_TF_KERAS_UNDER_TEST=3.N, so gf_tf accepts that minor there before
 gf_tf/keras/flavour.py's TESTED_KERAS_VERSIONS lists it (it lists the minors whose cells passed). Wheels come from
@@ -42,6 +43,7 @@ FLAVOURS = ("keras3", "tf_keras")
 # 2.19: 3.9), or else the oldest TensorFlow of the range pip installs beside it.
 KERAS3_CELLS = (("2.18", "3.6"), ("2.18", "3.7"), ("2.18", "3.8"), ("2.19", "3.9"), ("2.20", "3.10"),
                 ("2.20", "3.11"), ("2.21", "3.12"), ("2.21", "3.13"), ("2.21", "3.14"))
+CELL_SLOW_TESTS = ("tests/test_cross_device_ops.py", "tests/test_versions.py")
 TEST_DEPENDENCIES = ("pytest", "scikit-learn", "tensorboard", "absl-py", "numpy")
 OP_TESTS = ("tests/test_ops.py", "tests/test_ops_build.py")
 ASAN_MULTIWORKER_TEST = ("tests/test_sparsity_multiworker.py::"
@@ -77,6 +79,7 @@ def _cell(session, tf_version: str, flavour: str, keras_minor: str = None) -> No
     session.run(*pytest, "-m", "not slow", *OP_TESTS, env=env)
     session.run(*pytest, "-m", "not slow", *(f"--ignore={t}" for t in OP_TESTS), env=env)
     session.run(*pytest, "tests/test_matrix_fit.py", "tests/test_multistep.py", env=env)
+    session.run(*pytest, "-m", "slow", *CELL_SLOW_TESTS, env=env)
 
 
 def _register(tf_version: str, flavour: str, keras_minor: str = None) -> None:

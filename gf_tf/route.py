@@ -230,8 +230,7 @@ def _measure_trial(links: Links, state: VariableSetState, grads, packable, comm:
         reduce_packs(links.reducer, state, as_gradient_list(inputs), comm, out)
         return out
 
-    ring = collectives.ring.ring_sum(
-        cross_ops, options or tf.distribute.experimental.CommunicationOptions())
+    ring = collectives.ring.ring_sum(cross_ops, options)
 
     def mean(mine):
         return collectives.sum_over_workers(ring, comm.devices, mine) / links.num_workers

@@ -9,8 +9,6 @@ import pytest
 
 import cluster
 
-pytestmark = pytest.mark.slow   # each test starts 2 worker processes
-
 STEPS, VARIABLES = 2, 3
 NAMES = ("SendEverything", "fp32_alias", "ring_alias")
 
@@ -36,12 +34,14 @@ def assert_sums(results, rtol, atol):
             assert results[0][f"out{step}_{i}"].tobytes() == results[1][f"out{step}_{i}"].tobytes()
 
 
+@pytest.mark.slow   # 2 worker processes
 def test_a_reducer_of_our_own_sums_float32_exactly():
     results = run("reducer")
     assert_sums(results, rtol=1e-6, atol=1e-6)
     assert set(results[0]["collective_dtypes"]) == {"float32"}
 
 
+@pytest.mark.slow   # 2 worker processes
 def test_a_wire_format_registered_outside_travels_as_its_dtype():
     results = run("wire")
     assert_sums(results, rtol=1e-6, atol=1e-6)
@@ -49,6 +49,7 @@ def test_a_wire_format_registered_outside_travels_as_its_dtype():
     assert set(results[0]["collective_dtypes"]) == {"float32"}
 
 
+@pytest.mark.slow   # 2 worker processes
 def test_an_algorithm_registered_outside_carries_fp16_packs():
     results = run("algorithm")
     assert_sums(results, rtol=2e-3, atol=2e-3)   # FP16 wire: 11 significant bits

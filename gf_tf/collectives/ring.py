@@ -16,7 +16,10 @@ _SUM = tf.distribute.ReduceOp.SUM
 def ring_sum(cross_ops: tf.distribute.CrossDeviceOps, options
              ) -> Callable[[List[tf.Tensor]], List[tf.Tensor]]:
     """The wrapped TF ops' SUM all-reduce, per local replica a tensor (the contract of
-    `gf_tf.reducers.Communicator.all_reduce_sum`), on the merge-call path."""
+    `gf_tf.reducers.Communicator.all_reduce_sum`), on the merge-call path. `options`:
+    CommunicationOptions, or None for the defaults."""
+    options = options or tf.distribute.experimental.CommunicationOptions()
+
     def all_reduce(tensors):
         pr = tf_internal.per_replica(tensors)
         return tf_internal.local_values(
