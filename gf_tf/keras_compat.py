@@ -7,7 +7,7 @@ from gf_tf.keras.flavour import (  # noqa: F401
     check_keras_version, flavour, keras_module, uses_tf_keras)
 from gf_tf.keras.patches import OVERRIDES, PATCHES, in_multi_worker_mode, install  # noqa: F401
 
-# Once separate installers of parts of the table; one install() serves them all now.
+# Names of installers of parts of the table; one install() serves them all.
 install_gradient_hook = install_checkpoint_hook = install_loss_scale_agreement = install
 
 warnings.warn("gf_tf.keras_compat is deprecated: import from gf_tf.keras (gf_tf.keras.install())", DeprecationWarning, stacklevel=2)

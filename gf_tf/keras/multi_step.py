@@ -8,12 +8,10 @@ the step's stateful ops that do not wait for the batch have run by then: the opt
 counter and GradientFlow's step counters (CSC warm-up and schedule) count a step that trained on
 nothing, so learning-rate schedules and CSC shift. That happens in the last call of an epoch whose
 length is unknown (Keras finds the end by reading past it), and with Keras 3.6 also where the
-number of batches is not a multiple of `steps_per_execution`. Measured, 2 replicas, 2 epochs of 7
-batches (14 steps), MirroredStrategy with GradientFlow: Keras 3.6 counted 16 at
-steps_per_execution=3, and 16 at 1 with data of unknown length; Keras 3.15 16 at 1 with data of
-unknown length, with TF's own all-reduce too. Keras 3.7 on stop at the data's end themselves for
+number of batches is not a multiple of `steps_per_execution` (with TF's own all-reduce too: two
+epochs of 7 batches count 16 steps, not 14). Keras 3.7 on stop at the data's end themselves for
 `steps_per_execution > 1` (a while loop on `get_next_as_optional`). tf-keras's one step does the
-same in the first epoch of data of unknown length (15 for 14; it learns the length there).
+same in the first epoch of data of unknown length (it learns the length there).
 
 `guarded_function` is the loop with every step taken only when the iterator still has a batch
 (`get_next_as_optional`; a `tf.cond` in cross-replica context around `strategy.run` of the step,
