@@ -49,8 +49,8 @@ all-reduce a gradient list shaped like the named network
   (`GradientFlowAllReduce.costs`: hop, round, byte, copy, FP16 seconds; None
   when every setting is pinned), in the JSON cell and printed below the table.
 
-Presets: quick (smoke test), targets (issue 12's targets), full (every method
-x set x N in 2-4 x rate), scale (issue 17: N up to 8, gf_tf's default `auto`
+Presets: quick (smoke test), targets (the CSC speed targets), full (every method
+x set x N in 2-4 x rate), scale (N up to 8, gf_tf's default `auto`
 and the recursive-doubling methods; the calibration of benchmarks.projection).
 
 Needs root; without it, exits with status 2 and changes nothing.
@@ -133,7 +133,7 @@ SCALE_RD_METHODS = ["gf_fp16_rd", "csc_1_rd"]
 
 
 def scale_launches() -> List[Launch]:
-    """Issue 17's matrix: gf_tf's default against TF fp32 from 2 to 8 workers.
+    """The scale matrix: gf_tf's default against TF fp32 from 2 to 8 workers.
 
     - {tiny, resnet20, resnet50} x {100 Mbit/s, 1 Gbit/s, unshaped} x N in {2, 3, 4}
       for tf_fp32, gf_fp16, csc_1, auto (ResNet-50 only up to N = 4: 2 cores);
@@ -390,7 +390,7 @@ def plans_report(cells: List[Dict]) -> str:
 
 
 def scale_targets_table(cells: List[Dict]) -> str:
-    """Issue 17's all-reduce targets: the default >= 0.95x TF fp32 on every cell measured;
+    """The default's all-reduce targets: the default >= 0.95x TF fp32 on every cell measured;
     CSC 1% over recursive doubling >= 1.5x CSC 1% on the ring (ResNet-20, N = 8, 1 Gbit/s)."""
     timed = {(c["set"], c["workers"], c["rate_mbit"], c["method"]): c["median_s"]
              for c in cells if "median_s" in c}
@@ -412,7 +412,7 @@ def scale_targets_table(cells: List[Dict]) -> str:
     return report.markdown_table(["where", "target", "measured", "verdict"], rows)
 
 
-# Issue 12's targets: (N, Mbit/s) -> CSC 1% speedup over TF fp32 at least this.
+# The CSC targets: (N, Mbit/s) -> CSC 1% speedup over TF fp32 at least this.
 CSC_SPEEDUP_TARGETS = {(2, 100.0): 120.0, (2, 1000.0): 40.0, (4, 100.0): 100.0, (4, 1000.0): 15.0}
 
 

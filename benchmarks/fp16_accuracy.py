@@ -48,7 +48,7 @@ def ring_model(grads: np.ndarray, scheme: str) -> np.ndarray:
     scheme "pow2": every value times gf_tf's power-of-two scale from sum_r max|g_r|;
     "1/N": every value times 1/N, the sum times N (the former design).
     """
-    from gf_tf.compression import power_of_two_scale_np  # pylint: disable=import-outside-toplevel
+    from gf_tf.wire import power_of_two_scale_np  # pylint: disable=import-outside-toplevel
     g = np.asarray(grads, np.float64)
     if scheme == "pow2":
         pre = power_of_two_scale_np(np.abs(g).max(axis=1).sum())
@@ -63,7 +63,7 @@ def ring_model(grads: np.ndarray, scheme: str) -> np.ndarray:
 
 def exact_rounding_error(grads: np.ndarray) -> float:
     """Error of rounding the exact sum to FP16 once, with the power-of-two scale."""
-    from gf_tf.compression import power_of_two_scale_np  # pylint: disable=import-outside-toplevel
+    from gf_tf.wire import power_of_two_scale_np  # pylint: disable=import-outside-toplevel
     g = np.asarray(grads, np.float64)
     scale = power_of_two_scale_np(np.abs(g).max(axis=1).sum())
     exact = g.sum(axis=0)

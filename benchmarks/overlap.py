@@ -1,4 +1,4 @@
-"""How much of a step's communication hides behind its compute (issue 18), from benchmarks.fit's figures.
+"""How much of a step's communication hides behind its compute, from benchmarks.fit's figures.
 
 Per fit cell, all in seconds, measured by worker 0 in the same processes
 (benchmarks/workers/fit_worker.py):

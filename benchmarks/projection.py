@@ -20,7 +20,7 @@ to run, never a traceback.
      ring:  T = alpha * 2(N-1) * c_m                  per-hop latency, c_m collectives
               + kappa * 2(N-1)/N * P_m * 8 / B        wire time of P_m payload bytes
               + gamma * (N-1)/N * P_m * s             reduction
-     recursive doubling (R = gf_tf.planner.recursive_doubling_rounds(N) rounds of pairs):
+     recursive doubling (R = gf_tf.collectives.recursive_doubling.rounds(N) rounds of pairs):
             T = rho * R * c_m                         per-round latency, fitted on its own
               + kappa * R * P_m * 8 / B  +  gamma * R/2 * P_m * s
      both:    + delta_m * E * s                       local work (E elements of the model)
@@ -32,7 +32,7 @@ to run, never a traceback.
    CSC chunk path (csc_*). s = max(1, N / cores) is the CPU contention of the
    emulation (N worker processes share this machine's cores); it is 1 in the
    projection (a worker per host). rho is not 2 alpha: where worker processes
-   share cores a round costs about a whole collective's scheduling (gf_tf.planner);
+   share cores a round costs about a whole collective's scheduling (gf_tf.plan.planner);
    without recursive-doubling cells it is taken as 2 alpha (a 2-member ring).
    The seven parameters (alpha, rho, kappa, gamma, delta_tf, delta_gf, delta_csc)
    are fitted by non-negative least squares on relative error.
@@ -42,7 +42,7 @@ to run, never a traceback.
    files (runs not fitted on) are predicted by the fit on every cell.
 3. Project. Step time = compute + the all-reduce. "auto" (gf_tf's default,
    GradientFlowAllReduce() with no arguments) is literally the planner's pick:
-   `gf_tf.planner.choose` with `Costs` derived from the fitted parameters
+   `gf_tf.plan.planner.choose` with `Costs` derived from the fitted parameters
    (`planner_costs`), its predicted seconds the all-reduce. Overlap with
    backprop is OFF by default (--backward-share 0), as in GradientFlowAllReduce
    (overlap=False: one barrier waits for every gradient). `--fit-json F` takes it as measured
@@ -75,9 +75,10 @@ import numpy as np
 from benchmarks import overlap as overlap_lib
 from benchmarks import report
 from benchmarks.workers import gradients, methods
-from gf_tf import planner
-from gf_tf.cross_device_ops import DEFAULT_BYTES_PER_PACK
-from gf_tf.sparsity import DEFAULT_CHUNK_SIZE, selected_chunk_count
+from gf_tf import collectives
+from gf_tf.collectives import recursive_doubling
+from gf_tf.csc import DEFAULT_CHUNK_SIZE, selected_chunk_count
+from gf_tf.plan import DEFAULT_BYTES_PER_PACK, PlanReport, planner
 
 PARAMETERS = ("alpha", "rho", "kappa", "gamma", "delta_tf", "delta_gf", "delta_csc")
 AUTO = "auto"   # gf_tf's default: the planner's pick
@@ -87,7 +88,7 @@ MODELLED_METHODS = ("tf_fp32", "gf_fp16", "gf_fp16_rd", *methods.CSC_DENSITY)
 DEFAULT_CALIBRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration",
                                    "allreduce.json")
 LOCAL_PARAMETERS = ("gamma", "delta_tf", "delta_gf", "delta_csc")   # scaled by --local-scale
-VALIDATION_TARGETS = {"median": 0.15, "worst": 0.35}   # issue 17: |error| on held-out cells
+VALIDATION_TARGETS = {"median": 0.15, "worst": 0.35}   # |error| on held-out cells
 PAPER_SPEEDUP = {"workers": 512, "link_gbit": 56.0, "model": "alexnet", "speedup": 410.2}
 OPEN_SOURCE_SPEEDUP = {"workers": 64, "link_gbit": 56.0, "speedup": 2.5}
 DEFAULT_COMPUTE_MS = {"alexnet": 38.8, "resnet50": 128.0}
@@ -114,8 +115,8 @@ class Case:
 def features(case: Case) -> np.ndarray:
     """The model's regressors, in PARAMETERS order: T = features . parameters (seconds)."""
     n, h = case.workers, case.workers - 1
-    if methods.algorithm(case.method) == planner.RECURSIVE_DOUBLING:
-        rounds = planner.recursive_doubling_rounds(n)
+    if methods.algorithm(case.method) == collectives.RECURSIVE_DOUBLING:
+        rounds = recursive_doubling.rounds(n)
         latency, share = [0.0, rounds * case.collectives], float(rounds)
     else:
         latency, share = [2.0 * h * case.collectives, 0.0], 2.0 * h / n
@@ -213,15 +214,18 @@ def overlapped_share(method: str, backward_share: float) -> float:
 
 
 def planner_costs(params: Dict[str, float], link_bps: float, cpu_share: float = 1.0) -> planner.Costs:
-    """The fitted parameters as gf_tf.planner.Costs for links of `link_bps` bit/s.
+    """The fitted parameters as gf_tf.plan.Costs for links of `link_bps` bit/s.
 
     The planner's beta carries the wire and the reduction: 2(N-1)/N B beta =
     2(N-1)/N B kappa 8 / link + (N-1)/N B gamma s, so beta = kappa 8 / link + gamma s / 2;
-    the local costs are delta_tf (copy) and delta_gf (FP16) times s.
+    the latencies are alpha (a ring hop) and rho (a recursive-doubling round); the local
+    costs are delta_tf (copy: TF's own, float32 and BF16 packs) and delta_gf (FP16) times s.
     """
-    return planner.Costs(hop_s=params["alpha"], round_s=params["rho"],
-                         byte_s=params["kappa"] * 8.0 / link_bps + params["gamma"] * cpu_share / 2,
-                         copy_s=params["delta_tf"] * cpu_share, fp16_s=params["delta_gf"] * cpu_share)
+    copy_s, fp16_s = params["delta_tf"] * cpu_share, params["delta_gf"] * cpu_share
+    return planner.Costs(
+        byte_s=params["kappa"] * 8.0 / link_bps + params["gamma"] * cpu_share / 2,
+        latency_s={collectives.RING: params["alpha"], collectives.RECURSIVE_DOUBLING: params["rho"]},
+        local_s={"none": copy_s, "bf16": copy_s, "fp16": fp16_s})
 
 
 # -- measured cells -----------------------------------------------------------------------
@@ -240,7 +244,7 @@ def modelled_method(cell: Dict) -> Optional[Tuple[str, int]]:
         plan = plans[0]
         if plan["method"] == "tf":
             return "tf_fp32", DEFAULT_BYTES_PER_PACK
-        rd = plan["algorithm"] == planner.RECURSIVE_DOUBLING
+        rd = plan["algorithm"] == collectives.RECURSIVE_DOUBLING
         return ("gf_fp16_rd" if rd else "gf_fp16"), int(plan["bytes_per_pack"])
     if method not in MODELLED_METHODS or methods.CSC_DENSITY.get(method) == "auto":
         return None   # csc_auto's traffic changes from step to step: not a fixed-traffic sample
@@ -334,7 +338,8 @@ def held_out_validation(measured, fit_workers: Sequence[int]) -> Dict:
 def project(params, model: str, method: str, workers: int, link_gbit: float, compute_s: float,
             overlap) -> Dict:
     """{"comm_s", "step_s", "efficiency", "speedup"} of `method` ("auto": the planner's pick,
-    then also "plan", its gf_tf.planner.Plan) on `workers` one-worker hosts.
+    then also "plan", its gf_tf.plan.PlanReport: the plan and its forecast) on `workers`
+    one-worker hosts.
 
     overlap: a float, the share of compute FP16 packs hide behind (--backward-share), or
     {(model, method): measured overlap fraction} (--fit-json; absent: 0)."""
@@ -342,7 +347,8 @@ def project(params, model: str, method: str, workers: int, link_gbit: float, com
     elements = gradients.num_elements(shapes)
     extra = {}
     if method == AUTO:
-        plan = planner.choose(elements, len(shapes), workers, planner_costs(params, link_gbit * 1e9))
+        plan = PlanReport(*planner.choose(elements, len(shapes), workers,
+                                          planner_costs(params, link_gbit * 1e9)))
         comm, extra["plan"] = plan.steady_seconds or 0.0, plan   # a trial keeps the faster
     else:
         payload, collectives = method_traffic(method, shapes)
@@ -478,7 +484,7 @@ def json_rows(points, alpha_s: float, local_scale: float) -> List[Dict]:
 
 def _print_fit(params: Dict[str, float], cells) -> None:
     print("Fitted on", len(cells), "cells:", ", ".join(f"{k} = {v:.4g}" for k, v in params.items()))
-    rd = sum(methods.algorithm(c.method) == planner.RECURSIVE_DOUBLING for c, _, _ in cells)
+    rd = sum(methods.algorithm(c.method) == collectives.RECURSIVE_DOUBLING for c, _, _ in cells)
     print(f"  alpha {params['alpha'] * 1e6:.1f} us per ring hop; rho {params['rho'] * 1e6:.1f} us per "
           f"recursive-doubling round" + ("" if rd else " (no such cells: 2 alpha)") +
           f"; kappa {params['kappa']:.3f} wire/payload; gamma {params['gamma'] * 1e9:.3f} ns/byte; "
@@ -561,7 +567,7 @@ def main(argv=None) -> int:
     print(f"Projection: speedup (scaling efficiency); compute per step {compute} ms; "
           f"alpha {params['alpha'] * 1e6:.1f} us, rho {params['rho'] * 1e6:.1f} us; local costs "
           f"x{args.local_scale:g}; {overlap_text}; one worker per host; "
-          f"{methods.LABELS[AUTO]} = gf_tf.planner.choose on these constants\n")
+          f"{methods.LABELS[AUTO]} = gf_tf.plan.planner.choose on these constants\n")
     table, points = projection_table(params, compute, worker_counts, links, overlap)
     print(table + "\n")
     print(comparison(params, compute, overlap))

@@ -144,6 +144,7 @@ def main(argv):
     import keras
     import gf_tf
     from gf_tf import worker
+    from gf_tf.keras import backup
     from models import datasets, factory
 
     say = lambda *a: print(*a, flush=True)
@@ -200,8 +201,8 @@ def main(argv):
         backup_dir = os.path.join(FLAGS.model_dir, "backup")
         callbacks += [
             # Every worker restores the chief's weights and epoch and its own CSC state
-            # (gf_tf.checkpoint): the chief writes the backup, the others their CSC state.
-            gf_tf.checkpoint.BackupAndRestore(backup_dir),
+            # (gf_tf.keras.backup): the chief writes the backup, the others their CSC state.
+            backup.BackupAndRestore(backup_dir),
             keras.callbacks.ModelCheckpoint(os.path.join(write_dir, "checkpoint.weights.h5"),
                                             save_weights_only=True),
         ]

@@ -7,7 +7,7 @@ import tensorflow as tf
 
 import gf_tf
 from gf_tf import keras_compat
-from gf_tf.cross_device_ops import DEFAULT_BYTES_PER_PACK
+from gf_tf.plan import DEFAULT_BYTES_PER_PACK
 from gf_tf.keras import patches
 
 # Logical CPU devices: configured by tests/conftest.py before TF initialises.

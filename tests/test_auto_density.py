@@ -295,14 +295,25 @@ def _vector_sums(operations):
 
 
 def test_settings_handshake_names_auto():
-    from gf_tf.reducers import DenseReducer
+    from types import SimpleNamespace
+    from gf_tf import route
+    from gf_tf.plan import Forecast, Plan, Planned
+    from gf_tf.reducers import MAX_REDUCER_SETTINGS, DenseReducer
 
     def density(reducer):
-        ((_, code, show),) = [s for s in reducer.handshake_settings() if s[0] == "sparsity density"]
+        ((_, code, show),) = [s for s in reducer.settings() if s[0] == "sparsity density"]
         return code, show(code)
     assert density(gf_tf.ChunkSparsity(density="auto").reducer())[1] == "auto"
     assert density(gf_tf.ChunkSparsity(density=0.01).reducer())[1] == "0.01"
-    assert density(DenseReducer())[0] == 0.0
+    # The dense reducer declares no settings: in the handshake its columns, where CSC's
+    # density and settings CRC32 go, are the padding's zeros.
+    assert DenseReducer().settings() == []
+
+    def reducer_columns(reducer):
+        state = SimpleNamespace(signature=(), planned=Planned(Plan("fp16", 0, "ring"), Forecast()))
+        return [number for _, number, _ in route.settings(state, reducer)[-MAX_REDUCER_SETTINGS:]]
+    assert reducer_columns(DenseReducer()) == [0.0] * MAX_REDUCER_SETTINGS
+    assert reducer_columns(gf_tf.ChunkSparsity(density="auto").reducer())[0] == -1.0
 
 
 def _keras_auto(clock):

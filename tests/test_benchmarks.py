@@ -6,7 +6,7 @@ worker processes in network namespaces over a rate-limited link. They need root
 asserted are sanity bounds (a link cannot be beaten, exact sums are exact,
 CSC 1% sends about 1% of the chunks), never speed targets: load on the machine
 can only slow a run down, so no lower bound on a rate and no upper bound on a
-time is asserted (issue 10). Suspicious speeds are flagged in the benchmark's
+time is asserted. Suspicious speeds are flagged in the benchmark's
 own report (benchmarks.fit.sanity_notes).
 """
 
@@ -77,7 +77,7 @@ def test_global_csc_methods_select_globally_and_stay_out_of_the_presets():
 
 def test_new_methods_pin_what_they_measure_and_auto_is_the_default():
     from benchmarks.workers import methods
-    from gf_tf.cross_device_ops import DEFAULT_BYTES_PER_PACK
+    from gf_tf.plan import DEFAULT_BYTES_PER_PACK
     _, auto = methods.make_strategy("auto", 30.0, build_strategy=False)
     assert (auto.compression, auto.bytes_per_pack, auto.algorithm, auto.sparsity) == \
         ("auto", "auto", "auto", None)

@@ -1,5 +1,5 @@
-"""Recursive-doubling all-reduce (gf_tf.collectives): the schedule, one worker's local replicas,
-and real worker processes on 127.0.0.1 against float64 NumPy references."""
+"""Recursive-doubling all-reduce (gf_tf.collectives.recursive_doubling): the schedule, one
+worker's local replicas, and real worker processes on 127.0.0.1 against float64 NumPy references."""
 
 import math
 
@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import gf_tf
-from gf_tf import collectives
+from gf_tf.collectives import recursive_doubling
 from gf_tf.cluster import WorkerInfo
 from cluster import describe, run_workers
 from csc_reference import NumpyCSC, chunks_zero, flatten, pack_order
@@ -17,9 +17,10 @@ from csc_reference import NumpyCSC, chunks_zero, flatten, pack_order
 UNIT = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -24}
 CASES = [(dtype, size) for dtype in ("float16", "bfloat16", "float32") for size in (1, 7, 1009, 0)]
 VARIABLES = [(7, 3), (1009,)]
-OP_OF_ACTION = {collectives.ALL_REDUCE: "CollectiveReduceV2:2", collectives.SEND: "CollectiveBcastSendV2:2",
-                collectives.RECEIVE: "CollectiveBcastRecvV2:2",
-                collectives.RECEIVE_ADD: "CollectiveBcastRecvV2:2"}
+OP_OF_ACTION = {recursive_doubling.ALL_REDUCE: "CollectiveReduceV2:2",
+                recursive_doubling.SEND: "CollectiveBcastSendV2:2",
+                recursive_doubling.RECEIVE: "CollectiveBcastRecvV2:2",
+                recursive_doubling.RECEIVE_ADD: "CollectiveBcastRecvV2:2"}
 
 
 # --- the schedule ------------------------------------------------------------
@@ -29,10 +30,12 @@ def test_schedule_gives_every_rank_the_sum_and_partners_agree(n):
     """Simulated with contribution counts: after the stages every rank holds each of the n
     values exactly once; each step's partner lists the same stage, the matching action and
     the same group key; ranks below P run log2(P) all-reduces, extras one send, one receive."""
-    plans = [collectives.schedule(n, r) for r in range(n)]
+    plans = [recursive_doubling.schedule(n, r) for r in range(n)]
     held = np.eye(n)
-    match = {collectives.ALL_REDUCE: collectives.ALL_REDUCE, collectives.SEND: None,
-             collectives.RECEIVE_ADD: collectives.SEND, collectives.RECEIVE: collectives.SEND}
+    match = {recursive_doubling.ALL_REDUCE: recursive_doubling.ALL_REDUCE,
+             recursive_doubling.SEND: None,
+             recursive_doubling.RECEIVE_ADD: recursive_doubling.SEND,
+             recursive_doubling.RECEIVE: recursive_doubling.SEND}
     p = 1 << (n.bit_length() - 1)
     for stage in range(int(math.log2(p)) + 2):
         before = held.copy()
@@ -41,16 +44,16 @@ def test_schedule_gives_every_rank_the_sum_and_partners_agree(n):
                 (theirs,) = [s for s in plans[step.partner] if s.stage == stage]
                 assert theirs.partner == r and theirs.group_key(step.partner) == step.group_key(r)
                 assert match[step.action] in (None, theirs.action)
-                if step.action == collectives.ALL_REDUCE:
+                if step.action == recursive_doubling.ALL_REDUCE:
                     held[r] = before[r] + before[step.partner]
-                elif step.action == collectives.RECEIVE_ADD:
+                elif step.action == recursive_doubling.RECEIVE_ADD:
                     held[r] = before[r] + before[step.partner]
-                elif step.action == collectives.RECEIVE:
+                elif step.action == recursive_doubling.RECEIVE:
                     held[r] = before[step.partner]
     np.testing.assert_array_equal(held, np.ones([n, n]))
     for r, plan in enumerate(plans):
         assert [s.stage for s in plan] == sorted(s.stage for s in plan)
-        rounds = [s for s in plan if s.action == collectives.ALL_REDUCE]
+        rounds = [s for s in plan if s.action == recursive_doubling.ALL_REDUCE]
         assert len(rounds) == (math.log2(p) if r < p else 0)
         assert len(plan) - len(rounds) == (2 if r >= p or r + p < n else 0)
 
@@ -61,14 +64,15 @@ def test_group_keys_are_unique_per_pair_and_stage_and_far_above_tensorflows():
     for n in (3, 8, 13, 64):
         keys = {}
         for r in range(n):
-            for step in collectives.schedule(n, r):
+            for step in recursive_doubling.schedule(n, r):
                 pair = (step.stage, frozenset((r, step.partner)))
                 keys.setdefault(step.group_key(r), pair)
                 assert keys[step.group_key(r)] == pair
-    biggest = collectives.schedule(collectives.MAX_WORKERS, collectives.MAX_WORKERS - 1)
-    assert all(collectives.GROUP_KEY_BASE <= s.group_key(collectives.MAX_WORKERS - 1) < 2 ** 31
+    last = recursive_doubling.MAX_WORKERS - 1
+    biggest = recursive_doubling.schedule(recursive_doubling.MAX_WORKERS, last)
+    assert all(recursive_doubling.GROUP_KEY_BASE <= s.group_key(last) < 2 ** 31
                for s in biggest)
-    assert collectives.GROUP_KEY_BASE > 1 << 30
+    assert recursive_doubling.GROUP_KEY_BASE > 1 << 30
 
 
 def test_bad_arguments_raise_value_errors():
@@ -77,10 +81,10 @@ def test_bad_arguments_raise_value_errors():
     assert "algorithm='recursive_doubling'" in repr(
         gf_tf.GradientFlowAllReduce(algorithm="recursive_doubling"))
     with pytest.raises(ValueError, match="rank 3 of 3"):
-        collectives.schedule(3, 3)
+        recursive_doubling.schedule(3, 3)
     with pytest.raises(ValueError, match="CollectiveAllReduce"):
-        collectives.recursive_doubling_sum(tf.distribute.ReductionToOneDevice(),
-                                           WorkerInfo(0, ("worker 0",)), ["/cpu:0"])
+        recursive_doubling.recursive_doubling_sum(tf.distribute.ReductionToOneDevice(),
+                                                  WorkerInfo(0, ("worker 0",)), ["/cpu:0"])
 
 
 # --- one worker: the local replicas ----------------------------------------------
@@ -89,7 +93,7 @@ def test_one_worker_sums_its_local_replicas_once_and_returns_a_copy_on_each_devi
     devices = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(4)]
     strategy = tf.distribute.MirroredStrategy(devices)
     ops = gf_tf.tf_internal.default_cross_device_ops(strategy)
-    rd_sum = collectives.recursive_doubling_sum(ops, WorkerInfo(0, ("worker 0",)), devices)
+    rd_sum = recursive_doubling.recursive_doubling_sum(ops, WorkerInfo(0, ("worker 0",)), devices)
     with pytest.raises(ValueError, match="3 tensors for 4 replica devices"):
         rd_sum([tf.zeros([2])] * 3)
     traced_devices = []
@@ -152,7 +156,8 @@ def test_recursive_doubling_sum_matches_float64_and_is_identical_on_every_worker
 
 
 def _expected_collectives(n, rank, all_reduces_per_step):
-    return sorted(OP_OF_ACTION[s.action] for s in collectives.schedule(n, rank)) * all_reduces_per_step
+    return sorted(OP_OF_ACTION[s.action]
+                  for s in recursive_doubling.schedule(n, rank)) * all_reduces_per_step
 
 
 @pytest.mark.slow

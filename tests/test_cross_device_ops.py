@@ -20,7 +20,7 @@ import tensorflow as tf
 import cluster
 import gf_tf
 from gf_tf import tf_internal
-from gf_tf.planner import DEFAULT_BYTES_PER_PACK
+from gf_tf.plan import DEFAULT_BYTES_PER_PACK
 
 DEVICES = [d.name for d in tf.config.list_logical_devices("CPU")]
 SUM = tf.distribute.ReduceOp.SUM

@@ -1,4 +1,4 @@
-"""Faults a real job meets (issue 10): lost and missing workers, Ctrl-C and SIGTERM, TF's start-up noise.
+"""Faults a real job meets: lost and missing workers, Ctrl-C and SIGTERM, TF's start-up noise.
 
 Real `python -m models.train` workers on 127.0.0.1 with TF_CONFIG, without gf-tf-run where the
 survivors' own behaviour is tested. Exit codes and messages are asserted, never times: waits are
@@ -418,7 +418,7 @@ def test_an_inf_on_replica_1_only_is_skipped_by_every_replica_and_halves_the_los
     assert int(optimizer.iterations.numpy()) == 3               # 4 steps, one skipped
 
 
-# --- leaving together (issue 19, item 6) ----------------------------------------------------
+# --- leaving together ----------------------------------------------------
 
 _HEARTBEAT_LOST = "stopped sending heartbeats"
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from benchmarks import fp16_accuracy as acc
-from gf_tf.compression import SCALE_TARGET_EXPONENT, power_of_two_scale_np
+from gf_tf.wire import SCALE_TARGET_EXPONENT, power_of_two_scale_np
 
 SCALES = (1e-8, 1e-5, 1e-2, 1e2)
 
@@ -46,7 +46,7 @@ def test_power_of_two_scale_keeps_every_partial_sum_below_fp16_max():
 
 def test_tensorflow_and_numpy_scales_agree_bit_for_bit():
     import tensorflow as tf   # pylint: disable=import-outside-toplevel
-    from gf_tf.compression import power_of_two_scale   # pylint: disable=import-outside-toplevel
+    from gf_tf.wire import power_of_two_scale   # pylint: disable=import-outside-toplevel
     rng = np.random.default_rng(1)
     edges = [2.0 ** 15, 2.0 ** 14, 65504.0, 2.0 ** -126, 3.4e38, 1e-45, 0.0, np.inf, -np.inf, np.nan]
     bounds = np.concatenate([10.0 ** rng.uniform(-44, 38, 20000), edges]).astype(np.float32)

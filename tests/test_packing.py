@@ -1,4 +1,4 @@
-"""The pack plan (gf_tf/packing.py) and wire formats (gf_tf/compression.py)."""
+"""The pack plan (gf_tf/packing.py) and wire formats (gf_tf/wire.py)."""
 
 import os
 
@@ -7,7 +7,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import pytest
 import tensorflow as tf
 
-from gf_tf.compression import Compression, as_compression, needs_scaling
+from gf_tf.wire import Compression, as_compression, needs_scaling
 from gf_tf.packing import plan_fingerprint, plan_packs
 
 FP16 = Compression("fp16").wire_dtype

@@ -1,4 +1,5 @@
-"""gf_tf.planner: the cost model on hand-computed cases, the choice, and GradientFlowAllReduce's defaults."""
+"""gf_tf.plan.planner: the cost model on hand-computed cases, the choice, and
+GradientFlowAllReduce's defaults."""
 
 import math
 
@@ -7,12 +8,23 @@ import pytest
 import tensorflow as tf
 
 import gf_tf
-from gf_tf import planner
-from gf_tf.planner import Costs, Plan
+from gf_tf import collectives
+from gf_tf.collectives import recursive_doubling
+from gf_tf.plan import Costs, Forecast, Plan, Planned, PlanReport, planner
+from gf_tf.reducers import CostTerms
+
+
+def _costs(hop_s, round_s, byte_s, copy_s, fp16_s):
+    """The planner's Costs from a ring hop's and a recursive-doubling round's latency, the seconds
+    per wire byte, and the local seconds per element of float32 packing (also TF's own concat +
+    split, and BF16's) and of FP16 packing."""
+    return Costs(byte_s=byte_s, latency_s={"ring": hop_s, "recursive_doubling": round_s},
+                 local_s={"none": copy_s, "bf16": copy_s, "fp16": fp16_s})
+
 
 # 1.5 ms per hop, 3 ms per round (2 hops), 1 Gbit/s (8 ns per byte), 1 ns per element of
 # copying, 2 ns of FP16 packing.
-GIGABIT = Costs(hop_s=1.5e-3, round_s=3e-3, byte_s=8e-9, copy_s=1e-9, fp16_s=2e-9)
+GIGABIT = _costs(hop_s=1.5e-3, round_s=3e-3, byte_s=8e-9, copy_s=1e-9, fp16_s=2e-9)
 
 
 def test_ring_and_recursive_doubling_by_hand():
@@ -22,10 +34,10 @@ def test_ring_and_recursive_doubling_by_hand():
     # recursive doubling at N=8: 3 rounds of a pair (2 hops, all bytes).
     assert planner.collective_seconds("recursive_doubling", 1e6, 8, GIGABIT) == pytest.approx(
         3 * (2 * 1.5e-3 + 1e6 * 8e-9))
-    assert [planner.recursive_doubling_rounds(n) for n in (1, 2, 3, 4, 5, 7, 8, 9)] == \
+    assert [recursive_doubling.rounds(n) for n in (1, 2, 3, 4, 5, 7, 8, 9)] == \
         [0, 1, 3, 2, 4, 4, 3, 5]
     assert planner.collective_seconds("ring", 1e6, 1, GIGABIT) == 0.0
-    with pytest.raises(ValueError, match="unknown algorithm"):
+    with pytest.raises(ValueError, match="algorithm must be .* got 'tree'"):
         planner.collective_seconds("tree", 1, 2, GIGABIT)
 
 
@@ -46,7 +58,7 @@ def test_predicted_seconds_by_hand():
     assert rd == pytest.approx(3 * 3e-3 + 3 * 4 * e * 8e-9 + 1e-9 * e)   # no bounds
 
 
-SHARED_CORES = Costs(hop_s=1.5e-3, round_s=15e-3, byte_s=8e-9, copy_s=1e-9, fp16_s=2e-9)
+SHARED_CORES = _costs(hop_s=1.5e-3, round_s=15e-3, byte_s=8e-9, copy_s=1e-9, fp16_s=2e-9)
 
 
 @pytest.mark.parametrize("elements,workers,costs,expected", [
@@ -62,48 +74,52 @@ SHARED_CORES = Costs(hop_s=1.5e-3, round_s=15e-3, byte_s=8e-9, copy_s=1e-9, fp16
 ])
 def test_choice_is_the_cheapest_wire_measured_against_tf_where_the_model_is_unsure(
         elements, workers, costs, expected):
-    plan = planner.choose(elements, 10, workers, costs)
+    plan, forecast = planner.choose(elements, 10, workers, costs)
     assert (plan.method, plan.bytes_per_pack, plan.algorithm, plan.trial) == \
         (expected.method, expected.bytes_per_pack, expected.algorithm, expected.trial)
     # Brute force over every wire (float32 packs only over recursive doubling at N > 2), then the band.
     tf32 = planner.predict_seconds("tf", "ring", elements, 10, workers, costs)
     best = min(planner.predict_seconds(m, a, elements, 10, workers, costs, p)
-               for m in ("none", "fp16") for a in planner.ALGORITHMS
+               for m in ("none", "fp16") for a in collectives.ALGORITHMS
                if m == "fp16" or (a == "recursive_doubling" and workers > 2)
                for p in [math.ceil((2 if m == "fp16" else 4) * elements / (4 << 20))])
     low, high = planner.TRIAL_BAND
     if plan.method == "tf":
-        assert plan.seconds == pytest.approx(tf32) and best > high * tf32
+        assert forecast.seconds == pytest.approx(tf32) and best > high * tf32
     else:
-        assert plan.seconds == pytest.approx(best)
+        assert forecast.seconds == pytest.approx(best)
         assert plan.trial == (low * tf32 <= best <= high * tf32)
-        assert plan.tf_seconds == (pytest.approx(tf32) if plan.trial else None)
-        assert plan.steady_seconds == pytest.approx(min(best, tf32) if plan.trial else best)
+        assert forecast.tf_seconds == (pytest.approx(tf32) if plan.trial else None)
+        assert PlanReport(plan, forecast).steady_seconds == \
+            pytest.approx(min(best, tf32) if plan.trial else best)
 
 
 def test_pinned_settings_are_kept_and_never_measured_against_tf():
-    plan = planner.choose(1_000, 10, 8, GIGABIT, method="fp16", algorithm="ring", bytes_per_pack=64)
+    plan, forecast = planner.choose(1_000, 10, 8, GIGABIT, method="fp16", algorithm="ring",
+                                    bytes_per_pack=64)
     assert (plan.method, plan.algorithm, plan.bytes_per_pack, plan.trial) == ("fp16", "ring", 64, False)
-    assert plan.seconds == pytest.approx(planner.predict_seconds(
+    assert forecast.seconds == pytest.approx(planner.predict_seconds(
         "fp16", "ring", 1_000, 10, 8, GIGABIT, packs=32))   # 2000 wire bytes / 64
-    pinned = planner.choose(270_000, 10, 2, GIGABIT, method="fp16")
-    assert pinned.method == "fp16" and pinned.seconds == pytest.approx(min(
+    pinned, pinned_forecast = planner.choose(270_000, 10, 2, GIGABIT, method="fp16")
+    assert pinned.method == "fp16" and pinned_forecast.seconds == pytest.approx(min(
         planner.predict_seconds("fp16", a, 270_000, 10, 2, GIGABIT)
-        for a in planner.ALGORITHMS))   # 540 kB: one pack either way
+        for a in collectives.ALGORITHMS))   # 540 kB: one pack either way
 
 
 def test_without_measurements_auto_is_tensorflows_own():
-    assert planner.choose(10**8, 10, 1, None) == Plan("tf", 0, "ring")
-    assert planner.choose(10**8, 10, 4, None) == Plan("tf", 0, "ring")
-    assert planner.choose(10**8, 10, 4, None, method="fp16") == Plan("fp16", 4 << 20, "ring")
+    assert planner.choose(10**8, 10, 1, None) == Planned(Plan("tf", 0, "ring"), Forecast())
+    assert planner.choose(10**8, 10, 4, None) == Planned(Plan("tf", 0, "ring"), Forecast())
+    assert planner.choose(10**8, 10, 4, None, method="fp16") == \
+        Planned(Plan("fp16", 4 << 20, "ring"), Forecast())
 
 
 def test_sparse_algorithm():
     # CSC 1% of ResNet-20 at 8 workers: tiny collectives, recursive doubling's 3 rounds win.
-    assert planner.choose_sparse_algorithm(1_100, 6_000, 8, GIGABIT) == "recursive_doubling"
-    assert planner.choose_sparse_algorithm(1_100, 6_000, 2, GIGABIT) == "ring"   # 1 round = 2 hops
-    assert planner.choose_sparse_algorithm(1_100, 6_000, 8, None) == "ring"
-    assert planner.choose_sparse_algorithm(1_100, 6_000, 8, GIGABIT, "ring") == "ring"
+    csc = CostTerms((1_100, 6_000))   # the chunk norms' bytes, the selected chunks'
+    assert planner.choose_fixed_algorithm(csc, 8, GIGABIT) == "recursive_doubling"
+    assert planner.choose_fixed_algorithm(csc, 2, GIGABIT) == "ring"   # 1 round = 2 hops
+    assert planner.choose_fixed_algorithm(csc, 8, None) == "ring"
+    assert planner.choose_fixed_algorithm(csc, 8, GIGABIT, "ring") == "ring"
 
 
 def test_chunk_sparsity_step_bytes():
@@ -149,8 +165,8 @@ def test_one_worker_default_sends_through_tensorflow_and_counts_it():
         expected = np.sum([values[r][k].astype(np.float64) for r in range(len(devices))], axis=0)
         for got in strategy.experimental_local_results(out[k]):
             np.testing.assert_allclose(got.numpy(), expected, rtol=1e-6)   # float32: no FP16
-    (plan,) = gfar.plans().values()
-    assert plan == Plan("tf", 0, "ring")
+    (report,) = gfar.plans().values()
+    assert report == PlanReport(Plan("tf", 0, "ring"))
     totals = gfar.stats.totals()
     assert int(totals["dense_bytes"]) == int(totals["sent_bytes"]) == 4 * (7 + 15)
 
@@ -158,7 +174,8 @@ def test_one_worker_default_sends_through_tensorflow_and_counts_it():
 def test_rounds_that_cost_a_whole_collective_keep_the_ring():
     # This machine at N = 8 (2 cores): 1.5 ms per ring hop but ~15 ms per recursive-doubling
     # round (process scheduling, gf_tf.collectives): the ring wins, the planner keeps it.
-    plan = planner.choose(270_000, 10, 8, SHARED_CORES)
-    assert plan == planner.choose(270_000, 10, 8, SHARED_CORES, algorithm="ring")
+    planned = planner.choose(270_000, 10, 8, SHARED_CORES)
+    assert planned == planner.choose(270_000, 10, 8, SHARED_CORES, algorithm="ring")
+    plan = planned.plan
     assert (plan.method, plan.algorithm, plan.trial) == ("fp16", "ring", True)
-    assert planner.choose_sparse_algorithm(1_100, 6_000, 8, SHARED_CORES) == "ring"
+    assert planner.choose_fixed_algorithm(CostTerms((1_100, 6_000)), 8, SHARED_CORES) == "ring"

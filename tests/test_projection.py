@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks import projection
 from benchmarks.workers import gradients
-from gf_tf import planner
+from gf_tf.plan import PlanReport, planner
 
 PARAMS = {"alpha": 1e-3, "rho": 7e-3, "kappa": 1.1, "gamma": 2e-10, "delta_tf": 1e-9,
           "delta_gf": 3e-9, "delta_csc": 5e-9}
@@ -160,14 +160,15 @@ def test_auto_is_the_planners_pick_on_hand_made_costs():
     # and one float32 pack then cost the same, and ties go to TF's own.
     latency = dict.fromkeys(projection.PARAMETERS, 0.0) | {"alpha": 1e-2, "rho": 1.0, "kappa": 1e-6}
     p = projection.project(latency, "resnet50", "auto", 64, 56.0, 0.128, 0.0)
-    assert (p["plan"].method, p["plan"].algorithm) == ("tf", "ring")
+    assert (p["plan"].plan.method, p["plan"].plan.algorithm) == ("tf", "ring")
     tf_fp32 = projection.project(latency, "resnet50", "tf_fp32", 64, 56.0, 0.128, 0.0)
     assert p["comm_s"] == pytest.approx(tf_fp32["comm_s"], rel=1e-12)
     # Bandwidth-bound (1 Gbit/s, no latency): FP16 halves the bytes; the ring sends 2(N-1)/N of
     # them, recursive doubling log2(N) times them: FP16 over the ring, in 4 MiB packs (auto's size).
     wire = dict.fromkeys(projection.PARAMETERS, 0.0) | {"kappa": 1.0}
     p = projection.project(wire, "resnet50", "auto", 64, 1.0, 0.128, 0.0)
-    assert (p["plan"].method, p["plan"].algorithm, p["plan"].bytes_per_pack) == ("fp16", "ring", 4 << 20)
+    plan = p["plan"].plan
+    assert (plan.method, plan.algorithm, plan.bytes_per_pack) == ("fp16", "ring", 4 << 20)
     e, t = 25_557_032, 161
     assert p["comm_s"] == pytest.approx(2 * 63 / 64 * (2 * e + 4 * t) * 8 / 1e9, rel=1e-12)
     # Rounds cheap, hops dear, a tiny set: float32 packs (one collective, no scale bounds)
@@ -175,14 +176,14 @@ def test_auto_is_the_planners_pick_on_hand_made_costs():
     # pay 6 more rounds for its scale bounds to save 6 * 3.2 us of wire.
     rounds = dict.fromkeys(projection.PARAMETERS, 0.0) | {"alpha": 1e-3, "rho": 1e-5, "kappa": 1.0}
     p = projection.project(rounds, "tiny", "auto", 64, 10.0, 0.01, 0.0)
-    assert (p["plan"].method, p["plan"].algorithm) == ("none", "recursive_doubling")
+    assert (p["plan"].plan.method, p["plan"].plan.algorithm) == ("none", "recursive_doubling")
     assert p["comm_s"] == pytest.approx(6 * (1e-5 + 4 * 996 * 8 / 1e10), rel=1e-12)
-    # And in general it is exactly gf_tf.planner.choose on planner_costs.
+    # And in general it is exactly gf_tf.plan.planner.choose on planner_costs.
     for model in ("alexnet", "resnet50"):
         for n in (8, 64, 512):
-            chosen = planner.choose(gradients.num_elements(gradients.GRADIENT_SETS[model]),
-                                    len(gradients.GRADIENT_SETS[model]), n,
-                                    projection.planner_costs(PARAMS, 25e9))
+            chosen = PlanReport(*planner.choose(gradients.num_elements(gradients.GRADIENT_SETS[model]),
+                                                len(gradients.GRADIENT_SETS[model]), n,
+                                                projection.planner_costs(PARAMS, 25e9)))
             p = projection.project(PARAMS, model, "auto", n, 25.0, 0.05, 0.0)
             assert p["plan"] == chosen and p["comm_s"] == chosen.steady_seconds   # a trial: the faster
 

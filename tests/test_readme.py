@@ -1,4 +1,4 @@
-"""README's `model.fit` snippets run as written (issue 19 item 12), in a fresh process of their own;
+"""README's `model.fit` snippets run as written, in a fresh process of their own;
 its sample output is what the first command prints (item 8)."""
 
 import io
@@ -72,7 +72,7 @@ def _sample_output():
 
 
 def test_the_sample_output_is_what_the_first_command_prints():
-    """README's sample lines of `gf-tf-run -n 2 -- python -m models.train` (issue 19 item 8): the
+    """README's sample lines of `gf-tf-run -n 2 -- python -m models.train`: the
     byte line exactly (seed 0), the accuracy to within 0.01 (3 of 360 images: its last digits follow
     the CPU's oneDNN kernels, 0.9667 on one machine and 0.9722 on two others), the throughput
     line's form (it depends on the machine's load)."""

@@ -552,7 +552,7 @@ def test_selection_is_in_the_config_repr_and_cross_worker_fingerprint():
 
 def _sparsity_fingerprint(sparsity):
     """The CRC32 the cross-worker handshake compares for these sparsity settings."""
-    ((name, number, _),) = [s for s in sparsity.reducer().handshake_settings()
+    ((name, number, _),) = [s for s in sparsity.reducer().settings()
                             if s[0] == "sparsity settings (CRC32)"]
     return number
 

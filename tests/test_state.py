@@ -7,7 +7,7 @@ from gf_tf.state import StateRegistry
 
 
 def test_two_variable_sets_with_the_same_names_show_as_two_states():
-    """Issue 19 item 13: states() was keyed by display name, so two models' sets of
+    """states() once was keyed by display name, so two models' sets of
     identically named variables showed as one; the states themselves were apart."""
     registry = StateRegistry()
     signature = [(tf.TensorShape([3]), tf.float32)]

@@ -1,4 +1,4 @@
-"""GradientFlowStats(profile_dir=...) traces one training step with tf.profiler (issue 18 item 3)."""
+"""GradientFlowStats(profile_dir=...) traces one training step with tf.profiler."""
 
 import glob
 import os

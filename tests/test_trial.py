@@ -1,10 +1,10 @@
-"""gf_tf.trial: TensorFlow's own all-reduce against GradientFlow's wire, timed when a set is
+"""gf_tf.plan.trial: TensorFlow's own all-reduce against GradientFlow's wire, timed when a set is
 first traced; every worker keeps the same one, and the step carries only that one."""
 
 import numpy as np
 import pytest
 
-from gf_tf import trial
+from gf_tf.plan import trial
 from cluster import describe, run_process, run_workers
 from helpers import GRADIENT_SCALE
 

@@ -8,7 +8,7 @@ worker, so the exact sum is known), a tf.function that all-reduces them with
 `gf_tf.all_reduce_gradients` (the Keras optimizer's gradient all-reduce; stock
 `ReplicaContext.all_reduce(SUM, ...)` without GradientFlow),
 `warmup` untimed calls (the first traces the function; for the default, that
-includes a set's trial, gf_tf.trial), then `iters` timed calls. Bytes on the wire are the
+includes a set's trial, gf_tf.plan.trial), then `iters` timed calls. Bytes on the wire are the
 delta of this namespace's eth0 counters over the timed calls. For GradientFlow
 methods each set also records the plan its gradients travelled by
 (`GradientFlowAllReduce.plans()`) and the worker records the planner's measured
@@ -224,19 +224,25 @@ def stats_totals(gradient_flow):
 
 
 def plan_records(gradient_flow, variables):
-    """The gf_tf.planner.Plan of each variable set serving exactly `variables`, as JSON records."""
+    """The gf_tf.plan.PlanReport of each variable set serving exactly `variables`, as JSON
+    records."""
     states = gradient_flow.states()
-    return [{"method": plan.method, "algorithm": plan.algorithm,
-             "bytes_per_pack": plan.bytes_per_pack, "seconds": plan.seconds,
-             "describe": plan.describe()}
-            for name, plan in gradient_flow.plans().items()
-            if plan is not None and states[name].serves(variables)]
+    return [{"method": report.plan.method, "algorithm": report.plan.algorithm,
+             "bytes_per_pack": report.plan.bytes_per_pack, "seconds": report.forecast.seconds,
+             "describe": report.describe()}
+            for name, report in gradient_flow.plans().items()
+            if report is not None and states[name].serves(variables)]
 
 
 def costs_record(gradient_flow):
-    """GradientFlowAllReduce.costs as [hop_s, round_s, byte_s, copy_s, fp16_s], or None."""
+    """GradientFlowAllReduce.costs as [hop_s, round_s, byte_s, copy_s, fp16_s] (a ring hop's
+    and a recursive-doubling round's latency, seconds per wire byte, the local seconds per
+    element of float32 packs and of FP16 packs), or None."""
     costs = getattr(gradient_flow, "costs", None)
-    return None if costs is None else costs.as_list()
+    if costs is None:
+        return None
+    return [costs.latency_s["ring"], costs.latency_s["recursive_doubling"], costs.byte_s,
+            costs.local_s["none"], costs.local_s["fp16"]]
 
 
 def main():
@@ -296,7 +302,7 @@ def main():
             entry["profile"] = profile_step(step, os.path.join(args.profile, f"{name}_w{task}"))
         elif args.profile:
             step()   # the same collectives as worker 0's profiled step, without a profiler of its own:
-            #          TF's profiler stop() crashed worker 1 in 3 of 15 profiled runs (issue 20)
+            #          TF's profiler stop() crashed worker 1 in some profiled runs
         if args.paired:
             # The same count on every worker (each call is a collective): by the set's size.
             small = gradients.num_elements(shapes) <= PAIRED_SMALL_ELEMENTS

@@ -18,7 +18,7 @@ collective replaced by a local reduce (benchmarks.workers.local_only).
 With --profile DIR, one more 3-step fit under the method's strategy runs before
 those, and worker 0 writes a tf.profiler trace of its second step to DIR
 (gf_tf.keras.callbacks.StepProfile; the others run the same steps unprofiled:
-TF's profiler stop() crashed a second profiled worker, issue 20).
+TF's profiler stop() crashed a second profiled worker).
 
 `fit` runs two epochs: the first (`warmup-steps` steps) traces the step
 function and is not timed; the second (`steps` steps) is. Throughput is
@@ -177,7 +177,7 @@ def _after_the_fit(strategy, gradient_flow, model, build, data):
 
 def _allreduce_times(strategy, variables):
     """Seconds of each of `steps` all-reduces of gradients shaped like `variables`, alone (after
-    one untimed call, which traces it and runs any trial: gf_tf.trial)."""
+    one untimed call, which traces it and runs any trial: gf_tf.plan.trial)."""
     from benchmarks.workers import allreduce_worker
     values = allreduce_worker.make_values([tuple(v.shape) for v in variables], seed=len(variables))
     step = allreduce_worker.build_step(strategy, values, args.method)

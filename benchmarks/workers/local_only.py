@@ -16,7 +16,7 @@ control values and every other all-reduce go through
 (`_cross_ops()`, here `local_ops()`). It is not attached to the strategy
 (`_attach` is what gf_tf.MultiWorkerMirroredStrategy does at construction), so
 it knows no workers: no settings handshake (`gf_tf.agreement`, whose table would
-hold this worker's row only and fail), no `gf_tf.probe` measurement, and the
+hold this worker's row only and fail), no `gf_tf.plan.probe` measurement, and the
 planner sees one worker (pinned settings are kept as they are). algorithm is
 pinned to "ring": recursive doubling (`gf_tf.collectives`) issues TF's
 subgroup collectives itself, around the wrapped ops, and would need a
@@ -49,14 +49,14 @@ def local_ops() -> tf.distribute.CrossDeviceOps:
 
 
 def _plan_of(gradient_flow, variables):
-    """The gf_tf.planner.Plan of the real run's variable set holding `variables` (Keras
+    """The gf_tf.plan.Plan of the real run's variable set holding `variables` (Keras
     Variables: the optimizer all-reduces for their tf.Variables, `.value`), or None."""
     import keras
     variables = [v.value if isinstance(v, keras.Variable) else v for v in variables]
     states = gradient_flow.states()
-    for name, plan in gradient_flow.plans().items():
-        if plan is not None and states[name].overlaps(variables):
-            return plan
+    for name, report in gradient_flow.plans().items():
+        if report is not None and states[name].overlaps(variables):
+            return report.plan
     return None
 
 

@@ -16,7 +16,7 @@
               the chunks of all packs instead of k per pack); not in the presets' loops
               over every method: ask for them with --methods
     auto      gf_tf.GradientFlowAllReduce() with its defaults (every setting "auto" but overlap): gf_tf's
-              default, the planner's choice of method, pack size and algorithm (gf_tf.planner)
+              default, the planner's choice of method, pack size and algorithm (gf_tf.plan.planner)
     gf_fp16_rd / csc_1_rd
               gf_fp16 / csc_1 over recursive doubling (algorithm="recursive_doubling",
               gf_tf.collectives) instead of TF's ring
@@ -52,7 +52,7 @@ CSC_DENSITY: Dict[str, Union[float, str]] = {"csc_10": 0.10, "csc_1": 0.01, "csc
 # ChunkSparsity(selection=...) of the CSC methods not selecting per pack.
 CSC_SELECTION: Dict[str, str] = {"csc_1_global": "global", "csc_0.1_global": "global"}
 # GradientFlowAllReduce keywords of every GradientFlow method ("default" bytes_per_pack:
-# gf_tf.planner.DEFAULT_BYTES_PER_PACK, 4 MiB), before its OVERRIDES.
+# gf_tf.plan.DEFAULT_BYTES_PER_PACK, 4 MiB), before its OVERRIDES.
 PINNED: Dict[str, object] = {"compression": "fp16", "bytes_per_pack": "default", "algorithm": "ring",
                              "overlap": False}
 # Per method: the GradientFlowAllReduce keywords that differ from PINNED.
@@ -110,7 +110,7 @@ def gradient_flow_kwargs(method: str) -> Dict[str, object]:
     """The GradientFlowAllReduce keywords of a GradientFlow method, sparsity included (a new
     gf_tf.ChunkSparsity each call: its state is per GradientFlowAllReduce)."""
     import gf_tf
-    from gf_tf.planner import DEFAULT_BYTES_PER_PACK
+    from gf_tf.plan import DEFAULT_BYTES_PER_PACK
     kwargs = gradient_flow_settings(method)
     if kwargs["bytes_per_pack"] == "default":
         kwargs["bytes_per_pack"] = DEFAULT_BYTES_PER_PACK

@@ -1,4 +1,5 @@
-"""One worker of tests/test_collectives.py: gf_tf.collectives.recursive_doubling_sum across processes.
+"""One worker of tests/test_collectives.py: gf_tf.collectives.recursive_doubling.recursive_doubling_sum
+across processes.
 
 --mode values: random inputs of every CASE (dtype, size), fresh per call, through recursive
   doubling eagerly (call 0) and in one tf.function called twice (calls 1, 2), where every
@@ -35,7 +36,8 @@ parser.add_argument("--stall", action="store_true")
 args = parser.parse_args()
 
 import gf_tf  # pylint: disable=wrong-import-position
-from gf_tf import cluster, collectives, tf_internal  # pylint: disable=wrong-import-position
+from gf_tf import cluster, tf_internal  # pylint: disable=wrong-import-position
+from gf_tf.collectives import recursive_doubling  # pylint: disable=wrong-import-position
 
 CASES = [(dtype, size) for dtype in ("float16", "bfloat16", "float32") for size in (1, 7, 1009, 0)]
 SCALE = {"float16": 8.0, "bfloat16": 1e30, "float32": 1e-20}   # well inside each dtype's range
@@ -54,8 +56,8 @@ workers = cluster.from_tf_config().worker_info()
 device = strategy.extended.worker_devices[0]
 if gradient_flow is None:
     ring_ops = tf_internal.cross_device_ops_of(strategy)   # TF's CollectiveAllReduce
-    rd_sum = collectives.recursive_doubling_sum(ring_ops, workers, [device],
-                                                worker_util.communication_options())
+    rd_sum = recursive_doubling.recursive_doubling_sum(ring_ops, workers, [device],
+                                                       worker_util.communication_options())
 
 
 def ring_sum(t):

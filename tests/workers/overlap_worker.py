@@ -20,6 +20,7 @@
 """
 
 import argparse
+import dataclasses
 import re
 
 import numpy as np
@@ -90,14 +91,17 @@ def run_values():
 
     result = {}
     for form, overlap in (("overlap", True), ("barrier", False)):
-        gfar.overlap = overlap   # the same GradientFlowAllReduce, retraced with one barrier
+        # The same GradientFlowAllReduce, retraced with one barrier (its settings are read-only
+        # properties now: replace them, checked again by gf_tf.plan.Settings).
+        settings = gfar._settings  # pylint: disable=protected-access
+        gfar._settings = dataclasses.replace(settings, overlap=overlap)  # pylint: disable=protected-access
         for (name, _, _), s, got in zip(grads, sent, traced_step()):
             result[f"sent_{name}"] = tf.cast(s, tf.float64).numpy()
             result[f"{form}_{name}"] = tf.cast(got, tf.float64).numpy()
             result[f"dtype_{name}"] = np.array(s.dtype.name)
-        (plan,) = gfar.plans().values()
-        result[f"{form}_groups"] = np.array(plan.groups)
-        result[f"{form}_plan"] = np.array(plan.describe())
+        (report,) = gfar.plans().values()
+        result[f"{form}_groups"] = np.array(report.plan.groups)
+        result[f"{form}_plan"] = np.array(report.describe())
     worker_util.write_result(**result)
 
 
@@ -134,8 +138,8 @@ def run_csc():
     for p, (spec, pack) in enumerate(zip(state.plan, state.packs)):
         result[f"pack{p}_indices"] = np.array(spec.indices)
         result[f"pack{p}_residual"] = pack.residuals[0].numpy()
-    (plan,) = gfar.plans().values()
-    result["groups"] = np.array(plan.groups)
+    (report,) = gfar.plans().values()
+    result["groups"] = np.array(report.plan.groups)
     worker_util.write_result(**result)
 
 
@@ -197,9 +201,9 @@ def run_fit():
     model.fit(dataset, epochs=2, verbose=0)
     result.update({f"w{i}": w for i, w in enumerate(model.get_weights())})
     if not args.baseline:
-        (plan,) = gfar.plans().values()
-        result["groups"] = np.array(plan.groups)
-        result["plan"] = np.array(plan.describe())
+        (report,) = gfar.plans().values()
+        result["groups"] = np.array(report.plan.groups)
+        result["plan"] = np.array(report.describe())
         result.update(graph_facts(model, recorded))
     worker_util.write_result(**result)
 
@@ -220,8 +224,8 @@ def run_conv_fit():
     data = tf.data.Dataset.from_tensor_slices((rng.normal(size=(32, 12, 12, 8)).astype(np.float32),
                                                rng.integers(0, 10, 32))).batch(8)
     model.fit(data, epochs=1, verbose=0)
-    (plan,) = strategy.gradient_flow.plans().values()
-    worker_util.write_result(groups=np.array(plan.groups),
+    (report,) = strategy.gradient_flow.plans().values()
+    worker_util.write_result(groups=np.array(report.plan.groups),
                              **{f"w{i}": w for i, w in enumerate(model.get_weights())})
 
 

@@ -19,11 +19,17 @@ parser.add_argument("--large", type=int, default=300_000, help="elements of the 
 args = parser.parse_args()
 
 import gf_tf  # after argparse
-from gf_tf import probe
+from gf_tf.plan import probe
 
 rank = worker_util.task_index()
-measured = probe.local_costs
-probe.local_costs = lambda device: tuple(x * (1 + args.skew * rank) for x in measured(device))
+measured = probe.local_seconds
+
+
+def skewed(wire_format, device):
+    return measured(wire_format, device) * (1 + args.skew * rank)
+
+
+probe.local_seconds = skewed
 
 strategy = gf_tf.MultiWorkerMirroredStrategy(communication_options=worker_util.communication_options())
 gfar = strategy.gradient_flow
@@ -44,12 +50,16 @@ def step():
 
 
 out = step()
-result = {"costs": np.array(gfar.costs.as_list())}
+costs = gfar.costs   # the ring's hop latency first, then every other figure
+result = {"costs": np.array([costs.latency_s["ring"]]
+                            + [v for k, v in costs.latency_s.items() if k != "ring"]
+                            + [costs.byte_s] + list(costs.local_s.values()))}
 for name in sets:
     for i, (sent, got) in enumerate(zip(sets[name], out[name])):
         result[f"{name}_sent{i}"] = sent
         result[f"{name}_sum{i}"] = strategy.experimental_local_results(got)[0].numpy()
 plans = list(gfar.plans().values())
-result["plans"] = np.array([f"{p.method} {p.bytes_per_pack} {p.algorithm}" for p in plans])
-result["seconds"] = np.array([p.seconds for p in plans])
+result["plans"] = np.array([f"{p.plan.method} {p.plan.bytes_per_pack} {p.plan.algorithm}"
+                            for p in plans])
+result["seconds"] = np.array([p.forecast.seconds for p in plans])
 worker_util.write_result(**result)

@@ -1,5 +1,5 @@
 """One worker of the trial tests: the default GradientFlowAllReduce with every set under trial
-(gf_tf.trial; planner.TRIAL_BAND opened wide).
+(gf_tf.plan.trial; planner.TRIAL_BAND opened wide).
 
 --mode values: two variable sets, fresh random gradients every step (the last step in a new
   trace), this worker's trial clock running (1 + skew * rank) times as fast as the others' so
@@ -31,7 +31,7 @@ parser.add_argument("--saved_model", default=None, help="--mode fit: where to sa
 args = parser.parse_args()
 
 import gf_tf  # after argparse
-from gf_tf import planner
+from gf_tf.plan import planner
 
 planner.TRIAL_BAND = (0.0, math.inf)   # every "auto" set is measured, whatever the model says
 
@@ -76,16 +76,17 @@ def run_values():
     result["step_ops"] = sorted({node.op for node in graph.node} |
                                 {node.op for f in graph.library.function for node in f.node_def})
     states = gfar.states()
-    for name, plan in gfar.plans().items():
+    for name, report in gfar.plans().items():
         key = "small" if "small" in name else "large"
         decision = states[name].trial
         result[f"{key}_choice"] = decision.choice
         result[f"{key}_measured"] = np.array([decision.tf_seconds, decision.gf_seconds])
-        wire = states[name].transport   # the GradientFlow candidate
+        wire = states[name].planned.plan   # the GradientFlow candidate
         result[f"{key}_wire"] = wire.method
         result[f"{key}_tensors"] = len(shapes[key])
+        plan = report.plan
         result[f"{key}_plan"] = f"{plan.method} {plan.bytes_per_pack} {plan.algorithm} {plan.trial}"
-        result[f"{key}_plan_measured"] = np.array(plan.measured, np.float64)
+        result[f"{key}_plan_measured"] = np.array(report.measured, np.float64)
         result[f"{key}_elements"] = sum(int(np.prod(s)) for s in shapes[key])
     worker_util.write_result(**result)
 
