@@ -6,9 +6,8 @@ import numpy as np
 import tensorflow as tf
 
 import gf_tf
-from gf_tf import keras_compat
-from gf_tf.plan import DEFAULT_BYTES_PER_PACK
-from gf_tf.keras import patches
+from gf_tf.plan import DEFAULT_BYTES_PER_PACK, Costs
+from gf_tf.keras import flavour, patches
 
 # Logical CPU devices: configured by tests/conftest.py before TF initialises.
 DEVICES = [d.name for d in tf.config.list_logical_devices("CPU")]
@@ -18,7 +17,7 @@ assert len(DEVICES) >= 3, f"tests/conftest.py should configure >= 3 logical CPUs
 # workers) and the optimizer sums the replicas' gradients: 2x the gradient of the global batch's mean
 # loss (stock Keras alike; 3.7.0 has no `scale_loss_for_distribution` yet). Keras 3.8 on and tf-keras
 # scale to the global batch.
-GRADIENT_SCALE = 2.0 if not keras_compat.uses_tf_keras() and patches.keras3_minor() < (3, 8) else 1.0
+GRADIENT_SCALE = 2.0 if not flavour.uses_tf_keras() and patches.keras3_minor() < (3, 8) else 1.0
 
 
 class Runner:
@@ -104,3 +103,16 @@ def pack_states(run):
     (variable_set,) = run.gfar.states().values()
     assert all(len(pack.indices) == 1 for pack in variable_set.plan)
     return [pack.indices[0] for pack in variable_set.plan], variable_set.packs
+
+
+def make_costs(hop_s, round_s, byte_s, copy_s, fp16_s):
+    """The planner's Costs from a ring hop's and a recursive-doubling round's latency, the seconds
+    per wire byte, and the local seconds per element of float32 packing (also TF's own concat +
+    split, and BF16's) and of FP16 packing."""
+    return Costs(byte_s=byte_s, latency_s={"ring": hop_s, "recursive_doubling": round_s},
+                 local_s={"none": copy_s, "bf16": copy_s, "fp16": fp16_s})
+
+
+# The planner's tests' link: 1.5 ms per hop, 3 ms per round (2 hops), 1 Gbit/s (8 ns per byte),
+# 1 ns per element of copying, 2 ns of FP16 packing.
+GIGABIT = make_costs(hop_s=1.5e-3, round_s=3e-3, byte_s=8e-9, copy_s=1e-9, fp16_s=2e-9)

@@ -10,7 +10,7 @@ import pytest
 
 from cluster import describe, run_workers
 
-from gf_tf import keras_compat
+from gf_tf.keras import flavour
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +20,7 @@ def test_two_worker_fit_with_fp16_and_csc_agrees_and_learns():
     assert all(r.ok and r.result is not None for r in results), describe(results)
     a, b = (r.result for r in results)
     for r in (a, b):
-        assert str(r["flavour"]) == keras_compat.flavour()
+        assert str(r["flavour"]) == flavour.flavour()
         assert float(r["accuracy"]) > 0.7, describe(results)
         # Warm-up epoch(s) dense FP16 (2x), then 10% of the chunks.
         assert r["compression_ratio"][0] >= 2.0 and r["compression_ratio"][-1] > 4.0, r["compression_ratio"]

@@ -11,7 +11,7 @@ import pytest
 
 from cluster import describe, run_process, run_workers
 
-from gf_tf import keras_compat
+from gf_tf.keras import flavour
 from csc_reference import NumpyCSC
 from helpers import GRADIENT_SCALE
 
@@ -49,7 +49,7 @@ def test_mirrored_multi_step_fit_matches_float64_sgd(steps_per_execution, unknow
     length; gf_tf.keras.multi_step). tf-keras refuses data of unknown length in calls of 3."""
     r = _mirrored(f"--steps_per_execution={steps_per_execution}", "--compression=none",
                   *(["--unknown_length"] if unknown_length else []))
-    if keras_compat.uses_tf_keras() and unknown_length and steps_per_execution > 1:
+    if flavour.uses_tf_keras() and unknown_length and steps_per_execution > 1:
         # tf-keras's own refusal (data_adapter), which gf_tf leaves as it is.
         assert "Could not infer the size of the data" in str(r["error"]), r
         return
@@ -72,7 +72,7 @@ def test_mirrored_fp16_csc_multi_step_equals_single_step():
         np.testing.assert_array_equal(three[k], one[k], err_msg=k)
 
 
-@pytest.mark.skipif(not keras_compat.uses_tf_keras(), reason="tf-keras's legacy optimizers")
+@pytest.mark.skipif(not flavour.uses_tf_keras(), reason="tf-keras's legacy optimizers")
 def test_tf_keras_legacy_optimizer_gradients_go_through_gradient_flow():
     """OptimizerV2 aggregates through its own hook (`_aggregate_gradients`)."""
     r = _mirrored("--steps_per_execution=2", "--compression=none", "--legacy_optimizer")
@@ -82,7 +82,7 @@ def test_tf_keras_legacy_optimizer_gradients_go_through_gradient_flow():
     np.testing.assert_allclose(r["w1"], b, rtol=0, atol=2e-5)
 
 
-_NO_ACCUMULATION = pytest.mark.skipif(keras_compat.uses_tf_keras(),
+_NO_ACCUMULATION = pytest.mark.skipif(flavour.uses_tf_keras(),
                                       reason="tf-keras optimizers do not accumulate")
 
 

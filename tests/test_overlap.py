@@ -6,28 +6,18 @@ TF_CONFIG on 127.0.0.1); the planner's rule on hand-computed cost cases.
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import cluster
 import gf_tf
 from gf_tf import reducers
-from gf_tf.plan import Costs, Forecast, Plan, PlanReport, planner
+from gf_tf.plan import Forecast, Plan, PlanReport, planner
 from gf_tf.reducers import CostTerms
 from csc_reference import NumpyCSC
-from helpers import GRADIENT_SCALE
+from helpers import GIGABIT, GRADIENT_SCALE, make_costs
 
 TIMEOUT, COMM_TIMEOUT = 180, 30
 
 
-def _costs(hop_s, round_s, byte_s, copy_s, fp16_s):
-    """The planner's Costs from a ring hop's and a recursive-doubling round's latency, the seconds
-    per wire byte, and the local seconds per element of float32 packing (also TF's own concat +
-    split, and BF16's) and of FP16 packing."""
-    return Costs(byte_s=byte_s, latency_s={"ring": hop_s, "recursive_doubling": round_s},
-                 local_s={"none": copy_s, "bf16": copy_s, "fp16": fp16_s})
-
-
-GIGABIT = _costs(hop_s=1.5e-3, round_s=3e-3, byte_s=8e-9, copy_s=1e-9, fp16_s=2e-9)
 
 
 def _run(*args, workers=2):
@@ -259,7 +249,7 @@ def _brute_force(e, t, n, costs, sizes):
     (25_600_000, 80e-9, (1 << 20, 26)),  # 100 Mbit/s: the wire dominates, 1 MiB packs, 26 groups
 ])
 def test_auto_overlap_takes_the_least_last_group_within_the_slack(elements, byte_s, expected):
-    costs = _costs(hop_s=1.5e-3, round_s=3e-3, byte_s=byte_s, copy_s=1e-9, fp16_s=2e-9)
+    costs = make_costs(hop_s=1.5e-3, round_s=3e-3, byte_s=byte_s, copy_s=1e-9, fp16_s=2e-9)
     plan, forecast = planner.choose(elements, 160, 2, costs, "fp16", "ring", overlap="auto")
     assert (plan.bytes_per_pack, plan.groups) == expected, PlanReport(plan, forecast).describe()
     best = _brute_force(elements, 160, 2, costs, planner.OVERLAP_PACK_SIZES)
@@ -317,7 +307,7 @@ def test_csc_groups_by_hand():
     latency, bytes_ = 2 * 1.5e-3, 238_672 + 1_222_656
     for byte_s, expected in ((8e-9, 1), (80e-9, 2)):   # 1 Gbit/s, 100 Mbit/s
         wire = bytes_ * byte_s   # 2(N-1)/N = 1 at N = 2
-        costs = _costs(hop_s=1.5e-3, round_s=3e-3, byte_s=byte_s, copy_s=1e-9, fp16_s=2e-9)
+        costs = make_costs(hop_s=1.5e-3, round_s=3e-3, byte_s=byte_s, copy_s=1e-9, fp16_s=2e-9)
         fits = [g for g in range(1, 31) if 2 * g * latency + wire <= 1.05 * (2 * latency + wire)]
         assert max(fits) == expected
         csc = CostTerms((238_672, 1_222_656), groupable=True)

@@ -10,21 +10,11 @@ import tensorflow as tf
 import gf_tf
 from gf_tf import collectives
 from gf_tf.collectives import recursive_doubling
-from gf_tf.plan import Costs, Forecast, Plan, Planned, PlanReport, planner
+from gf_tf.plan import Forecast, Plan, Planned, PlanReport, planner
 from gf_tf.reducers import CostTerms
+from helpers import GIGABIT, make_costs
 
 
-def _costs(hop_s, round_s, byte_s, copy_s, fp16_s):
-    """The planner's Costs from a ring hop's and a recursive-doubling round's latency, the seconds
-    per wire byte, and the local seconds per element of float32 packing (also TF's own concat +
-    split, and BF16's) and of FP16 packing."""
-    return Costs(byte_s=byte_s, latency_s={"ring": hop_s, "recursive_doubling": round_s},
-                 local_s={"none": copy_s, "bf16": copy_s, "fp16": fp16_s})
-
-
-# 1.5 ms per hop, 3 ms per round (2 hops), 1 Gbit/s (8 ns per byte), 1 ns per element of
-# copying, 2 ns of FP16 packing.
-GIGABIT = _costs(hop_s=1.5e-3, round_s=3e-3, byte_s=8e-9, copy_s=1e-9, fp16_s=2e-9)
 
 
 def test_ring_and_recursive_doubling_by_hand():
@@ -58,7 +48,7 @@ def test_predicted_seconds_by_hand():
     assert rd == pytest.approx(3 * 3e-3 + 3 * 4 * e * 8e-9 + 1e-9 * e)   # no bounds
 
 
-SHARED_CORES = _costs(hop_s=1.5e-3, round_s=15e-3, byte_s=8e-9, copy_s=1e-9, fp16_s=2e-9)
+SHARED_CORES = make_costs(hop_s=1.5e-3, round_s=15e-3, byte_s=8e-9, copy_s=1e-9, fp16_s=2e-9)
 
 
 @pytest.mark.parametrize("elements,workers,costs,expected", [
