@@ -1,5 +1,6 @@
 """Documented attribute paths exist, and bad settings name the fix."""
 
+import os
 import subprocess
 import sys
 
@@ -34,3 +35,13 @@ def test_a_number_as_sparsity_names_chunk_sparsity():
 def test_bad_settings_name_the_setting_and_its_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
         gf_tf.GradientFlowAllReduce(**kwargs)
+
+
+def test_a_missing_explicit_op_library_names_its_variable_not_a_compiler():
+    code = "import warnings; warnings.simplefilter('always'); from gf_tf import ops; print(ops.library_status())"
+    env = dict(os.environ, GF_TF_OPS_LIBRARY="/nonexistent/lib.so")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "$GF_TF_OPS_LIBRARY names /nonexistent/lib.so" in out.stderr, out.stderr[-2000:]
+    assert "compiler" not in out.stderr.split("To get the compiled ops:")[1], out.stderr[-2000:]

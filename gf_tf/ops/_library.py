@@ -53,8 +53,14 @@ def _fall_back(reason: str) -> None:
     frame, stacklevel = sys._getframe(0), 1  # pylint: disable=protected-access
     while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith(_OPS_MODULES):
         frame, stacklevel = frame.f_back, stacklevel + 1
+    if os.environ.get(LIBRARY_ENV):
+        fix = (f"${LIBRARY_ENV} names {os.environ[LIBRARY_ENV]}: point it at a library built for "
+               f"this TensorFlow (`python -m gf_tf.ops` builds one and prints its path), or unset "
+               f"it to use gf_tf's own")
+    else:
+        fix = BUILD_COMMAND
     warnings.warn(f"gf_tf: {reason}; using the composite TensorFlow ops instead "
-                  f"(same results, slower). To get the compiled ops: {BUILD_COMMAND}.",
+                  f"(same results, slower). To get the compiled ops: {fix}.",
                   RuntimeWarning, stacklevel=stacklevel)
 
 
