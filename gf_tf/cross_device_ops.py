@@ -237,7 +237,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         ways TensorFlow runs it, merge_call (every CPU run) and the replica context (XLA on
         all-GPU devices), go through `gf_tf.route.run`, so they cannot drift apart."""
         strategy = replica_ctx.strategy
-        self._cross_ops()
+        self._cross_ops()   # the strategy's ops, before the route reads self._wrapped
         if tf_internal.use_merge_call(strategy):
             def merge_fn(strategy, *per_replica):
                 return self._reduce_merged(strategy, list(per_replica), variables, reduce_op,
@@ -289,7 +289,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
                                                    ring_sum, others, options))
 
     def _links(self) -> route.Links:
-        return route.Links(self._cross_ops(), self._workers, self._costs, self._settings,
+        return route.Links(self._wrapped, self._workers, self._costs, self._settings,
                            self.reducer, self._states, self.stats, self.trial_clock)
 
     def pack_plan(self, signature) -> plan.SetPlan:
