@@ -56,7 +56,7 @@ def _fall_back(reason: str) -> None:
     if os.environ.get(LIBRARY_ENV):
         fix = (f"${LIBRARY_ENV} names {os.environ[LIBRARY_ENV]}: point it at a library built for "
                f"this TensorFlow (`python -m gf_tf.ops` builds one and prints its path), or unset "
-               f"it to use gf_tf's own")
+               f"it to use gf_tf's own build ({BUILD_COMMAND})")
     else:
         fix = BUILD_COMMAND
     warnings.warn(f"gf_tf: {reason}; using the composite TensorFlow ops instead "
