@@ -9,8 +9,10 @@ Public API:
   keras    the Keras wing: install() (the fixes for multi-worker fit and the gradient hook),
            keras.checkpoint (CSC state in checkpoints), keras.backup (BackupAndRestore,
            load_weights_from_chief); the core imports no Keras
-  checkpoint, keras_compat  deprecated names of parts of the Keras wing
+  checkpoint, keras_compat, sparsity  deprecated names of parts of the Keras wing
   ops      pack/unpack, abs_max and the chunk ops (compiled, with a composite-TF fallback)
+  wire, collectives, reducers, plan  the registries of wire formats, all-reduce algorithms
+           and reducers, and the planner (README "How to add ...")
   launch   local multi-worker launcher and TF_CONFIG helpers (gf-tf-run)
   worker   what a worker process of a multi-worker job calls (exit_together)
 
@@ -60,7 +62,8 @@ _EXPORTS = {
     "GradientFlowStats": "gf_tf.keras.callbacks",
     "all_reduce_gradients": "gf_tf.gradients",
 }
-_SUBMODULES = ("checkpoint", "keras", "keras_compat", "launch", "ops", "worker")
+_SUBMODULES = ("checkpoint", "collectives", "keras", "keras_compat", "launch", "ops", "plan",
+               "reducers", "sparsity", "wire", "worker")
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES)
 

@@ -14,6 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from gf_tf import collectives
+from gf_tf.worker import COLLECTIVE_MISMATCH
 
 # (name, number, how to print the number) of one setting.
 Setting = Tuple[str, float, Callable[[float], str]]
@@ -43,6 +44,7 @@ def check_workers_agree(workers, settings: List[Setting], devices: Sequence[str]
     Raises:
       ValueError: "gf_tf.GradientFlowAllReduce settings differ across workers ...",
         listing each differing setting with every worker's value.
+      PeerMismatchError: the table's all-reduce failed (`peer_mismatch_error`).
     """
     if workers.num_workers == 1:
         return
@@ -50,7 +52,10 @@ def check_workers_agree(workers, settings: List[Setting], devices: Sequence[str]
     mine = np.zeros([workers.num_workers, width], np.float64)
     mine[workers.rank] = [1.0] + [float(number) for _, number, _ in settings]
     ring = collectives.ring.ring_sum(cross_device_ops, options)
-    table = collectives.sum_over_workers(ring, devices, mine).reshape(mine.shape)
+    try:
+        table = collectives.sum_over_workers(ring, devices, mine).reshape(mine.shape)
+    except tf.errors.OpError as e:
+        raise peer_mismatch_error(e, "the settings handshake (at the first trace of a step)") from e
     problems = []
     for k, (name, _, show) in enumerate(settings, start=1):
         column = table[:, k]
@@ -62,3 +67,32 @@ def check_workers_agree(workers, settings: List[Setting], devices: Sequence[str]
             "gf_tf.GradientFlowAllReduce settings differ across workers (every worker must "
             "use the same compression, bytes_per_pack, sparsity and model): "
             + "; ".join(problems))
+
+
+class PeerMismatchError(RuntimeError):
+    """gf_tf's first collective with its peers failed (`peer_mismatch_error` words it)."""
+
+
+def peer_mismatch_error(error: tf.errors.OpError, collective: str) -> PeerMismatchError:
+    """The error to raise when gf_tf's own first collective with its peers, `collective`, fails.
+
+    TensorFlow reports workers that issue different collectives as "Collective
+    instance N expected type ... but got ..." on one worker (not the leader) and,
+    once that worker has died, as a lost peer on the others. Either way the usual
+    cause is a worker that is not running GradientFlow with the same settings,
+    which TensorFlow's words do not name. A peer that really stopped reads the
+    same way, so the message names both, with TensorFlow's own line.
+    """
+    line = next((l.strip() for l in str(error).splitlines()
+                 if COLLECTIVE_MISMATCH.search(l) or "aborted" in l.lower() or "deadline" in l.lower()),
+                str(error).strip().splitlines()[0] if str(error).strip() else "")
+    if COLLECTIVE_MISMATCH.search(str(error)):
+        cause = "the workers issued different collectives"
+    else:
+        cause = "a peer worker stopped, or it issued a different collective"
+    return PeerMismatchError(
+        f"gf_tf: {collective} failed: {cause} ({type(error).__name__}: {line[:300]}). Every "
+        f"worker must run gf_tf.MultiWorkerMirroredStrategy (or GradientFlowAllReduce) with the "
+        f"same settings: a worker on plain tf.distribute, with gradient_flow=None, or on another "
+        f"gf_tf version cannot join workers that use GradientFlow. If every worker does, look "
+        f"for a peer that stopped (its log), then restart every worker.")

@@ -218,13 +218,13 @@ def _measure_trial(links: Links, state: VariableSetState, grads, packable, comm:
                                      for i in indices)]
         return [tf_internal.local_values(r) for r in cross_ops.batch_reduce(_SUM, pairs, options)]
 
-    @tf.function
+    @tf.function(autograph=False)   # AutoGraph would convert every gf_tf helper it calls
     def tf_own(inputs):
         values, out = as_gradient_list(inputs), [[None] * size for _ in inputs]
         reduce_by_tf(values, packable, lambda indices: by_tf(indices, values), out)
         return out
 
-    @tf.function
+    @tf.function(autograph=False)   # AutoGraph would convert every gf_tf helper it calls
     def gradient_flow(inputs):
         out = [[None] * size for _ in inputs]
         reduce_packs(links.reducer, state, as_gradient_list(inputs), comm, out)

@@ -5,12 +5,13 @@ The private TensorFlow wiring it needs is in `gf_tf.tf_internal`.
 
 import tensorflow as tf
 
-from gf_tf import cluster as cluster_lib
+from gf_tf import agreement, cluster as cluster_lib
 from gf_tf import cross_device_ops, integrations, tf_internal, watchdog
 from gf_tf.cluster import WorkerInfo  # noqa: F401 (re-exported: where it was before gf_tf.cluster)
 
 _DEFAULT = object()
-# Seconds a worker waits at start-up for peers that have not started (then fails naming them).
+# Seconds a worker waits at start-up for peers that have not started (then fails naming them):
+# a cluster's workers (pods, hosts started by hand) can start minutes apart. TF waits forever.
 DEFAULT_PEER_STARTUP_TIMEOUT = 300.0
 
 
@@ -46,7 +47,10 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     (`gf_tf.keras.patches`, keras-team/keras#20585), with or without GradientFlow.
 
     Raises:
-      RuntimeError: untested TensorFlow or Keras version.
+      RuntimeError: untested TensorFlow or Keras version, or created after TensorFlow ran an
+        op in this process.
+      gf_tf.agreement.PeerMismatchError (a RuntimeError): the planner's cost probe (with
+        peers and a setting "auto") failed, as when a peer is not running GradientFlow.
       TypeError: gradient_flow is not a GradientFlowAllReduce.
       ValueError: peer_startup_timeout or heartbeat_timeout is not a positive number or None, or
         TF_CONFIG is malformed (the message names the field; `gf_tf.cluster`).
@@ -68,6 +72,14 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         try:
             super().__init__(cluster_resolver=cluster_resolver,
                              communication_options=communication_options)
+        except RuntimeError as e:
+            if "must be configured at program startup" not in str(e):
+                raise
+            raise RuntimeError(
+                "gf_tf.MultiWorkerMirroredStrategy must be created before this process runs "
+                "any TensorFlow op (TensorFlow configures its collectives once, when it starts: "
+                f"\"{e}\"). Create the strategy first, before any tensor, dataset or model, "
+                "as in TensorFlow's multi-worker guide.") from e
         finally:
             if guard is not None:
                 guard.kill()
@@ -78,11 +90,15 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             gradient_flow = cross_device_ops.GradientFlowAllReduce()
         self.gradient_flow = gradient_flow
         if gradient_flow is not None:
-            gradient_flow._attach(  # pylint: disable=protected-access
-                tf_internal.cross_device_ops_of(self),
-                cluster_lib.from_resolver(self.cluster_resolver).worker_info(),
-                self.extended.worker_devices,
-                communication_options or tf.distribute.experimental.CommunicationOptions())
+            try:
+                gradient_flow._attach(  # pylint: disable=protected-access
+                    tf_internal.cross_device_ops_of(self),
+                    cluster_lib.from_resolver(self.cluster_resolver).worker_info(),
+                    self.extended.worker_devices,
+                    communication_options or tf.distribute.experimental.CommunicationOptions())
+            except tf.errors.OpError as e:
+                raise agreement.peer_mismatch_error(
+                    e, "the planner's cost probe (at strategy creation)") from e
             tf_internal.set_cross_device_ops(self, gradient_flow)
 
 

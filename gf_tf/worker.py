@@ -61,6 +61,9 @@ def exit_on_signals(name: str, signals=(signal.SIGINT, signal.SIGTERM)) -> None:
 
 
 _TASK_NAME = re.compile(r"/job:(\w+)(?:/replica:\d+)?/task:(\d+)")
+# TensorFlow's words when two workers issue different collectives under one instance key.
+COLLECTIVE_MISMATCH = re.compile(r"Collective instance \d+ expected type \d+ and data_type \d+ "
+                                 r"but got type \d+ and data_type \d+")
 # TensorFlow errors that mean a peer is gone or a collective could not complete.
 _PEER_ERRORS = ("UnavailableError", "DeadlineExceededError", "AbortedError", "CancelledError",
                 "InternalError", "UnknownError")
@@ -73,12 +76,17 @@ def lost_worker_message(error: BaseException, tf_config_text: Optional[str] = No
     UnavailableError, DeadlineExceededError, AbortedError, ... . The peers are
     the tasks its message (or chained errors') names other than this task
     (TF_CONFIG's task, default: the environment's); a timed-out collective
-    that names none gives a line saying a peer stopped answering.
+    that names none gives a line saying a peer stopped answering. Workers that
+    issued different collectives get a line saying so, and a
+    `gf_tf.agreement.PeerMismatchError` in the chain gives its own words.
     """
     chain, e = [], error
     while e is not None and len(chain) < 8:
         chain.append(e)
         e = e.__cause__ or e.__context__
+    mismatch = [e for e in chain if type(e).__name__ == "PeerMismatchError"]
+    if mismatch:   # gf_tf.agreement has worded it already
+        return str(mismatch[0]).removeprefix("gf_tf: ")
     errors = [e for e in chain if type(e).__module__.startswith("tensorflow")
               and type(e).__name__ in _PEER_ERRORS]
     if not errors:
@@ -91,6 +99,11 @@ def lost_worker_message(error: BaseException, tf_config_text: Optional[str] = No
     text = " ".join(str(e) for e in errors)
     peers = sorted({(job, int(i)) for job, i in _TASK_NAME.findall(text)} - {me})
     cause = f"{type(errors[0]).__name__}: {_reason(str(errors[0]))[:200]}"
+    mismatch = COLLECTIVE_MISMATCH.search(text)
+    if mismatch:
+        return (f"the workers issued different collectives ({type(errors[0]).__name__}: "
+                f"{mismatch.group(0)}): every worker must run the same program with the same "
+                f"strategy and gf_tf settings; restart every worker")
     if not peers and "CoordinationService" in text and cluster.leader not in (None, me):
         peers = [cluster.leader]   # the coordination service (heartbeats, registration) lives on the leader
     if not peers:

@@ -65,7 +65,10 @@ flags.DEFINE_string("model_dir", "", "TensorBoard logs, checkpoints, BackupAndRe
                     "Must be visible to every worker (same host or shared storage) for resuming")
 flags.DEFINE_integer("seed", 0, "random seed (weights, data order, dropout)")
 flags.DEFINE_float("collective_timeout", 300.0, "seconds before a stuck all-reduce fails")
-flags.DEFINE_float("startup_timeout", 300.0, "seconds a worker waits for peers that have not started")
+flags.DEFINE_float("startup_timeout", 300.0, "seconds a worker waits for peers that have not started. "
+                   "5 minutes because a cluster's workers (pods, hosts started by hand) can start "
+                   "minutes apart; TensorFlow alone waits forever. Meanwhile it prints the peers it "
+                   "waits for after 10 s, then every 30 s; lower it where workers start together")
 flags.DEFINE_float("heartbeat_timeout", None, "seconds without a peer's heartbeats before it is given up "
                    "(default: TensorFlow's, 10 s; raise it on slow links, where collectives delay them)")
 

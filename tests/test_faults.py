@@ -270,6 +270,43 @@ def test_lost_worker_message_names_peers_other_than_this_task():
     assert "heartbeat_timeout" not in line
 
 
+@pytest.mark.parametrize("setups", [("plain", "gradient_flow"), ("gradient_flow", "plain")],
+                         ids=["gradient_flow_on_worker_1", "gradient_flow_on_worker_0"])
+def test_a_peer_without_gradient_flow_is_named_at_the_first_collective(setups):
+    """GradientFlow's first collective (the planner's cost probe, while the strategy is created)
+    meets the plain worker's initial broadcast: both end within the collective timeout, and the
+    GradientFlow worker's error says what differs, whichever side TensorFlow reports it on."""
+    results = cluster.run_workers("mixed_setup_worker.py", 2, args=setups, timeout=WAIT,
+                                  comm_timeout=30)
+    assert all(r.returncode is not None for r in results), cluster.describe(results)
+    ours = results[setups.index("gradient_flow")].result
+    assert ours is not None, cluster.describe(results)
+    assert str(ours["kind"]) == "PeerMismatchError", cluster.describe(results)
+    assert str(ours["line"]).startswith("the planner's cost probe (at strategy creation) failed: "), ours
+    assert "a worker on plain tf.distribute, with gradient_flow=None, or on another gf_tf version " \
+           "cannot join workers that use GradientFlow" in str(ours["line"])
+    if setups[1] == "gradient_flow":   # TensorFlow tells the non-leader what differs
+        assert "the workers issued different collectives (InternalError: " in str(ours["line"])
+        assert "Collective instance 100 expected type 1 and data_type 1 but got type 0" in str(ours["line"])
+    plain = results[setups.index("plain")].result
+    assert plain is not None and str(plain["kind"]).endswith("Error"), cluster.describe(results)
+    if setups[0] == "gradient_flow":
+        assert str(plain["line"]).startswith("the workers issued different collectives (InternalError: "
+                                             "Collective instance 100 expected type 0 "), plain
+
+
+def test_a_strategy_created_after_a_tensorflow_op_says_to_create_it_first():
+    config = launch.tf_config(launch.local_cluster(2), 1)
+    code = ("import tensorflow as tf, gf_tf; tf.constant(1.0) + 1; "
+            "gf_tf.MultiWorkerMirroredStrategy(peer_startup_timeout=30)")
+    run = subprocess.run([sys.executable, "-c", code], env=_env(config), capture_output=True,
+                         text=True, timeout=WAIT)
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert ("RuntimeError: gf_tf.MultiWorkerMirroredStrategy must be created before this process "
+            "runs any TensorFlow op") in run.stderr, run.stderr[-3000:]
+    assert "Create the strategy first, before any tensor, dataset or model" in run.stderr
+
+
 def test_a_late_heartbeat_names_the_setting_that_waits_longer():
     # As seen on AlexNet's initial broadcast at 100 Mbit/s: a live leader's heartbeat RPC timed out.
     import tensorflow as tf

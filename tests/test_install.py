@@ -10,6 +10,7 @@ Wheels come from pip's cache after the first run; the slow part is the two compi
 
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -98,3 +99,33 @@ def test_import_without_tensorflow_names_the_extra(tmp_path):
     assert done.returncode != 0
     assert "ImportError: gf_tf needs TensorFlow 2.18-2.21" in done.stdout
     assert "gf_tf[cpu]" in done.stdout
+
+
+def test_the_docker_images_install_line_trains_the_main_job(tmp_path):
+    """No image can be built here (no Docker daemon), so examples/Dockerfile's `RUN pip install`
+    line runs in a fresh venv, on a copy of the sources as `COPY . .` gives them, and then the
+    image's command trains on 2 local workers (tfjob.yaml's operator sets TF_CONFIG; gf-tf-run
+    does here). Only --no-cache-dir is dropped, so the wheels come from pip's cache."""
+    dockerfile = (REPO / "examples" / "Dockerfile").read_text()
+    install = next(line for line in dockerfile.splitlines() if line.startswith("RUN pip install"))
+    args = [a for a in install.split()[3:] if a != "--no-cache-dir"]
+    command = next(line for line in dockerfile.splitlines() if line.startswith("CMD "))
+    assert args == ['".[cpu,models]"'] and command == 'CMD ["python", "-m", "models.train"]', \
+        "the Dockerfile changed: update this test's reading of it"
+    project = tmp_path / "gf_tf"
+    project.mkdir()
+    for name in PROJECT_FILES:
+        shutil.copy(REPO / name, project / name)
+    for tree in ("ops", "gf_tf", "models"):
+        shutil.copytree(REPO / tree, project / tree, ignore=shutil.ignore_patterns(
+            "bazel", "*.so", "*.tf_version", "__pycache__", "_ops_src"))
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", str(venv)])
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "GF_TF_OPS_LIBRARY", "TF_CONFIG")}
+    env.update(TF_CPP_MIN_LOG_LEVEL="2", GF_TF_CACHE_DIR=str(tmp_path / "cache"),
+               PATH=f"{venv / 'bin'}{os.pathsep}{env['PATH']}")
+    _run([str(venv / "bin" / "pip"), "install", "-q", ".[cpu,models]"], env=env, cwd=project)
+    out = _run([str(venv / "bin" / "gf-tf-run"), "-n", "2", "--", "python", "-m", "models.train"],
+               env=env, cwd=project, timeout=900)
+    accuracies = [float(a) for a in re.findall(r"\] test accuracy: ([0-9.]+)", out)]
+    assert len(accuracies) == 2 and min(accuracies) > 0.9, out[-4000:]

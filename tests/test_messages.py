@@ -1,6 +1,9 @@
 """Documented attribute paths exist, and bad settings name the fix."""
 
+import ast
 import os
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -9,11 +12,31 @@ import pytest
 import gf_tf
 
 
-def test_documented_submodules_are_attributes_of_a_fresh_gf_tf():
-    code = ("import gf_tf; assert callable(gf_tf.worker.exit_together); "
-            "assert callable(gf_tf.keras.install); assert gf_tf.launch.main; print('ok')")
+def test_every_gf_tf_path_readme_names_is_reachable_from_import_gf_tf_alone():
+    """Modules first (they are not imported as a side effect then). A module its package does
+    not import counts if `import` reaches it; a logger name, if gf_tf logs under it."""
+    text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    paths = sorted(set(re.findall(r"gf_tf(?:\.[A-Za-z_]\w*)+", text)), reverse=True)
+    assert "gf_tf.worker.exit_together" in paths and "gf_tf.keras.install" in paths
+    code = f"""
+import functools, importlib, logging, warnings
+warnings.simplefilter("ignore", DeprecationWarning)
+import gf_tf
+missing = []
+for path in {paths!r}:
+    try:
+        functools.reduce(getattr, path.split(".")[1:], gf_tf)
+    except AttributeError:
+        try:
+            importlib.import_module(path)
+        except ImportError:
+            missing.append(path)
+import gf_tf.route
+print([p for p in missing if p not in logging.Logger.manager.loggerDict])
+"""
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
 
 
 def test_an_unknown_compression_lists_auto_among_the_choices():
@@ -46,3 +69,55 @@ def test_a_missing_explicit_op_library_names_its_variable_not_a_compiler():
     fix = out.stderr.split("To get the compiled ops:")[1]
     assert fix.lstrip().startswith("$GF_TF_OPS_LIBRARY names /nonexistent/lib.so: point it at a "
                                    "library built for this TensorFlow"), out.stderr[-2000:]
+
+
+def test_every_tf_function_of_gf_tf_is_traced_without_autograph():
+    """AutoGraph would convert every gf_tf helper a traced function calls, and warn ("could not
+    transform ...") on the ones whose source it cannot read, such as the op loader's os.path calls."""
+    package = pathlib.Path(gf_tf.__file__).resolve().parent
+    offenders = []
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            decorators = getattr(node, "decorator_list", [])
+            calls = [d for d in decorators if ast.unparse(d).startswith("tf.function")]
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "tf.function":
+                calls.append(node)
+            for call in calls:
+                autograph = [k for k in getattr(call, "keywords", []) if k.arg == "autograph"]
+                if not (autograph and ast.unparse(autograph[0].value) == "False"):
+                    offenders.append(f"{path.relative_to(package)}:{call.lineno}")
+    assert offenders == []
+
+
+def test_a_collective_mismatch_is_worded_as_workers_that_run_different_setups():
+    import tensorflow as tf
+    from gf_tf import agreement, worker
+    tf_error = tf.errors.InternalError(None, None, (
+        "Graph execution error:\n\nAdditional GRPC error information from remote target "
+        "/job:worker/replica:0/task:0 while calling /tensorflow.WorkerService/CompleteInstance:\n"
+        "Collective ops is aborted by: Collective instance 100 expected type 1 and data_type 1 but "
+        "got type 0 and data_type 1\n"))
+    try:
+        raise agreement.peer_mismatch_error(tf_error, "the settings handshake") from tf_error
+    except agreement.PeerMismatchError as e:
+        raised = e
+    assert str(raised).startswith(
+        "gf_tf: the settings handshake failed: the workers issued different collectives "
+        "(InternalError: Collective ops is aborted by: Collective instance 100 expected type 1 and "
+        "data_type 1 but got type 0 and data_type 1). Every worker must run "), str(raised)
+    assert worker.lost_worker_message(raised) == str(raised).removeprefix("gf_tf: ")
+    lost = agreement.peer_mismatch_error(tf.errors.UnavailableError(None, None, "Collective ops is "
+                                         "aborted by: task 1 unhealthy"), "the probe")
+    assert "failed: a peer worker stopped, or it issued a different collective (Unavailable" in str(lost)
+
+
+def test_the_startup_wait_says_why_it_is_five_minutes_beside_its_flag():
+    code = ("import models.train as t, sys; print(t.FLAGS['startup_timeout'].default, "
+            "t.FLAGS['startup_timeout'].help); print('tensorflow' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=pathlib.Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("300.0 seconds a worker waits for peers that have not started. 5 "
+                                 "minutes because a cluster's workers"), out.stdout
+    assert "lower it where workers start together" in out.stdout
+    assert out.stdout.splitlines()[-1] == "False"   # the flags are read before TensorFlow loads

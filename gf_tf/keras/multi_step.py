@@ -71,7 +71,6 @@ def _guarded(one_step, steps, fallback=None):
         traced["logs"] = one_step(optional.get_value())
         return traced["logs"]
 
-    @tf.autograph.experimental.do_not_convert
     def steps_on_iterator(iterator):
         optional = iterator.get_next_as_optional()
         ran = optional.has_value()
@@ -83,7 +82,7 @@ def _guarded(one_step, steps, fallback=None):
                               lambda outputs=outputs: outputs)
         return ran, outputs
 
-    compiled = tf.function(steps_on_iterator, reduce_retracing=True)
+    compiled = tf.function(steps_on_iterator, reduce_retracing=True, autograph=False)
 
     def function(iterator):
         if fallback is not None and not isinstance(

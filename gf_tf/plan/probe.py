@@ -47,7 +47,7 @@ def local_seconds(wire_format: wire.WireFormat, device: str) -> float:
     with tf.device(device):
         grads = [tf.random.normal(s, seed=i) for i, s in enumerate(shapes)]
 
-    @tf.function
+    @tf.function(autograph=False)   # AutoGraph would convert every gf_tf helper it calls
     def round_trip():
         with tf.device(device):
             scale = 1.0 / (tf.reduce_max(ops.abs_max(grads)) + 1.0) if wire_format.scaled else 1.0
@@ -65,7 +65,7 @@ def _chain_seconds(all_reduce_sum, devices: Sequence[str], elements: int, count:
         with tf.device(device):
             inputs.append(tf.ones([elements], tf.float32))
 
-    @tf.function
+    @tf.function(autograph=False)   # AutoGraph would convert every gf_tf helper it calls
     def chain():
         values = inputs
         for _ in range(count):
