@@ -15,6 +15,7 @@ import tensorflow as tf
 from gf_tf import tf_internal
 
 
+@tf.autograph.experimental.do_not_convert   # from a user's tf.function: gf_tf runs as written
 def all_reduce_gradients(gradients: Sequence[Optional[tf.Tensor]], variables: Sequence,
                          reduce_op=tf.distribute.ReduceOp.SUM,
                          options: Optional[tf.distribute.experimental.CommunicationOptions] = None

@@ -89,6 +89,37 @@ def test_every_tf_function_of_gf_tf_is_traced_without_autograph():
     assert offenders == []
 
 
+def test_a_users_tf_function_does_not_autograph_convert_gf_tf(monkeypatch):
+    """A custom loop's tf.function converts what it calls, but gf_tf.all_reduce_gradients runs
+    gf_tf's Python as written (AutoGraph's status is DISABLED inside it)."""
+    import tensorflow as tf
+    from tensorflow.python.autograph.core import ag_ctx
+    from gf_tf import route
+    seen, reduce_packs = [], route.reduce_packs
+
+    def spy(*args, **kwargs):
+        seen.append(ag_ctx.control_status_ctx().status)
+        return reduce_packs(*args, **kwargs)
+
+    monkeypatch.setattr(route, "reduce_packs", spy)
+    strategy = tf.distribute.MirroredStrategy(
+        ["/cpu:0"], cross_device_ops=gf_tf.GradientFlowAllReduce(compression="fp16"))
+    with strategy.scope():
+        variable = tf.Variable([1.0, 2.0])
+
+    @tf.function
+    def step():
+        def replica_fn():
+            gradient = variable * 3.0
+            if tf.reduce_sum(gradient) > 0:   # AutoGraph converts this function
+                gradient = gradient + 1.0
+            return gf_tf.all_reduce_gradients([gradient], [variable])
+        return strategy.run(replica_fn)
+
+    assert step()[0].numpy().tolist() == [4.0, 7.0]
+    assert seen and all(status == ag_ctx.Status.DISABLED for status in seen), seen
+
+
 def test_a_collective_mismatch_is_worded_as_workers_that_run_different_setups():
     import tensorflow as tf
     from gf_tf import agreement, worker
