@@ -82,8 +82,9 @@ from gf_tf.plan import DEFAULT_BYTES_PER_PACK, PlanReport, planner
 
 PARAMETERS = ("alpha", "rho", "kappa", "gamma", "delta_tf", "delta_gf", "delta_csc")
 AUTO = "auto"   # gf_tf's default: the planner's pick
-PROJECTED_METHODS = ("tf_fp32", "gf_fp16", "gf_fp16_rd", "csc_1", "csc_1_rd", "csc_0.1", AUTO)
-COMPARED_METHODS = ("tf_fp32", "gf_fp16", "csc_1", "csc_0.1", AUTO)   # alpha matters to them
+PROJECTED_METHODS = ("tf_fp32", "gf_fp16", "gf_fp16_rd", "csc_1", "csc_1_rd", "csc_1_ahead",
+                     "csc_0.1", AUTO)
+COMPARED_METHODS = ("tf_fp32", "gf_fp16", "csc_1", "csc_1_ahead", "csc_0.1", AUTO)   # alpha matters
 MODELLED_METHODS = ("tf_fp32", "gf_fp16", "gf_fp16_rd", *methods.CSC_DENSITY)
 DEFAULT_CALIBRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration",
                                    "allreduce.json")
@@ -203,6 +204,8 @@ def method_traffic(method: str, shapes, bytes_per_pack: int = DEFAULT_BYTES_PER_
         selected = selected_chunk_count(sum(chunks), density)
     else:
         selected = sum(selected_chunk_count(c, density) for c in chunks)
+    if methods.csc_selection(method) == "ahead":   # chunks, next scores and bound: one FP16 buffer
+        return 2.0 * selected * DEFAULT_CHUNK_SIZE + 2.0 * (sum(chunks) + len(packs)), 1
     payload = 2.0 * selected * DEFAULT_CHUNK_SIZE + 4.0 * sum(chunks)
     return payload, 2                      # the norms' all-reduce and the chunks' all-reduce
 

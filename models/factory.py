@@ -108,7 +108,8 @@ def uses_csc(density: Union[float, str]) -> bool:
 def build_gradient_flow(compression: str = "fp16", bytes_per_pack: int = 4 << 20,
                         density: Union[float, str] = 1.0, chunk_size: int = 1024,
                         warmup_steps: int = 0, momentum: float = 0.0, selection: str = "per_pack",
-                        algorithm: str = "auto", overlap: str = "false"):
+                        algorithm: str = "auto", overlap: str = "false",
+                        scoring: str = "error_feedback"):
     """A gf_tf.GradientFlowAllReduce for these flags, or None for TF's own all-reduce.
 
     compression, algorithm, overlap: the flag values ("fp16", "bf16", "none" or "auto";
@@ -120,7 +121,8 @@ def build_gradient_flow(compression: str = "fp16", bytes_per_pack: int = 4 << 20
     --compression none with density 1 means plain TF (float32, TF's packing),
     unless --algorithm or --overlap asks for GradientFlow's (then a float32 wire).
     momentum: CSC momentum correction (the optimizer must then run without
-    momentum). selection: CSC's top-k "per_pack" or "global". The CSC flags
+    momentum). selection: CSC's top-k "per_pack", "global" or "ahead"; scoring: "ahead"'s
+    next-step score, "error_feedback" or "paper". The CSC flags
     are checked by gf_tf.ChunkSparsity, even for a dense run, and its
     ValueError names the flag ("--density must be a fraction in (0, 1] ...");
     also ValueError for a negative bytes_per_pack or an unknown compression,
@@ -135,7 +137,8 @@ def build_gradient_flow(compression: str = "fp16", bytes_per_pack: int = 4 << 20
                          f"got {bytes_per_pack}")
     try:   # every ChunkSparsity argument used here is the flag of the same name
         settings = gf_tf.ChunkSparsity(density=density, chunk_size=chunk_size, warmup_steps=warmup_steps,
-                                       momentum=momentum if uses_csc(density) else 0.0, selection=selection)
+                                       momentum=momentum if uses_csc(density) else 0.0, selection=selection,
+                                       scoring=scoring)
     except ValueError as e:
         raise ValueError(f"--{e}") from None
     sparsity = settings if uses_csc(density) else None

@@ -52,8 +52,11 @@ flags.DEFINE_string("density", "0.01", "fraction of chunks sent per step after w
                     "auto = chosen each step from the measured compute and all-reduce time")
 flags.DEFINE_integer("chunk_size", 1024, "CSC chunk size in elements")
 flags.DEFINE_integer("warmup_steps", 20, "dense steps before CSC starts")
-flags.DEFINE_string("selection", "per_pack", "CSC top-k: per_pack (k chunks of each pack) or "
-                    "global (K chunks over the whole model)")
+flags.DEFINE_enum("selection", "per_pack", ["per_pack", "global", "ahead"],
+                  "CSC top-k: per_pack (k chunks of each pack), global (K chunks over the whole "
+                  "model) or ahead (each pack's k chosen at the step before: one collective a step)")
+flags.DEFINE_enum("scoring", "error_feedback", ["error_feedback", "paper"],
+                  "--selection ahead: what scores a chunk for the next step")
 flags.DEFINE_integer("epochs", 10, "training epochs")
 flags.DEFINE_integer("steps_per_epoch", 0, "steps per epoch; 0 = one pass over the training set")
 flags.DEFINE_integer("batch_size", 64, "global batch size (all replicas of all workers)")
@@ -166,7 +169,8 @@ def main(argv):
     keras.utils.set_random_seed(FLAGS.seed)
     gradient_flow = factory.build_gradient_flow(
         FLAGS.compression, FLAGS.bytes_per_pack, FLAGS.density, FLAGS.chunk_size, FLAGS.warmup_steps,
-        FLAGS.momentum, FLAGS.selection, algorithm=FLAGS.algorithm, overlap=FLAGS.overlap)
+        FLAGS.momentum, FLAGS.selection, algorithm=FLAGS.algorithm, overlap=FLAGS.overlap,
+        scoring=FLAGS.scoring)
     # With CSC the momentum lives in ChunkSparsity (momentum correction), not in the optimizer.
     csc = gradient_flow is not None and gradient_flow.sparsity is not None
     optimizer_momentum = 0.0 if csc else FLAGS.momentum
@@ -246,7 +250,7 @@ def main(argv):
 
 _TRAIN_FLAGS = ("model", "dataset", "data_dir", "strategy", "num_devices", "compression",
                 "bytes_per_pack", "algorithm", "overlap", "density", "chunk_size", "warmup_steps",
-                "selection", "epochs", "steps_per_epoch", "batch_size", "learning_rate", "momentum",
+                "selection", "scoring", "epochs", "steps_per_epoch", "batch_size", "learning_rate", "momentum",
                 "mixed_precision", "model_dir", "seed", "collective_timeout", "startup_timeout",
                 "heartbeat_timeout")
 

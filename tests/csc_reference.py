@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from gf_tf.sparsity import selected_chunk_count
+from gf_tf.csc import selected_chunk_count
 
 
 class NumpyCSC:
@@ -95,3 +95,51 @@ def flatten(arrays, order):
 def chunks_zero(x, cs):
     c = -(-len(x) // cs)
     return np.array([not np.any(x[i * cs:(i + 1) * cs]) for i in range(c)])
+
+
+class NumpyAheadCSC:
+    """selection="ahead" (gf_tf.csc.ahead) in float64 for one pack, without wire rounding.
+
+    A sparse step sends the chunks chosen at the previous step from the all-reduced scores;
+    a dense (warm-up) step scores every chunk by the L1 norm of its sum."""
+
+    def __init__(self, n, num_replicas, chunk_size, momentum=0.0, scoring="error_feedback"):
+        self.pack = NumpyCSC(n, num_replicas, chunk_size, momentum)
+        self.scoring = scoring
+        self.scores = np.zeros(self.pack.c)
+        self.bound = 0.0
+
+    def step(self, g, density, warmup=False):
+        """g: [replicas, n] -> (output [n], the chunks sent this step)."""
+        p = self.pack
+        g = np.asarray(g, np.float64)
+        u = p.m * p.velocity + g if p.m else g
+        acc = p.residual + u
+        norms = np.array([p.chunk_norms(a) for a in acc])          # [replicas, C]
+        total = acc.sum(0)
+        if warmup:
+            idx = np.arange(p.c)
+            if np.all(np.isfinite(norms.sum(0))):
+                p.velocity = u if p.m else p.velocity
+                p.residual = np.zeros_like(acc)
+                self.scores = p.chunk_norms(total)
+                self.bound = norms.sum(0).max()
+            return total, idx
+        k = selected_chunk_count(p.c, density)
+        key = np.where(np.isnan(self.scores), np.inf, self.scores)
+        idx = np.sort(np.lexsort((np.arange(p.c), -key))[:k]) if k < p.c else np.arange(p.c)
+        mask = np.repeat(np.isin(np.arange(p.c), idx), p.cs)[:p.n]
+        out = np.where(mask, total, 0.0)
+        residual = np.where(mask, 0.0, acc)
+        velocity = (np.where(mask, 0.0, u) if k < p.c else u) if p.m else p.velocity
+        if self.scoring == "error_feedback":
+            scores = sum(p.chunk_norms(r + p.m * v) for r, v in zip(residual, velocity))
+        else:
+            scores = sum(p.chunk_norms(r) for r in residual)
+            scores[idx] = p.chunk_norms(out)[idx]
+        bound = norms.max(1).sum()
+        if np.all(np.isfinite(out)) and np.all(np.isfinite(scores)) and np.isfinite(bound):
+            p.residual, p.velocity, self.scores, self.bound = residual, velocity, scores, bound
+        else:
+            out = np.full_like(out, np.nan)
+        return out, idx

@@ -175,6 +175,26 @@ def test_csc_fit_in_groups_leaves_early_and_trains_as_one_barrier():
 
 
 @pytest.mark.slow
+def test_csc_ahead_in_groups_is_one_collective_per_group_that_leaves_before_the_last_gradient():
+    """selection="ahead": each group's step is one Case (the warm-up's dense branch, or the
+    sparse branch's one all-reduce); no norm all-reduce stands before it. The first group is
+    not reached from the last layer's gradient, and grouping changes no bit."""
+    args = ("--mode", "fit", "--density", "0.25", "--bytes_per_pack", "2048", "--selection", "ahead")
+    on, off = _run(*args, "--overlap", "on"), _run(*args, "--overlap", "off")
+    for r in on:
+        groups = int(r["groups"])
+        assert groups >= 3 and int(r["groups_seen"]) == groups, str(r["plan"])
+        assert np.all(r["collectives_per_group"] == 1), r["collectives_per_group"]
+        assert list(r["kernel_gradient_groups"]) == [groups - 1]
+        assert not bool(r["first_reached_from_kernel"])
+        assert bool(r["last_reached_from_kernel"]) and bool(r["groups_in_trace_order"])
+    keys = [k for k in on[0] if k[0] == "w" and k[1:].isdigit()]
+    for k in keys:
+        for r_on, r_off in zip(on, off):
+            assert r_on[k].tobytes() == on[0][k].tobytes() == r_off[k].tobytes(), k
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("density", ["0", "0.25"])
 def test_fit_with_a_layers_kernel_and_bias_in_different_groups_trains(density):
     # oneDNN fuses a layer's Conv2DBackpropFilter (or MatMul) and BiasAddGrad of the same dy

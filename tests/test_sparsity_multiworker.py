@@ -14,9 +14,9 @@ pytestmark = pytest.mark.slow
 PARAMS = 8 * 32 + 32 + 32 * 3 + 3
 
 
-def _run(*args):
-    results = run_workers("csc_fit_worker.py", num_workers=2, args=list(args),
-                          timeout=90, comm_timeout=30)
+def _run(*args, workers=2):
+    results = run_workers("csc_fit_worker.py", num_workers=workers, args=list(args),
+                          timeout=90 + 30 * (workers - 2), comm_timeout=30)
     assert all(r.ok and r.result is not None for r in results), describe(results)
     return [r.result for r in results]
 
@@ -47,6 +47,31 @@ def test_fit_with_csc_identical_weights_and_chunk_sized_collectives():
         np.testing.assert_array_equal(
             r["per_step"], [[4 * PARAMS, 4 * c + 2 * k * cs, k, c]] * steps)
         assert float(r["compression_ratio"]) == pytest.approx(4 * PARAMS / (4 * c + 2 * k * cs))
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_ahead_selection_is_bitwise_the_same_on_every_worker_in_one_collective(workers):
+    """selection="ahead": the workers' next-step scores (which choose the chunks) and weights
+    are the same bits; the sparse step's one float16 all-reduce carries k chunks, the C scores
+    and the bound; its float32 twin is the overflow retry; the warm-up step sends the float32
+    norms, then the whole pack."""
+    cs, density, steps = 16, 0.1, 6
+    c = math.ceil(PARAMS / cs)                  # 25 chunks, the last of 3 elements
+    k = math.ceil(density * c)                  # 3
+    results = _run(f"--density={density}", f"--chunk_size={cs}", f"--steps={steps}",
+                   "--warmup_steps=2", "--selection=ahead", "--momentum=0.9", workers=workers)
+    for r in results[1:]:
+        _assert_identical_weights(results[0], r)
+        assert r["scores"].tobytes() == results[0]["scores"].tobytes()
+        assert r["bound"].tobytes() == results[0]["bound"].tobytes()
+    assert np.count_nonzero(results[0]["scores"]) > c // 2
+    for r in results:
+        pairs = sorted(p for p in zip(r["reduce_dtypes"].tolist(), r["reduce_elements"].tolist())
+                       if p[1] > 1)   # not the loss and metric sums
+        assert pairs == sorted([("float16", k * cs + c + 1), ("float32", k * cs + c + 1),
+                                ("float32", c), ("float16", PARAMS)]), pairs
+        np.testing.assert_array_equal(r["per_step"][2:], [[4 * PARAMS, 2 * (k * cs + c + 1), k, c]]
+                                      * (steps - 2))
 
 
 def test_fit_with_exponential_warmup_and_momentum_stays_in_lockstep():

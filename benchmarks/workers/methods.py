@@ -27,6 +27,9 @@
     csc_1_overlap
               csc_1 with overlap=True: each 4 MiB pack all-reduces its own chunk norms,
               then its own chunks, as soon as its gradients exist
+    csc_1_ahead / csc_1_ahead_overlap
+              csc_1 with selection="ahead" (each pack's chunks chosen at the step
+              before: one collective a step), one barrier / with overlap=True
 
 Every GradientFlow method pins bytes_per_pack, algorithm and overlap (False) unless its
 OVERRIDES entry says otherwise (`auto` leaves them to the planner, the `_overlap` methods
@@ -44,13 +47,15 @@ keyword is one line there, e.g. `"gf_fp16_overlap": {"overlap": True},`.
 from typing import Dict, Union
 
 _BASE_METHODS = ["tf_fp32", "tf_fp16", "gf_fp16", "csc_10", "csc_1", "csc_0.1", "csc_auto",
-                 "csc_1_global", "csc_0.1_global"]
+                 "csc_1_global", "csc_0.1_global", "csc_1_ahead"]
 CSC_DENSITY: Dict[str, Union[float, str]] = {"csc_10": 0.10, "csc_1": 0.01, "csc_0.1": 0.001,
                                              "csc_auto": "auto",
                                              "csc_1_global": 0.01, "csc_0.1_global": 0.001,
-                                             "csc_1_rd": 0.01, "csc_1_overlap": 0.01}
+                                             "csc_1_rd": 0.01, "csc_1_overlap": 0.01,
+                                             "csc_1_ahead": 0.01, "csc_1_ahead_overlap": 0.01}
 # ChunkSparsity(selection=...) of the CSC methods not selecting per pack.
-CSC_SELECTION: Dict[str, str] = {"csc_1_global": "global", "csc_0.1_global": "global"}
+CSC_SELECTION: Dict[str, str] = {"csc_1_global": "global", "csc_0.1_global": "global",
+                                 "csc_1_ahead": "ahead", "csc_1_ahead_overlap": "ahead"}
 # GradientFlowAllReduce keywords of every GradientFlow method ("default" bytes_per_pack:
 # gf_tf.plan.DEFAULT_BYTES_PER_PACK, 4 MiB), before its OVERRIDES.
 PINNED: Dict[str, object] = {"compression": "fp16", "bytes_per_pack": "default", "algorithm": "ring",
@@ -62,6 +67,7 @@ OVERRIDES: Dict[str, Dict[str, object]] = {
     "gf_fp16_rd": {"algorithm": "recursive_doubling"},
     "csc_1_rd": {"algorithm": "recursive_doubling"},
     "csc_1_overlap": {"overlap": True},   # CSC 1%, each pack's norms and chunks on their own
+    "csc_1_ahead_overlap": {"overlap": True},   # CSC 1% ahead, each pack's one collective on its own
 }
 METHODS = _BASE_METHODS + [m for m in OVERRIDES if m not in _BASE_METHODS]
 # The methods the presets loop over when they take "every method".
@@ -80,13 +86,15 @@ LABELS = {
     "gf_fp16_rd": "GradientFlow fp16, recursive doubling",
     "csc_1_rd": "GradientFlow CSC 1%, recursive doubling",
     "csc_1_overlap": "GradientFlow CSC 1%, a group per pack",
+    "csc_1_ahead": "GradientFlow CSC 1%, chosen a step ahead",
+    "csc_1_ahead_overlap": "GradientFlow CSC 1% ahead, a group per pack",
 }
 for _m in [m for m in OVERRIDES if m not in LABELS]:   # a method added by one OVERRIDES line:
     LABELS[_m] = "GradientFlow " + ", ".join(f"{k}={v!r}" for k, v in OVERRIDES[_m].items())   # its keywords
 
 
 def csc_selection(method: str) -> str:
-    """ChunkSparsity(selection=...) of a CSC method: "global" or "per_pack"."""
+    """ChunkSparsity(selection=...) of a CSC method: "global", "ahead" or "per_pack"."""
     return CSC_SELECTION.get(method, "per_pack")
 
 

@@ -38,26 +38,29 @@ With ChunkSparsity(selection="global") the k largest norms are taken over the
 chunks of all packs of one wire dtype at once (K = ceil(density * their total
 chunks), a static wire length K*chunk_size); each pack then sends its share
 of those K chunks, a number that changes from step to step.
+With ChunkSparsity(selection="ahead") each pack's k chunks are chosen at the
+previous step from all-reduced scores that travel with that step's chunks, so
+a sparse step is one collective (`gf_tf.csc.ahead`).
 State (`CSCSetState` per variable set, `CSCState` per pack) is owned by
 GradientFlowAllReduce's state for that variable set, never by the settings.
 
 Modules: `settings` (ChunkSparsity, defaults, schedule, rungs), `selection`
-(chunk counts, top-k, the per-pack and global policies, the plan of a step),
+(chunk counts, top-k, the per-pack, global and ahead policies, the plan of a step),
 `auto` (the density="auto" clock, rule and timing state), `state`, `reducer`
-(the step).
+(the step), `ahead` (the sparse step of selection="ahead"), `buffers` (tensor helpers).
 """
 
 from gf_tf.csc.auto import TIMING_FIGURES, choose_rung
 from gf_tf.csc.reducer import CSCReducer
-from gf_tf.csc.selection import (POLICIES, GlobalSelection, PerPackSelection, StepPlan,
-                                 select_chunks, selected_chunk_count)
+from gf_tf.csc.selection import (POLICIES, AheadSelection, GlobalSelection, PerPackSelection,
+                                 StepPlan, select_chunks, selected_chunk_count)
 from gf_tf.csc.settings import (AUTO, AUTO_LADDER, DEFAULT_AUTO_BUDGET, DEFAULT_CHUNK_SIZE,
-                                DEFAULT_DENSITY, DEFAULT_MIN_DENSITY, SELECTIONS, WARMUP_MODES,
-                                ChunkSparsity)
+                                DEFAULT_DENSITY, DEFAULT_MIN_DENSITY, SCORINGS, SELECTIONS,
+                                WARMUP_MODES, ChunkSparsity)
 from gf_tf.csc.state import CSCSetState, CSCState
 
-__all__ = ["AUTO", "AUTO_LADDER", "CSCReducer", "CSCSetState", "CSCState", "ChunkSparsity",
+__all__ = ["AUTO", "AUTO_LADDER", "AheadSelection", "CSCReducer", "CSCSetState", "CSCState", "ChunkSparsity",
            "DEFAULT_AUTO_BUDGET", "DEFAULT_CHUNK_SIZE", "DEFAULT_DENSITY", "DEFAULT_MIN_DENSITY",
-           "GlobalSelection", "POLICIES", "PerPackSelection", "SELECTIONS", "StepPlan",
+           "GlobalSelection", "POLICIES", "PerPackSelection", "SCORINGS", "SELECTIONS", "StepPlan",
            "TIMING_FIGURES", "WARMUP_MODES", "choose_rung", "select_chunks",
            "selected_chunk_count"]

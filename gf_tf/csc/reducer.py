@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from gf_tf import ops
 from gf_tf.agreement import hex_text
-from gf_tf.csc import auto, selection
+from gf_tf.csc import ahead, auto, buffers, selection
 from gf_tf.csc.state import CSCSetState, CSCState
 from gf_tf.reducers import (Communicator, CostTerms, PackStep, Reducer, Sent, StepInput,
                             for_each_group, fuse_controls, no_control, wire_scales)
@@ -31,7 +31,8 @@ class ReplicaSend:
       indices came from a group's top K); size: its length (int, or int32 scalar);
     idx: int32 selected chunk indices, ascending; finite: bool scalar, the
       all-reduced norms are finite; postscale: undoes the prescale (and MEAN);
-    updates: (variable, new value) pairs: residual, velocity.
+    updates: (variable, new value) pairs: residual, velocity;
+    norm: the all-reduced chunk norms (float32 [C]).
     """
     buffer: tf.Tensor
     size: Any
@@ -39,6 +40,7 @@ class ReplicaSend:
     finite: tf.Tensor
     postscale: Any
     updates: Tuple[Tuple[tf.Variable, tf.Tensor], ...]
+    norm: tf.Tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,12 +91,18 @@ class CSCReducer(Reducer):
         self.selection = selection.POLICIES[sparsity.selection]
         self.clock = auto.timestamp
 
+    @property
+    def _ahead(self) -> bool:
+        return self.sparsity.selection == "ahead"
+
     def create_states(self, packs, devices):
         if not packs:
             return None, []
         shared = CSCSetState(packs[0].key.replace("/", "_"), len(devices), self.sparsity.auto)
         return shared, [CSCState(pack.key.replace("/", "_"), pack.num_elements, devices,
-                                 self.sparsity.momentum > 0.0, shared.steps) for pack in packs]
+                                 self.sparsity.momentum > 0.0, shared.steps,
+                                 ops.num_chunks(pack.num_elements, self.sparsity.chunk_size)
+                                 if self._ahead else None) for pack in packs]
 
     default_method = "fp16"   # compression="auto" with CSC: FP16 chunks
 
@@ -106,8 +114,9 @@ class CSCReducer(Reducer):
                 ("sparsity settings (CRC32)", zlib.crc32(repr(config).encode()), hex_text)]
 
     def cost(self, elements):
-        """Two collectives a step: the chunk norms, then the selected chunks; groupable with
-        per-pack selection at a fixed density (`ChunkSparsity.overlaps`)."""
+        """Two collectives a step: the chunk norms, then the selected chunks (one with
+        selection="ahead"); groupable at a fixed density with per-pack or "ahead" selection
+        (`ChunkSparsity.overlaps`)."""
         return CostTerms(self.sparsity.step_bytes(elements), groupable=self.sparsity.overlaps)
 
     def reduce(self, step: StepInput):
@@ -160,7 +169,9 @@ class CSCReducer(Reducer):
         timing = (auto.figures(step.shared.auto, self.clock, [p.grads for p in packs], comm)
                   if self.sparsity.auto else no_control(comm))
         accumulated = [self._accumulate(pack, comm) for pack in packs]
-        timing, *norms = fuse_controls(comm, [timing] + [a.norms for a in accumulated])
+        norms = None
+        if not self._ahead:   # "ahead" all-reduces norms on its dense steps only (in their branch)
+            timing, *norms = fuse_controls(comm, [timing] + [a.norms for a in accumulated])
         groups = selection.wire_groups(specs)
         control_bytes = 4 * int(timing[0].shape[0])
         plans = [selection.plan_step(specs, counts, groups, cs, self.selection, first, density,
@@ -173,7 +184,12 @@ class CSCReducer(Reducer):
         group_step = dataclasses.replace(step, packs=tuple(packs))
 
         def branch(plan):
-            return lambda: self._step(group_step, counts, accumulated, norms, plan)
+            if not self._ahead:
+                return lambda: self._step(group_step, counts, accumulated, norms, plan)
+            if plan.density < 1.0:
+                return lambda: self._ahead_step(group_step, counts, accumulated, plan)
+            return lambda: self._step(group_step, counts, accumulated,
+                                      fuse_controls(comm, [a.norms for a in accumulated]), plan)
 
         if len(branches) == 1:
             result = branch(plans[0])()
@@ -231,17 +247,24 @@ class CSCReducer(Reducer):
         return Branch(outputs, tf.constant(plan.sent_bytes, tf.int64),
                       tf.constant(plan.selected_chunks, tf.int64), residual_l1, started, done)
 
+    def _ahead_step(self, step: StepInput, counts, accumulated, plan) -> Branch:
+        """A sparse step of selection="ahead": one collective per wire group (`gf_tf.csc.ahead`)."""
+        outputs, residual_l1 = ahead.sparse_step(self.sparsity, step, counts, accumulated, plan)
+        return Branch(outputs, tf.constant(plan.sent_bytes, tf.int64),
+                      tf.constant(plan.selected_chunks, tf.int64), residual_l1, [], [])
+
     def _exchange(self, plan, sends: List[PackSend], comm: Communicator):
         """The chunk all-reduce of each wire group: (per pack, per served replica its
         received chunks; the auto "send" and "done" clocks per served replica, or [])."""
         received = [[None] * len(comm.replicas) for _ in sends]
         reduced, started = [[] for _ in comm.replicas], []
         for group in plan.groups:
-            buffers = [_pad_to(tf.concat([sends[j].replicas[i].buffer for j in group.members], 0),
-                               group.length) for i in range(len(comm.replicas))]
+            wire_buffers = [buffers.pad_to(tf.concat([sends[j].replicas[i].buffer
+                                                      for j in group.members], 0), group.length)
+                            for i in range(len(comm.replicas))]
             if self.sparsity.auto and not started:   # the start of this step's chunk all-reduce
-                buffers, started = auto.clocked(buffers, self.clock, comm)
-            fused = comm.all_reduce_sum(buffers)
+                wire_buffers, started = auto.clocked(wire_buffers, self.clock, comm)
+            fused = comm.all_reduce_sum(wire_buffers)
             for i, buffer in enumerate(fused):
                 reduced[i].append(buffer)
                 with tf.device(buffer.device):
@@ -273,12 +296,12 @@ class CSCReducer(Reducer):
                 acc, idx, cs, spec.wire_dtype, prescale, new_u if k is not None else None)
             if pick is None:
                 # Static wire shape on every step: pad a selected partial last chunk.
-                selected = _pad_to(selected, length)
+                selected = buffers.pad_to(selected, length)
             updates = [(state.residuals[r], new_residual)]
             if state.velocities:
                 updates.append((state.velocities[r], new_u if k is None else masked_u))
             return ReplicaSend(selected, length if pick is None else tf.size(selected), idx,
-                               finite, postscale, tuple(updates))
+                               finite, postscale, tuple(updates), norm)
 
         replicas = comm.map(send, accumulated.accs, norms, accumulated.new_us,
                             picks if picks is not None else [None] * len(comm.replicas))
@@ -303,38 +326,19 @@ class CSCReducer(Reducer):
         spec, cs = pack.spec, self.sparsity.chunk_size
 
         def scatter(r, part, sent: ReplicaSend):
-            m = spec.num_elements if k is None else _selected_length(spec.num_elements, cs,
+            m = spec.num_elements if k is None else buffers.selected_length(spec.num_elements, cs,
                                                                       sent.idx)
             out = ops.scatter_chunks(part[:m], sent.idx, cs, spec.shapes, spec.dtypes,
                                      sent.postscale)
-            _assign_if(sent.finite, sent.updates)
+            updates = sent.updates
+            if pack.state.scores is not None:   # "ahead": a dense step chooses the next chunks
+                updates += ((pack.state.scores[r], ahead.dense_scores(part[:m], sent.postscale,
+                                                                      comm, cs)),
+                            (pack.state.bounds[r], tf.reduce_max(sent.norm)))
+            buffers.assign_if(sent.finite, updates)
             return out
 
         return [t for tensors in comm.map(scatter, parts, send.replicas) for t in tensors]
-
-
-def _selected_length(n, chunk_size, idx):
-    """Elements in the (sorted) chunks idx of a pack of n elements: the last chunk may be partial."""
-    c = ops.num_chunks(n, chunk_size)
-    short = c * chunk_size - n
-    has_last = tf.reduce_any(tf.equal(idx, c - 1))     # idx may be empty (selection="global")
-    return tf.size(idx) * chunk_size - short * tf.cast(has_last, tf.int32)
-
-
-def _pad_to(buffer, length):
-    """1-D `buffer` zero-padded at the end to the static `length` (>= its length)."""
-    if buffer.shape[0] == length:
-        return buffer
-    return tf.ensure_shape(tf.pad(buffer, [[0, length - tf.shape(buffer)[0]]]), [length])
-
-
-def _assign_if(condition, pairs):
-    """variable.assign(value) for each pair when `condition` (scalar bool) holds."""
-    def assign():
-        for variable, value in pairs:
-            variable.assign(value)
-        return tf.constant(True)
-    tf.cond(condition, assign, lambda: tf.constant(False))
 
 
 def _per_pack(flat, specs, num_replicas):

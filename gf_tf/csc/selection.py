@@ -1,4 +1,4 @@
-"""CSC selection: chunk counts, top-k, the two selection policies and the plan of one step.
+"""CSC selection: chunk counts, top-k, the selection policies and the plan of one step.
 
 A `StepPlan` is computed once per candidate density of a trace (a schedule
 stage or an auto rung): per pack its k, per wire group (the packs of one wire
@@ -75,7 +75,15 @@ class GlobalSelection:
         return ks[members[0]]
 
 
-POLICIES = {policy.name: policy for policy in (PerPackSelection(), GlobalSelection())}
+class AheadSelection(PerPackSelection):
+    """selection="ahead": each pack sends its own top k of its C_p chunks, chosen at the
+    previous step from all-reduced scores (`gf_tf.csc.ahead`), so a sparse step needs no norm
+    all-reduce before its chunk all-reduce: the next step's scores travel in the same buffer."""
+    name = "ahead"
+
+
+POLICIES = {policy.name: policy
+            for policy in (PerPackSelection(), GlobalSelection(), AheadSelection())}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +104,8 @@ class StepPlan:
     density: the candidate density (1.0: dense).
     ks: per pack, the static chunk count of its selection (its k, or its group's K),
       or None: every chunk (a dense step of the pack).
-    groups: per wire group its GroupPlan.
+    groups: per wire group its GroupPlan (selection="ahead", sparse: its length counts the
+      scores and bound that ride behind the chunks, `gf_tf.csc.ahead`).
     sent_bytes, selected_chunks: what one replica sends (control vectors included)
       and the chunks it selects (a dense pack counts all of its chunks).
     """
@@ -126,6 +135,7 @@ def plan_step(specs: Sequence[PackSpec], counts: Sequence[int], groups, chunk_si
             k = selected_chunk_count(competing, density)
             ks[j] = None if k >= competing else k
     plans, sent, selected = [], control_bytes, 0
+    ahead = policy.name == AheadSelection.name and density < 1.0
     for members in groups:
         top_k = policy.group_top_k(ks, members)
         if top_k is not None:
@@ -134,7 +144,12 @@ def plan_step(specs: Sequence[PackSpec], counts: Sequence[int], groups, chunk_si
             length = sum(specs[j].num_elements if ks[j] is None else ks[j] * chunk_size
                          for j in members)
             chunks = sum(counts[j] if ks[j] is None else ks[j] for j in members)
-        sent += 4 * sum(counts[j] for j in members) + length * specs[members[0]].wire_dtype.size
+        size = specs[members[0]].wire_dtype.size
+        if ahead:   # the next step's scores and bound ride in the chunks' buffer
+            length += sum(counts[j] + 1 for j in members)
+            sent += length * size
+        else:
+            sent += 4 * sum(counts[j] for j in members) + length * size
         selected += chunks
         plans.append(GroupPlan(members, top_k, length))
     return StepPlan(first_step, density, tuple(ks), tuple(plans), sent, selected)

@@ -35,7 +35,9 @@ DEFAULT_MIN_DENSITY = DEFAULT_DENSITY
 DEFAULT_AUTO_BUDGET = 0.05
 
 WARMUP_MODES = ("dense", "exponential")
-SELECTIONS = tuple(POLICIES)     # "per_pack", "global"
+SELECTIONS = tuple(POLICIES)     # "per_pack", "global", "ahead"
+# selection="ahead": what scores a chunk for the next step (`gf_tf.csc.ahead`).
+SCORINGS = ("error_feedback", "paper")
 
 
 class ChunkSparsity:
@@ -113,6 +115,21 @@ class ChunkSparsity:
           or all of its chunks on a step. Same bytes on the wire, same two
           collectives per step; ties go to the lower chunk index, counting
           through the packs in their all-reduce order.
+        "ahead": each pack sends its own top k, chosen at the previous step
+          from all-reduced scores (GradientFlow's Algorithm 1): a sparse step
+          issues ONE collective per group of packs (its chunks, with the
+          scores and bound that choose and scale the next step's), so each
+          group leaves as soon as its own gradients are ready. The last
+          warm-up step chooses the first sparse step's chunks (the chunk L1
+          norms of its dense all-reduced gradient). Needs a numeric density.
+          See `gf_tf.csc.ahead` for the FP16 wire's scale and its FP32 retry.
+      scoring: selection="ahead" only: the score that chooses the next step's
+        chunks, all-reduced (SUM over replicas):
+        "error_feedback": the L1 norm of each chunk of what the next step
+          will send from, as far as it is known: the residual (plus
+          momentum * u with momentum correction);
+        "paper": GradientFlow's rule: a chunk just sent scores the L1 norm of
+          its all-reduced sum, any other its residual's L1 norm.
 
     Raises:
       ValueError naming the argument when one is out of range.
@@ -131,7 +148,7 @@ class ChunkSparsity:
                  chunk_size: int = DEFAULT_CHUNK_SIZE, warmup_steps: int = 0,
                  momentum: float = 0.0, warmup: str = "dense", selection: str = "per_pack",
                  min_density: float = DEFAULT_MIN_DENSITY,
-                 auto_budget: float = DEFAULT_AUTO_BUDGET):
+                 auto_budget: float = DEFAULT_AUTO_BUDGET, scoring: str = "error_feedback"):
         if isinstance(density, str):
             if density != AUTO:
                 raise ValueError(f"density must be a fraction in (0, 1] or \"auto\", got {density!r}")
@@ -147,8 +164,15 @@ class ChunkSparsity:
         if warmup not in WARMUP_MODES:
             raise ValueError(f"warmup must be one of {WARMUP_MODES}, got {warmup!r}")
         if selection not in SELECTIONS:
-            raise ValueError(f"selection must be one of {SELECTIONS} (top-k per pack or over "
-                             f"the whole model), got {selection!r}")
+            raise ValueError(f"selection must be one of {SELECTIONS} (top-k per pack, over "
+                             f"the whole model, or per pack chosen one step ahead), got {selection!r}")
+        if selection == "ahead" and density == AUTO:
+            raise ValueError("selection=\"ahead\" needs a numeric density: density=\"auto\" "
+                             "decides each step from that step's timing, which only "
+                             "selection=\"per_pack\" or \"global\" carry; use one of those "
+                             "with density=\"auto\", or a fixed density with \"ahead\"")
+        if scoring not in SCORINGS:
+            raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
         if isinstance(min_density, bool) or not (isinstance(min_density, (int, float))
                                                  and 0.0 < min_density <= 1.0):
             raise ValueError(f"min_density must be a fraction in (0, 1] (the floor of "
@@ -163,6 +187,7 @@ class ChunkSparsity:
         self.momentum = float(momentum)
         self.warmup = warmup
         self.selection = selection
+        self.scoring = scoring
         self.min_density = float(min_density)
         self.auto_budget = float(auto_budget)
 
@@ -174,9 +199,9 @@ class ChunkSparsity:
     @property
     def overlaps(self) -> bool:
         """Whether groups of packs may each select and send on their own (overlap with
-        backprop): per-pack selection at a fixed density. selection="global" needs every
-        pack's norms and density="auto" the whole step's timing: one barrier."""
-        return self.selection == "per_pack" and not self.auto
+        backprop): per-pack selection (or "ahead") at a fixed density. selection="global"
+        needs every pack's norms and density="auto" the whole step's timing: one barrier."""
+        return self.selection in ("per_pack", "ahead") and not self.auto
 
     def rungs(self) -> Tuple[float, ...]:
         """The densities density="auto" chooses from, largest first.
@@ -191,9 +216,10 @@ class ChunkSparsity:
     def __repr__(self):
         auto = (f", min_density={self.min_density}, auto_budget={self.auto_budget}"
                 if self.auto else "")
+        scoring = f", scoring={self.scoring!r}" if self.selection == "ahead" else ""
         return (f"ChunkSparsity(density={self.density!r}, chunk_size={self.chunk_size}, "
                 f"warmup_steps={self.warmup_steps}, momentum={self.momentum}, "
-                f"warmup={self.warmup!r}, selection={self.selection!r}{auto})")
+                f"warmup={self.warmup!r}, selection={self.selection!r}{scoring}{auto})")
 
     # -- schedule ----------------------------------------------------------
 
@@ -242,13 +268,17 @@ class ChunkSparsity:
         stages = [(s, d) for s, d in self.schedule() if d != AUTO]
         return tuple(stages + ([(None, d) for d in self.rungs()] if self.auto else []))
 
-    def step_bytes(self, elements: int) -> Tuple[int, int]:
-        """(chunk-norm bytes, selected-chunk bytes) per worker of one sparse step over
-        `elements` gradient elements in one pack, at the final density (density="auto":
-        its floor), for the planner (`CSCReducer.cost`)."""
+    def step_bytes(self, elements: int) -> Tuple[int, ...]:
+        """Bytes per worker of each collective of one sparse step over `elements` gradient
+        elements in one pack, at the final density (density="auto": its floor), on FP16, for
+        the planner (`CSCReducer.cost`): (chunk norms, selected chunks), or with
+        selection="ahead" (selected chunks + the next step's scores and bound,)."""
         chunks = math.ceil(elements / self.chunk_size)
         density = self.min_density if self.auto else self.density
-        return 4 * chunks, 2 * self.chunk_size * selected_chunk_count(chunks, density)
+        selected = 2 * self.chunk_size * selected_chunk_count(chunks, density)
+        if self.selection == "ahead":
+            return (selected + 2 * (chunks + 1),)
+        return 4 * chunks, selected
 
     def reducer(self) -> CSCReducer:
         """The reducer GradientFlowAllReduce runs each variable set's packs through."""
@@ -259,6 +289,8 @@ class ChunkSparsity:
         config = {"density": self.density, "chunk_size": self.chunk_size,
                   "warmup_steps": self.warmup_steps, "momentum": self.momentum,
                   "warmup": self.warmup, "selection": self.selection}
+        if self.selection == "ahead":
+            config["scoring"] = self.scoring
         if self.auto:
             config.update(min_density=self.min_density, auto_budget=self.auto_budget)
         return config

@@ -51,10 +51,14 @@ class CSCState(tf.Module):
     velocities: per local replica, float32 [n] (momentum > 0), else None.
     residual_l1: float32 scalar: L1 norm of local replica 0's residual.
     steps: the variable set's step counters (`CSCSetState.steps`, shared by its packs).
+    scores, bounds: selection="ahead" only (else None), per local replica on its device:
+      float32 [C], the all-reduced scores that choose the next step's chunks, and a float32
+      scalar, the all-reduced bound that scales them onto an FP16 wire (0: none yet);
+      equal on every replica of every worker (`gf_tf.csc.ahead`).
     """
 
     def __init__(self, name: str, num_elements: int, devices: Sequence[str], momentum: bool,
-                 steps: List[tf.Variable]):
+                 steps: List[tf.Variable], num_chunks: Optional[int] = None):
         super().__init__(name=None)
         n = num_elements
         self.steps = steps
@@ -68,6 +72,14 @@ class CSCState(tf.Module):
                                for r, d in enumerate(devices)]
         self.residual_l1 = tf_internal.local_variable(tf.constant(0.0), "/cpu:0",
                                                       f"gf_residual_l1_{name}")
+        self.scores: Optional[List[tf.Variable]] = None
+        self.bounds: Optional[List[tf.Variable]] = None
+        if num_chunks is not None:
+            self.scores = [tf_internal.local_variable(tf.zeros([num_chunks], tf.float32), d,
+                                                      f"gf_scores_{name}_r{r}")
+                           for r, d in enumerate(devices)]
+            self.bounds = [tf_internal.local_variable(tf.constant(0.0), d, f"gf_bound_{name}_r{r}")
+                           for r, d in enumerate(devices)]
 
     @property
     def step(self) -> tf.Variable:
@@ -76,13 +88,17 @@ class CSCState(tf.Module):
 
     def _variables(self) -> Dict[str, tf.Variable]:
         """Every saved variable by its array key: per replica r "step_r{r}" (the set's
-        counter), "residual_r{r}", "velocity_r{r}" (momentum only), then "residual_l1"."""
+        counter), "residual_r{r}", "velocity_r{r}" (momentum only), "scores_r{r}" and
+        "bound_r{r}" (selection="ahead" only), then "residual_l1"."""
         named = {}
         for r, residual in enumerate(self.residuals):
             named[f"step_r{r}"] = self.steps[r]
             named[f"residual_r{r}"] = residual
             if self.velocities:
                 named[f"velocity_r{r}"] = self.velocities[r]
+            if self.scores:
+                named[f"scores_r{r}"] = self.scores[r]
+                named[f"bound_r{r}"] = self.bounds[r]
         named["residual_l1"] = self.residual_l1
         return named
 

@@ -27,6 +27,8 @@ parser.add_argument("--warmup_steps", type=int, default=0)
 parser.add_argument("--warmup", default="dense")
 parser.add_argument("--momentum", type=float, default=0.0)
 parser.add_argument("--steps", type=int, default=5)
+parser.add_argument("--selection", default="per_pack")
+parser.add_argument("--scoring", default="error_feedback")
 parser.add_argument("--global_batch", type=int, default=16)
 parser.add_argument("--hidden", type=int, default=32)
 args = parser.parse_args()
@@ -39,7 +41,8 @@ if density == "auto" and args.min_density is not None:
     auto["min_density"] = args.min_density
 sparsity = gf_tf.ChunkSparsity(density=density, chunk_size=args.chunk_size,
                                warmup_steps=args.warmup_steps, warmup=args.warmup,
-                               momentum=args.momentum, **auto)
+                               momentum=args.momentum, selection=args.selection,
+                               scoring=args.scoring, **auto)
 gradient_flow = gf_tf.GradientFlowAllReduce(sparsity=sparsity)
 strategy = gf_tf.MultiWorkerMirroredStrategy(
     communication_options=worker_util.communication_options(), gradient_flow=gradient_flow)
@@ -91,6 +94,9 @@ history = model.fit(dataset, epochs=1, verbose=0,
 result = {f"w{i}": w for i, w in enumerate(model.get_weights())}
 result["residual"] = state.residuals[0].numpy()
 result["csc_steps"] = int(state.step.numpy())
+if state.scores is not None:   # selection="ahead": the next step's choice and scale
+    result["scores"] = state.scores[0].numpy()
+    result["bound"] = state.bounds[0].numpy()
 result["per_step"] = np.array(per_step.rows, np.float64)
 result["per_step_density"] = np.array(per_step.densities, np.float64)
 result["compression_ratio"] = history.history["gf_compression_ratio"][0]

@@ -37,6 +37,7 @@ parser.add_argument("--bytes_per_pack", type=int, default=1024)
 parser.add_argument("--overlap", choices=["on", "off"], default="on")
 parser.add_argument("--baseline", action="store_true", help="fit in one process, no strategy")
 parser.add_argument("--learning_rate", type=float, default=0.05, help="SGD's")
+parser.add_argument("--selection", default="per_pack", help="--mode fit: CSC's selection")
 args = parser.parse_args()
 
 import gf_tf  # pylint: disable=wrong-import-position
@@ -47,7 +48,8 @@ GROUP = re.compile(r"gf_group(\d+)/")
 
 
 def strategy_with(overlap):
-    sparsity = (gf_tf.ChunkSparsity(density=args.density, chunk_size=16, warmup_steps=1)
+    sparsity = (gf_tf.ChunkSparsity(density=args.density, chunk_size=16, warmup_steps=1,
+                                    selection=args.selection)
                 if args.density else None)
     gradient_flow = gf_tf.GradientFlowAllReduce(compression="fp16", bytes_per_pack=args.bytes_per_pack,
                                                 algorithm=args.algorithm, overlap=overlap,

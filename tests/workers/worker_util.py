@@ -57,7 +57,7 @@ def collective_reduces(model):
     """(dtype name, element count) of every CollectiveReduceV2 in the model's traced train step.
 
     Reads the concrete functions behind `model.train_function`, the functions they call
-    and the branch graphs of their conds, each once (test-only use of tf.function's
+    and the branch graphs of their conds and switch_cases, each once (test-only use of tf.function's
     `_list_all_concrete_functions`, FuncGraph's `_get_function` and cond_v2's
     `If._true_graph/_false_graph`).
     """
@@ -79,6 +79,11 @@ def collective_reduces(model):
             for branch in ("_true_graph", "_false_graph"):
                 if getattr(op, branch, None) is not None:
                     scan(getattr(op, branch), id(getattr(op, branch)))
+            if op.type in ("Case", "StatelessCase"):   # a tf.switch_case's branch functions
+                for function in op.get_attr("branches"):
+                    branch = graph._get_function(function.name)  # pylint: disable=protected-access
+                    if branch is not None:
+                        scan(branch.graph, function.name)
 
     def walk(obj):
         if isinstance(obj, tf.types.experimental.PolymorphicFunction):
