@@ -45,7 +45,7 @@ def test_unknown_flag_values_list_the_valid_ones(call, flag, valid):
     ({"bytes_per_pack": -1}, "--bytes_per_pack must be >= 0"),
     ({"warmup_steps": -1}, "--warmup_steps must be an int >= 0"),
     ({"density": 0.1, "momentum": 1.0}, "--momentum must be in [0, 1)"),
-    ({"selection": "whole"}, "--selection must be one of ('per_pack', 'global')"),
+    ({"selection": "whole"}, "--selection must be one of ('per_pack', 'global', 'ahead')"),
 ])
 def test_out_of_range_communication_flags_name_the_flag(kwargs, message):
     with pytest.raises(ValueError) as error:
