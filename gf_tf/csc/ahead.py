@@ -91,7 +91,8 @@ def sparse_step(sparsity, step: StepInput, counts: Sequence[int], accumulated, p
     for pack, send, parts, count, k, acc in zip(step.packs, sends, received, counts, plan.ks,
                                                 accumulated):
         outputs.extend(_finish(sparsity, pack, send, parts, count, k, finite, comm))
-        residual_l1 += _residual_l1(pack.state, acc.norms[0], send[0].idx, finite, comm)
+        residual_l1 += buffers.record_residual_l1(pack.state, acc.norms[0], send[0].idx,
+                                                   finite, comm)
     return outputs, residual_l1
 
 
@@ -119,8 +120,7 @@ def _prepare(sparsity, pack, accumulated, count, k, comm: Communicator) -> List[
         if sparsity.scoring == "error_feedback" and next_u is not None:
             scores = buffers.chunk_l1(new_residual + sparsity.momentum * next_u, cs)
         else:   # the residual's chunk norms: acc's, with the sent chunks at 0
-            scores = tf.tensor_scatter_nd_update(norms, tf.reshape(idx, [-1, 1]),
-                                                 tf.zeros(tf.shape(idx), tf.float32))
+            scores = buffers.without_chunks(norms, idx)
         exact = tf.concat([exact, scores, tf.reshape(tf.reduce_max(norms), [1])], 0)
         wire_buffer = tf.cast(exact * prescale, spec.wire_dtype)
         return _Send(idx, prescale, known, wire_buffer, exact, new_residual, next_u)
@@ -198,14 +198,3 @@ def dense_scores(values: tf.Tensor, postscale, comm: Communicator, chunk_size: i
     values: the received buffer (wire dtype, n elements, prescaled); postscale: what
     turns it into the step's output (shape [] or [C]: 1/prescale, x 1/N for MEAN)."""
     return buffers.chunk_l1(values, chunk_size) * (postscale / comm.postscale)
-
-
-def _residual_l1(state, norms, idx, finite, comm: Communicator) -> tf.Tensor:
-    """L1 norm of the first served replica's residual after the step (kept if not finite)."""
-    with tf.device("/cpu:0"):
-        new_l1 = tf.reduce_sum(tf.tensor_scatter_nd_update(
-            norms, tf.reshape(idx, [-1, 1]), tf.zeros(tf.shape(idx), tf.float32)))
-        residual_l1 = tf.where(finite, new_l1, state.residual_l1.read_value())
-        if comm.replicas[0] == 0:
-            state.residual_l1.assign(residual_l1)
-    return residual_l1

@@ -36,3 +36,22 @@ def chunk_l1(values: tf.Tensor, chunk_size: int) -> tf.Tensor:
     count = ops.num_chunks(n, chunk_size)
     padded = tf.pad(tf.cast(values, tf.float32), [[0, count * chunk_size - n]])
     return tf.reduce_sum(tf.abs(tf.reshape(padded, [count, chunk_size])), axis=1)
+
+
+def without_chunks(norms: tf.Tensor, idx: tf.Tensor) -> tf.Tensor:
+    """float32 [C] `norms` with the entries `idx` (int32 [k]) set to 0: a residual's chunk
+    norms after the chunks idx of its accumulator were sent."""
+    return tf.tensor_scatter_nd_update(norms, tf.reshape(idx, [-1, 1]),
+                                       tf.zeros(tf.shape(idx), tf.float32))
+
+
+def record_residual_l1(state, norms, idx, finite, comm) -> tf.Tensor:
+    """L1 norm of the first served replica's residual after the step (its accumulator's
+    chunk `norms` without the sent chunks `idx`), kept as it was if not `finite`; stored in
+    `state.residual_l1` by local replica 0."""
+    with tf.device("/cpu:0"):
+        residual_l1 = tf.where(finite, tf.reduce_sum(without_chunks(norms, idx)),
+                               state.residual_l1.read_value())
+        if comm.replicas[0] == 0:
+            state.residual_l1.assign(residual_l1)
+    return residual_l1

@@ -305,20 +305,9 @@ class CSCReducer(Reducer):
 
         replicas = comm.map(send, accumulated.accs, norms, accumulated.new_us,
                             picks if picks is not None else [None] * len(comm.replicas))
-        return PackSend(replicas, self._residual_l1(state, accumulated, replicas[0], comm))
-
-    @staticmethod
-    def _residual_l1(state: CSCState, accumulated: Accumulated, first: ReplicaSend,
-                     comm: Communicator) -> tf.Tensor:
-        """L1 norm of the first served replica's residual after the step (kept if not finite)."""
-        with tf.device("/cpu:0"):
-            sent_chunks = tf.reshape(first.idx, [-1, 1])
-            new_l1 = tf.reduce_sum(tf.tensor_scatter_nd_update(
-                accumulated.norms[0], sent_chunks, tf.zeros(tf.shape(first.idx), tf.float32)))
-            residual_l1 = tf.where(first.finite, new_l1, state.residual_l1.read_value())
-            if comm.replicas[0] == 0:
-                state.residual_l1.assign(residual_l1)
-        return residual_l1
+        first = replicas[0]
+        return PackSend(replicas, buffers.record_residual_l1(
+            state, accumulated.norms[0], first.idx, first.finite, comm))
 
     def _scatter(self, pack: PackStep, send: PackSend, parts, k, comm) -> List[tf.Tensor]:
         """The pack's tensors from its received chunks, served replica by replica (flat);
@@ -326,8 +315,8 @@ class CSCReducer(Reducer):
         spec, cs = pack.spec, self.sparsity.chunk_size
 
         def scatter(r, part, sent: ReplicaSend):
-            m = spec.num_elements if k is None else buffers.selected_length(spec.num_elements, cs,
-                                                                      sent.idx)
+            m = (spec.num_elements if k is None
+                 else buffers.selected_length(spec.num_elements, cs, sent.idx))
             out = ops.scatter_chunks(part[:m], sent.idx, cs, spec.shapes, spec.dtypes,
                                      sent.postscale)
             updates = sent.updates
