@@ -12,7 +12,7 @@ Public API:
   checkpoint, keras_compat, sparsity  deprecated names of parts of the Keras wing
   ops      pack/unpack, abs_max and the chunk ops (compiled, with a composite-TF fallback)
   wire, collectives, reducers, plan  the registries of wire formats, all-reduce algorithms
-           and reducers, and the planner (README "How to add ...")
+           and reducers, and the planner (docs/api/extending.md)
   launch   local multi-worker launcher and TF_CONFIG helpers (gf-tf-run)
   worker   what a worker process of a multi-worker job calls (exit_together)
 
@@ -27,6 +27,7 @@ import importlib
 import importlib.util
 import sys
 
+__version__ = "0.2.0"
 SUPPORTED_TENSORFLOW = "2.18-2.21"
 
 

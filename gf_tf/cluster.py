@@ -188,11 +188,14 @@ def _check_task(task, cluster: dict) -> None:
 def validate_tf_config(text: str) -> dict:
     """Parses and checks one TF_CONFIG string the way a worker will read it.
 
-    Returns the parsed dict. Raises ValueError naming the bad field
-    (e.g. `cluster.worker[1]`, `task.index`) and what was expected: invalid
-    JSON, a missing/empty cluster, a task list that is not host:port strings
-    with port 1-65535, the same address twice, a task type not in the cluster,
-    or an index out of range.
+    Returns:
+      The parsed dict.
+
+    Raises:
+      ValueError: naming the bad field (e.g. `cluster.worker[1]`, `task.index`) and
+        what was expected: invalid JSON, a missing/empty cluster, a task list that is
+        not host:port strings with port 1-65535, the same address twice, a task type
+        not in the cluster, or an index out of range.
     """
     try:
         config = json.loads(text)
@@ -209,8 +212,14 @@ def validate_tf_configs(texts: Sequence[str]) -> List[dict]:
     """Checks the TF_CONFIGs of all tasks of one job against each other.
 
     Each must pass `validate_tf_config`; all must name the identical cluster;
-    no two may name the same (task.type, task.index). Raises ValueError
-    naming the field and the tasks (by position in `texts`) that disagree.
+    no two may name the same (task.type, task.index).
+
+    Returns:
+      The parsed dicts, in the order of `texts`.
+
+    Raises:
+      ValueError: naming the field and the tasks (by position in `texts`) that
+        disagree.
     """
     configs = [validate_tf_config(t) for t in texts]
     owner = {}

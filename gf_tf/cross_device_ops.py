@@ -37,6 +37,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
     `gather`) goes to the wrapped TF ops exactly as the stock strategy sends it.
 
     Gradients:
+
     - dense float16/bfloat16/float32 tensors with static shapes are packed per
       dtype into 1-D buffers of at most `bytes_per_pack` wire bytes, in backprop
       order (reverse of the caller's order); float32 travels as
@@ -46,6 +47,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
       FP16's precision at any replica count; the scale is undone after.
     - everything else (IndexedSlices, integers, float64, unknown shapes, None)
       goes to the strategy's own batch all-reduce untouched.
+
     Per step: one float32 all-reduce of every pack's control values (FP16 scale
     bounds, CSC chunk norms), then one collective per pack (with `overlap`, per group).
 
@@ -61,35 +63,37 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
     worker "auto" is TensorFlow's own all-reduce. `plans()` shows the choice.
 
     Args:
-      compression: "auto" (default: the planner picks "fp16" or TF's own
-        float32), "fp16", "bf16" or None (packing only), or another name
+      compression (str | None): "auto" (default: the planner picks "fp16" or TF's
+        own float32), "fp16", "bf16" or None (packing only), or another name
         registered in `gf_tf.wire.FORMATS`. With `sparsity`, "auto" is "fp16".
-      bytes_per_pack: lazy all-reduce threshold in wire bytes (>= 0); 0 = one
-        pack per dtype. A tensor larger than it gets a pack of its own.
+      bytes_per_pack (int | str): lazy all-reduce threshold in wire bytes (>= 0);
+        0 = one pack per dtype. A tensor larger than it gets a pack of its own.
         "auto" (default): 4 MiB (`gf_tf.plan.planner.PACK_SIZES`).
-      sparsity: optional `gf_tf.ChunkSparsity` (CSC), applied to every pack.
-      cross_device_ops: the TensorFlow cross-device ops that carry the packs;
-        None = the one the strategy would use by itself (MirroredStrategy's
-        CollectiveAllReduce; set by gf_tf.MultiWorkerMirroredStrategy).
-      algorithm: how the packs (and the control vector, CSC's norms and chunks)
-        cross workers: "auto" (default: the planner's choice), "ring" (the
+      sparsity (ChunkSparsity | None): optional `gf_tf.ChunkSparsity` (CSC), applied
+        to every pack.
+      cross_device_ops (tf.distribute.CrossDeviceOps | None): the TensorFlow
+        cross-device ops that carry the packs; None = the one the strategy would
+        use by itself (MirroredStrategy's CollectiveAllReduce; set by
+        gf_tf.MultiWorkerMirroredStrategy).
+      algorithm (str): how the packs (and the control vector, CSC's norms and
+        chunks) cross workers: "auto" (default: the planner's choice), "ring" (the
         wrapped TF ops, 2(N-1) hops), "recursive_doubling" (ceil(log2 N) rounds
         of 2-member all-reduces, multi-worker runs of
         gf_tf.MultiWorkerMirroredStrategy on the merge-call path; elsewhere the
         ring) or another name registered in `gf_tf.collectives.ALGORITHMS`.
-      overlap: packs in groups, each with its own control all-reduce, so a
-        group's collectives wait only for its own gradients and can run during
+      overlap (bool | str): packs in groups, each with its own control all-reduce,
+        so a group's collectives wait only for its own gradients and can run during
         the rest of backprop: False (default: one barrier, every pack waits for
         the step's last gradient), "auto" (the planner's rule,
         `gf_tf.plan.planner.choose_overlap`, which may pick smaller packs when
-        bytes_per_pack is "auto"; one barrier when nothing was measured) or
+        bytes_per_pack is "auto"; one barrier when the probe did not run) or
         True (one group per pack). Not the default: each group adds collectives,
-        and on one inter-op thread nothing overlaps (README "Overlap"). Unscaled
+        and on one inter-op thread nothing overlaps (docs/overlap.md). Unscaled
         wires and TF's own all-reduce keep one barrier; a reducer groups where
         its `CostTerms.groupable` says (CSC: per-pack selection, fixed density).
-      reducer: a `gf_tf.reducers.Reducer` of your own (the packs' step: state,
-        settings, cost terms and the all-reduce); None: the dense reducer, or
-        CSC's with `sparsity`.
+      reducer (Reducer | None): a `gf_tf.reducers.Reducer` of your own (the packs'
+        step: state, settings, cost terms and the all-reduce); None: the dense
+        reducer, or CSC's with `sparsity`.
 
     Attributes:
       stats: `gf_tf.stats.CommStats`, updated once per gradient all-reduce; created
@@ -100,7 +104,8 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
 
     Raises:
       ValueError: bad compression / bytes_per_pack / algorithm / overlap / sparsity /
-        reducer; settings differing across workers.
+        reducer, or cross_device_ops that is itself a GradientFlowAllReduce; at the
+        first trace of a step, settings that differ across workers (`gf_tf.agreement`).
     """
 
     def __init__(self, compression: Optional[str] = AUTO, bytes_per_pack=AUTO, sparsity=None,
@@ -143,6 +148,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
 
     @property
     def stats(self) -> CommStats:
+        """The `gf_tf.stats.CommStats` of this object, created on first use."""
         if self._stats is None:
             with tf.init_scope():
                 self._stats = CommStats()

@@ -1,8 +1,8 @@
 """`gf_tf.all_reduce_gradients`: the one door through which gradients reach GradientFlow.
 
 GradientFlow compresses gradients and nothing else. Keras's optimizers send
-theirs through this function (gf_tf.keras_compat routes
-`optimizer.apply_gradients`, and so `model.fit`, here); a custom training
+theirs through this function (the Keras wing, `gf_tf.keras`, routes
+`optimizer.apply_gradients`, and so `model.fit`, to it); a custom training
 loop that all-reduces gradients itself calls it instead of
 `ReplicaContext.all_reduce`. Any other all-reduce under the same strategy is
 passed to TensorFlow's collectives unchanged.
@@ -36,14 +36,16 @@ def all_reduce_gradients(gradients: Sequence[Optional[tf.Tensor]], variables: Se
         strategy.run(step, args=(x, y))
 
     A Keras optimizer's `apply_gradients` / `apply` all-reduce through this
-    function by themselves (gf_tf.keras_compat): give them un-reduced gradients.
+    function by themselves (the Keras wing, `gf_tf.keras`): give them un-reduced
+    gradients.
 
     Args:
       gradients: per variable a tensor (any float dtype), `tf.IndexedSlices`, or None.
       variables: the variables of those gradients, same length and order. The
         compression state (CSC residuals, momentum, step counter) belongs to this
         variable list: keep it the same objects in the same order from step to step.
-      reduce_op: `tf.distribute.ReduceOp.SUM` (as Keras) or `MEAN`, or "sum"/"mean".
+      reduce_op (tf.distribute.ReduceOp | str): `tf.distribute.ReduceOp.SUM` (as Keras)
+        or `MEAN`, or "sum"/"mean".
       options: `tf.distribute.experimental.CommunicationOptions` for the collectives.
 
     Returns:

@@ -60,7 +60,7 @@ def local_cluster(num_workers: int, host: str = "127.0.0.1") -> Dict[str, List[s
 
 
 # TensorFlow's C++ start-up lines, printed by absl before absl::InitializeLog() and so
-# regardless of TF_CPP_MIN_LOG_LEVEL (seen with TF 2.21): its banner, INFO lines, the CPU
+# regardless of TF_CPP_MIN_LOG_LEVEL (TF 2.21 prints them): its banner, INFO lines, the CPU
 # feature note and its continuation, and the oneDNN DT_HALF note, which is not an error.
 _STARTUP_LINES = (
     re.compile(rb"^WARNING: All log messages before absl::InitializeLog\(\) is called"),
@@ -130,8 +130,8 @@ class _Worker:
 
     def __init__(self, label: str, argv: Sequence[str], env: Dict[str, str], out, lock,
                  hide_tf_startup: bool = False):
-        # A new session keeps terminal Ctrl-C away from the child (we forward it)
-        # and lets us signal the worker together with anything it started.
+        # start_new_session (setsid) keeps terminal Ctrl-C away from the child (the launcher
+        # forwards it) and lets the launcher signal the worker with anything it started.
         self.label = label
         self.hide_tf_startup = hide_tf_startup
         self.network_error = None   # the first "no network" error in its output, e.g. a failed DNS lookup
@@ -186,14 +186,27 @@ def run_tasks(tf_configs: Sequence[str], argv: Sequence[str], env: Optional[Dict
               out=None, tf_log: bool = False) -> int:
     """Runs `argv` once per TF_CONFIG string, in parallel, until all exit.
 
-    Returns 0 if every task exits 0. If one fails, the others are stopped
-    (SIGTERM, then SIGKILL after GRACE_SECONDS) and its exit code is returned
-    (1 if it was killed by a signal). SIGINT/SIGTERM to this process are
-    forwarded to every task; then 130 (SIGINT) or 143 (SIGTERM) is returned.
+    If one task fails, the others are stopped (SIGTERM, then SIGKILL after
+    GRACE_SECONDS). SIGINT/SIGTERM to this process are forwarded to every task.
     Must run in the main thread (it installs signal handlers).
-    Unless `tf_log` is True, the tasks' TensorFlow start-up lines
-    (`is_tf_startup_line`) are dropped from the output, and TF_CPP_MIN_LOG_LEVEL
-    is 2 unless `env` sets it.
+
+    Args:
+      tf_configs: one TF_CONFIG JSON string per task (checked with
+        `validate_tf_configs`).
+      argv: the command each task runs.
+      env: the tasks' environment (default: this process's), plus TF_CONFIG.
+      out (BinaryIO | None): binary stream the tasks' output lines go to, each prefixed with its
+        task (default: this process's stdout).
+      tf_log: keep TensorFlow's start-up lines (`is_tf_startup_line`); by default
+        they are dropped and TF_CPP_MIN_LOG_LEVEL is 2 unless `env` sets it.
+
+    Returns:
+      0 if every task exits 0; else the exit code of the first task that failed
+      (1 if it was killed by a signal), or 130 (SIGINT) / 143 (SIGTERM) when this
+      process got that signal.
+
+    Raises:
+      ValueError: no command, or TF_CONFIGs that are malformed or disagree.
     """
     if not argv:
         raise ValueError("no command given: use gf-tf-run -n N -- python -m models.train ...")

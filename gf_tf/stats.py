@@ -15,6 +15,7 @@ import tensorflow as tf
 # Per-step figures reported by CommStats.result and GradientFlowStats.
 FIGURES = ("dense_bytes_per_step", "sent_bytes_per_step", "compression_ratio",
            "selected_chunks_per_step", "total_chunks_per_step", "residual_norm", "density")
+"""The per-step figures of `CommStats.result` (GradientFlowStats logs them with its prefix)."""
 
 # CommStats's running totals: (key of `totals()`, dtype of `to_tensors()`). All but the last
 # are counts, kept in one float64 variable so that a step adds them with one op (exact to 2^53).
@@ -47,16 +48,23 @@ class CommStats:
                residual_norm=None, density=None):
         """Adds one step. Byte counts are per worker replica, in bytes.
 
-        dense_bytes: what float32 dense all-reduce would have sent (4 bytes x
-        elements); sent_bytes: what actually went into the collectives (for
-        CSC: chunk norms, 4 bytes per chunk, plus the selected elements in the
-        wire dtype). selected_chunks / total_chunks: CSC chunks sent / existing
-        (dense steps of CSC count all chunks as sent). residual_norm: L1 norm
-        (sum of |x|) of the CSC residual of the first local replica over all
-        packs after this step. density: the step's CSC density (1.0 on dense
-        steps; with density="auto" the one chosen); None counts as 1.0 (a dense
-        all-reduce sends everything). Arguments may be Python numbers or scalar
-        tensors.
+        Arguments may be Python numbers or scalar tensors.
+
+        Args:
+          dense_bytes (float | tf.Tensor): what float32 dense all-reduce would have
+            sent (4 bytes x elements).
+          sent_bytes (float | tf.Tensor): what actually went into the collectives
+            (for CSC: chunk norms, 4 bytes per chunk, plus the selected elements in
+            the wire dtype).
+          selected_chunks (int | tf.Tensor): CSC chunks sent (dense steps of CSC
+            count all chunks as sent).
+          total_chunks (int | tf.Tensor): CSC chunks existing.
+          residual_norm (float | tf.Tensor | None): L1 norm (sum of |x|) of the CSC
+            residual of the first local replica over all packs after this step, or
+            None (kept as it is).
+          density (float | tf.Tensor | None): the step's CSC density (1.0 on dense
+            steps; with density="auto" the one chosen); None counts as 1.0 (a dense
+            all-reduce sends everything).
         """
         added = [1, dense_bytes, sent_bytes, selected_chunks, total_chunks,
                  1.0 if density is None else density]
@@ -98,7 +106,7 @@ class CommStats:
         ones a checkpoint restores, so that figures over all steps cover the whole run.
 
         Raises:
-          ValueError naming a key that is not a total.
+          ValueError: a key of `totals` is not a total (the message names it).
         """
         unknown = sorted(set(totals) - {key for key, _ in _TOTALS})
         if unknown:
@@ -115,11 +123,15 @@ class CommStats:
     def result(self, since: Optional[Dict[str, float]] = None) -> dict:
         """Per-step means since creation, or since an earlier `totals()` snapshot.
 
-        Returns a dict with "steps" and the FIGURES: dense_bytes_per_step,
-        sent_bytes_per_step (bytes), compression_ratio (dense / sent; 0 if
-        nothing was sent), selected_chunks_per_step, total_chunks_per_step,
-        residual_norm (the latest value, not a mean), density (the mean CSC
-        density per step: with density="auto", what it chose; 1.0 when dense).
+        Args:
+          since: a `totals()` snapshot, or None (since creation).
+
+        Returns:
+          A dict with "steps" and the FIGURES: dense_bytes_per_step,
+          sent_bytes_per_step (bytes), compression_ratio (dense / sent; 0 if
+          nothing was sent), selected_chunks_per_step, total_chunks_per_step,
+          residual_norm (the latest value, not a mean), density (the mean CSC
+          density per step: with density="auto", what it chose; 1.0 when dense).
         """
         now = self.totals()
         if since:

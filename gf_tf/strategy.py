@@ -7,40 +7,44 @@ import tensorflow as tf
 
 from gf_tf import agreement, cluster as cluster_lib
 from gf_tf import cross_device_ops, integrations, tf_internal, watchdog
-from gf_tf.cluster import WorkerInfo  # noqa: F401 (re-exported: where it was before gf_tf.cluster)
+from gf_tf.cluster import WorkerInfo  # noqa: F401 (re-exported as gf_tf.strategy.WorkerInfo)
 
 _DEFAULT = object()
 # Seconds a worker waits at start-up for peers that have not started (then fails naming them):
 # a cluster's workers (pods, hosts started by hand) can start minutes apart. TF waits forever.
 DEFAULT_PEER_STARTUP_TIMEOUT = 300.0
+"""`MultiWorkerMirroredStrategy(peer_startup_timeout=)`: seconds a worker waits for peers."""
 
 
 class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     """`tf.distribute.MultiWorkerMirroredStrategy` with GradientFlow all-reduce.
 
     Args:
-      cluster_resolver, communication_options: as for
-        `tf.distribute.MultiWorkerMirroredStrategy` (TF_CONFIG by default). Set
+      cluster_resolver (tf.distribute.cluster_resolver.ClusterResolver | None): as
+        for `tf.distribute.MultiWorkerMirroredStrategy` (default: TF_CONFIG).
+      communication_options (tf.distribute.experimental.CommunicationOptions | None):
+        as for `tf.distribute.MultiWorkerMirroredStrategy`. Set
         `CommunicationOptions(timeout_seconds=...)` so a lost worker fails fast.
-      gradient_flow: the `gf_tf.GradientFlowAllReduce` carrying the gradients
-        (default: `GradientFlowAllReduce()`, the planner), or None for plain
-        TensorFlow all-reduce. The strategy's own CollectiveAllReduce is wrapped,
-        so instance keys, RING/NCCL and timeouts stay TensorFlow's. Create it
-        outside any strategy scope; one instance serves one strategy.
-
-      peer_startup_timeout: seconds every worker waits at start-up for peers
-        that have not started; then it fails with a message naming them
-        (default 300; None waits forever, TensorFlow's default). While it
-        waits, it says which peers it waits for and until when, after 10 s and
-        then every 30 s (`gf_tf.watchdog`). On the
+      gradient_flow (GradientFlowAllReduce | None): the `gf_tf.GradientFlowAllReduce`
+        carrying the gradients (default: `GradientFlowAllReduce()`, the planner), or
+        None for plain TensorFlow all-reduce. The strategy's own CollectiveAllReduce
+        is wrapped, so instance keys, RING/NCCL and timeouts stay TensorFlow's.
+        Create it outside any strategy scope; one instance serves one strategy.
+      peer_startup_timeout (float | None): seconds every worker waits at start-up
+        for peers that have not started; then it fails with a message naming them
+        (default DEFAULT_PEER_STARTUP_TIMEOUT, 300; None waits forever,
+        TensorFlow's default). While it waits, it says which peers it waits for
+        and until when, after 10 s and then every 30 s (`gf_tf.watchdog`). On the
         leader (chief, or worker 0), where TensorFlow's wait cannot be
-        interrupted, a watchdog process prints that message and kills it (SIGKILL). A peer lost
-        later is detected by TensorFlow's coordination-service heartbeats.
-      heartbeat_timeout: seconds without a peer's coordination-service
-        heartbeats before every worker gives it up (default None: TensorFlow's,
-        10 s). Raise it on slow links: heartbeats share the link with the
-        collectives, and AlexNet's 244 MB initial broadcast at 100 Mbit/s held
-        them back past 10 s (`DeadlineExceededError ... CoordinationService/Heartbeat`
+        interrupted, a watchdog process prints that message and kills it
+        (SIGKILL). A peer lost later is detected by TensorFlow's
+        coordination-service heartbeats.
+      heartbeat_timeout (float | None): seconds without a peer's
+        coordination-service heartbeats before every worker gives it up
+        (default None: TensorFlow's, 10 s). Raise it on slow links: heartbeats
+        share the link with the collectives, and a large transfer (a big
+        model's initial broadcast over a slow link) can hold them back past
+        the timeout (`DeadlineExceededError ... CoordinationService/Heartbeat`
         from a live peer). A frozen peer is then noticed that much later.
 
     Also installs the Keras 3 multi-worker `model.fit` fixes of the Keras wing
@@ -49,8 +53,9 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     Raises:
       RuntimeError: untested TensorFlow or Keras version, or created after TensorFlow ran an
         op in this process.
-      gf_tf.agreement.PeerMismatchError (a RuntimeError): the planner's cost probe (with
-        peers and a setting "auto") failed, as when a peer is not running GradientFlow.
+      PeerMismatchError: `gf_tf.agreement.PeerMismatchError`, a RuntimeError: the
+        planner's cost probe (with peers and a setting "auto") failed, as when a peer
+        is not running GradientFlow.
       TypeError: gradient_flow is not a GradientFlowAllReduce.
       ValueError: peer_startup_timeout or heartbeat_timeout is not a positive number or None, or
         TF_CONFIG is malformed (the message names the field; `gf_tf.cluster`).

@@ -10,7 +10,7 @@ replicas agree on: the SUM over replicas of each replica's max |x| (per tensor
 for dense packs, the chunk L1 norms for CSC). That bound is at least every
 partial sum a ring all-reduce forms, so with `2**15 / bound` rounded down to
 a power of two no partial sum can reach 65504, while the largest value lands
-within a factor 2 of 2**15: small gradients keep FP16's full precision at any
+within a factor 2 of `2**15`: small gradients keep FP16's full precision at any
 replica count. A power of two multiplies exactly (no rounding of its own).
 BF16 has float32's range and float32 needs no scaling: their scale is 1.
 """
@@ -29,13 +29,20 @@ from gf_tf import ops
 class WireFormat:
     """One wire format of packed float32 gradients.
 
-    name: what users pass as `compression` ("fp16", "bf16", ...; None: each pack
-      travels in its own dtype, float32 as float32).
-    dtype: what float32 values travel as (None: their own dtype).
-    scaled: values must be scaled into the dtype's range (module docstring): the
-      packs then need their all-reduced bounds first, one control collective.
-    auto: compression="auto" may choose it (the planner weighs it against
-      TensorFlow's own all-reduce).
+    Source: GradientFlow (arXiv 1902.06855), "mixed-precision communication".
+    Register one with `register`; `GradientFlowAllReduce(compression=name)` then
+    selects it.
+
+    Attributes:
+      name: what users pass as `compression` ("fp16", "bf16", ...; None: each pack
+        travels in its own dtype, float32 as float32).
+      dtype: what float32 values travel as (None: their own dtype); one of
+        `gf_tf.ops.WIRE_DTYPES`.
+      scaled: values must be scaled into the dtype's range (by a power of two chosen
+        from an all-reduced bound, `power_of_two_scale`): the packs then need their
+        all-reduced bounds first, one control collective.
+      auto: compression="auto" may choose it (the planner weighs it against
+        TensorFlow's own all-reduce).
     """
     name: Optional[str]
     dtype: Optional[tf.DType]
@@ -69,7 +76,13 @@ FORMATS: Dict[Optional[str], WireFormat] = {}
 def register(wire_format: WireFormat) -> WireFormat:
     """Adds (or replaces) a wire format under its name; returns it.
 
-    Raises ValueError for a dtype the op library cannot pack to, or the name "none"."""
+    Every worker must register the same formats.
+
+    Raises:
+      ValueError: the format's dtype is one the op library cannot pack to
+        (`gf_tf.ops.WIRE_DTYPES`), or its name is "none" (the planner's name of the
+        None format).
+    """
     if wire_format.dtype is not None and wire_format.dtype not in ops.WIRE_DTYPES:
         raise ValueError(f"wire format {wire_format.name!r}: the op library packs to "
                          f"{[d.name for d in ops.WIRE_DTYPES]}, not {wire_format.dtype.name}")
@@ -87,7 +100,9 @@ register(WireFormat("bf16", tf.bfloat16))
 def format_of(method: str) -> WireFormat:
     """The wire format of a planner method name ("none" is the None format).
 
-    Raises ValueError for an unknown name (listing the registered ones)."""
+    Raises:
+      ValueError: an unknown name (the message lists the registered ones).
+    """
     name = None if method == NO_COMPRESSION else method
     if name not in FORMATS:
         raise ValueError(f"compression must be \"auto\" or one of {list(FORMATS)}, got {method!r}")
@@ -154,12 +169,12 @@ def power_of_two_scale(bound: tf.Tensor) -> tf.Tensor:
       bound: float32, any shape: SUM over replicas of max |x| (or of L1 norms).
 
     Returns:
-      float32 of the same shape: 2**e with e = floor(log2(2**15 / bound)),
+      float32 of the same shape: `2**e` with `e = floor(log2(2**15 / bound))`,
       clipped to [-126, 126]; 1 where the bound is inf or NaN (so a
       non-finite gradient stays non-finite and reaches the loss scaler), 0,
-      or below float32's smallest normal number 2**-126 (TensorFlow's CPU
+      or below float32's smallest normal number `2**-126` (TensorFlow's CPU
       kernels flush such subnormals to zero).
-      `bound * scale` < 2**15 wherever the bound is finite.
+      `bound * scale < 2**15` wherever the bound is finite.
     """
     bound = tf.convert_to_tensor(bound, tf.float32)
     usable = tf.math.is_finite(bound) & (bound >= _SMALLEST_NORMAL)

@@ -72,13 +72,19 @@ _PEER_ERRORS = ("UnavailableError", "DeadlineExceededError", "AbortedError", "Ca
 def lost_worker_message(error: BaseException, tf_config_text: Optional[str] = None) -> Optional[str]:
     """One line naming the worker(s) this task lost, or None if `error` is not about a lost peer.
 
-    `error` is what `model.fit` (or any collective) raised: a TensorFlow
-    UnavailableError, DeadlineExceededError, AbortedError, ... . The peers are
-    the tasks its message (or chained errors') names other than this task
-    (TF_CONFIG's task, default: the environment's); a timed-out collective
-    that names none gives a line saying a peer stopped answering. Workers that
-    issued different collectives get a line saying so, and a
-    `gf_tf.agreement.PeerMismatchError` in the chain gives its own words.
+    The peers are the tasks the error's message (or its chained errors')
+    names other than this task; a timed-out collective that names none gives a
+    line saying a peer stopped answering. Workers that issued different
+    collectives get a line saying so, and a `gf_tf.agreement.PeerMismatchError`
+    in the chain gives its own words.
+
+    Args:
+      error: what `model.fit` (or any collective) raised: a TensorFlow
+        UnavailableError, DeadlineExceededError, AbortedError, ... .
+      tf_config_text: the TF_CONFIG of this task (default: the environment's).
+
+    Returns:
+      The line (without a trailing newline), or None.
     """
     chain, e = [], error
     while e is not None and len(chain) < 8:
@@ -128,11 +134,19 @@ def exit_together(timeout_seconds: float = 300.0) -> bool:
     worker still running then (say, evaluating on its own) logs `BaseCollectiveExecutor::
     StartAbort UNAVAILABLE: ... tasks are unhealthy (stopped sending heartbeats)`, and its
     collectives would fail. After this barrier every worker exits within moments of the others.
+    Used by `python -m models.train`; mirrors the shutdown barrier of TensorFlow's
+    coordination agent.
 
-    Returns False (and waits for nothing) without a coordination service: one worker,
-    MirroredStrategy. Raises TensorFlow's error when a peer is lost or does not arrive
-    within `timeout_seconds` (`lost_worker_message` turns it into one line). Used by
-    `python -m models.train`; mirrors the shutdown barrier of TensorFlow's coordination agent.
+    Args:
+      timeout_seconds: how long to wait for the other workers, in seconds.
+
+    Returns:
+      True once every worker has arrived; False (having waited for nothing) without
+      a coordination service: one worker, MirroredStrategy.
+
+    Raises:
+      tf.errors.OpError: TensorFlow's error when a peer is lost or does not arrive
+        within `timeout_seconds` (`lost_worker_message` turns it into one line).
     """
     from gf_tf import tf_internal  # pylint: disable=import-outside-toplevel  (imports TensorFlow)
     return tf_internal.wait_at_coordination_barrier("gf_tf/exit_together", timeout_seconds)

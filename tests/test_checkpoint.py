@@ -218,9 +218,9 @@ def test_the_chiefs_file_on_another_worker_is_refused_with_the_recipe(tmp_path):
     assert str(error.value).startswith(
         "gf_tf: cannot restore the checkpoint's CSC state: it holds worker 0's state and this is "
         "worker 1. Each worker must load the file it saved itself (or use "
-        "gf_tf.checkpoint.BackupAndRestore); to load a file only the chief saved (TF's "
+        "gf_tf.keras.backup.BackupAndRestore); to load a file only the chief saved (TF's "
         "multi-worker guide: ModelCheckpoint on the chief) on every worker, call "
-        "gf_tf.checkpoint.load_weights_from_chief(model, path) instead of "
+        "gf_tf.keras.backup.load_weights_from_chief(model, path) instead of "
         "model.load_weights(path): the chief's weights and optimizer, this worker's CSC "
         "residuals and momentum from zero (warned).\n\n(Keras: 1 object(s)"), str(error.value)
     assert gfar.states() == {}

@@ -12,10 +12,14 @@ import pytest
 import gf_tf
 
 
-def test_every_gf_tf_path_readme_names_is_reachable_from_import_gf_tf_alone():
-    """Modules first (they are not imported as a side effect then). A module its package does
+def test_every_gf_tf_path_readme_and_docs_name_is_reachable_from_import_gf_tf_alone():
+    """README.md and docs/ (not the dated reports nor the changelog, which name past paths).
+    Modules first (they are not imported as a side effect then). A module its package does
     not import counts if `import` reaches it; a logger name, if gf_tf logs under it."""
-    text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    repo = pathlib.Path(__file__).resolve().parent.parent
+    pages = [repo / "README.md"] + [p for p in sorted((repo / "docs").rglob("*.md"))
+                                    if "reports" not in p.parts and p.name != "changelog.md"]
+    text = "\n".join(page.read_text() for page in pages)
     paths = sorted(set(re.findall(r"gf_tf(?:\.[A-Za-z_]\w*)+", text)), reverse=True)
     assert "gf_tf.worker.exit_together" in paths and "gf_tf.keras.install" in paths
     code = f"""
@@ -26,11 +30,22 @@ missing = []
 for path in {paths!r}:
     try:
         functools.reduce(getattr, path.split(".")[1:], gf_tf)
+        continue
     except AttributeError:
+        pass
+    parts = path.split(".")
+    for cut in range(len(parts), 1, -1):   # the longest importable module, then attributes
         try:
-            importlib.import_module(path)
+            module = importlib.import_module(".".join(parts[:cut]))
         except ImportError:
+            continue
+        try:
+            functools.reduce(getattr, parts[cut:], module)
+        except AttributeError:
             missing.append(path)
+        break
+    else:
+        missing.append(path)
 import gf_tf.route
 print([p for p in missing if p not in logging.Logger.manager.loggerDict])
 """

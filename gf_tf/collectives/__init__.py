@@ -6,7 +6,7 @@ states its alpha-beta cost (Thakur, Rabenseifner & Gropp 2005, "Optimization
 of collective communication operations in MPICH"): one all-reduce of B bytes
 per worker over N workers takes
 
-  latency_units(N) * alpha  +  byte_factor(N) * B * beta
+    latency_units(N) * alpha  +  byte_factor(N) * B * beta
 
 where alpha is the algorithm's own latency unit (a ring hop; a round of
 recursive doubling), measured for each algorithm by `gf_tf.plan.probe`, and
@@ -31,11 +31,15 @@ SumFn = Callable[[List[tf.Tensor]], List[tf.Tensor]]
 class Context:
     """What an algorithm may build its all-reduce from, for one call.
 
-    ring_sum: the wrapped TF ops' SUM all-reduce of the served replicas (the merge-call or
-      the replica-context form). cross_ops: the wrapped TF cross-device ops. workers:
-      `gf_tf.cluster.WorkerInfo` or None (one worker). devices: the served replicas'
-      devices. all_replicas: every local replica is served (the merge-call path).
-      options: CommunicationOptions or None.
+    Attributes:
+      ring_sum: the wrapped TF ops' SUM all-reduce of the served replicas (the
+        merge-call or the replica-context form): one 1-D tensor per served replica
+        in, per served replica the SUM over all replicas of all workers out.
+      cross_ops: the wrapped TF cross-device ops.
+      workers: `gf_tf.cluster.WorkerInfo`, or None (one worker).
+      devices: the served replicas' devices.
+      all_replicas: every local replica is served (the merge-call path).
+      options: `tf.distribute.experimental.CommunicationOptions`, or None.
     """
     ring_sum: SumFn
     cross_ops: Optional[tf.distribute.CrossDeviceOps]
@@ -47,14 +51,22 @@ class Context:
 
 @dataclasses.dataclass(frozen=True)
 class Algorithm:
-    """One collective algorithm.
+    """One collective algorithm, with its alpha-beta cost.
 
-    name: what users pass as `algorithm`.
-    build: Context -> the SUM all-reduce.
-    latency_units: N -> latency units of one all-reduce (0 for N = 1).
-    byte_factor: N -> how many times each worker's bytes cross its link.
-    same_as_tf_own: N -> True where an exact (float32) wire over it is TensorFlow's own
-      all-reduce again, so compression="auto" does not consider float32 packs over it.
+    One all-reduce of B bytes per worker over N workers is predicted to take
+    `latency_units(N) * alpha + byte_factor(N) * B * beta` seconds (Thakur,
+    Rabenseifner & Gropp 2005), alpha this algorithm's latency unit and beta the
+    link's seconds per byte, both measured by `gf_tf.plan.probe`.
+
+    Attributes:
+      name: what users pass as `GradientFlowAllReduce(algorithm=)`.
+      build: `Context` -> the SUM all-reduce (the contract of
+        `gf_tf.reducers.Communicator.all_reduce_sum`).
+      latency_units: N -> latency units of one all-reduce over N workers (0 for N = 1).
+      byte_factor: N -> how many times each worker's bytes cross its link.
+      same_as_tf_own: N -> True where an exact (float32) wire over it is TensorFlow's
+        own all-reduce again, so compression="auto" does not consider float32 packs
+        over it.
     """
     name: str
     build: Callable[[Context], SumFn]
@@ -87,7 +99,11 @@ RECURSIVE_DOUBLING = register(Algorithm(
 
 
 def get(name: str) -> Algorithm:
-    """The registered algorithm `name`; ValueError listing the registered ones otherwise."""
+    """The registered algorithm `name`.
+
+    Raises:
+      ValueError: no algorithm of that name (the message lists the registered ones).
+    """
     if name not in ALGORITHMS:
         raise ValueError(f"algorithm must be \"auto\" or one of {list(ALGORITHMS)}, got {name!r}")
     return ALGORITHMS[name]

@@ -30,12 +30,15 @@ def load_weights_from_chief(model, filepath, **kwargs) -> None:
     this is `model.load_weights`. To resume every worker's own residuals, use BackupAndRestore.
 
     Args:
-      model: a compiled Keras model of a GradientFlow strategy; its optimizer is built if not yet.
-      filepath, kwargs: as `model.load_weights`.
+      model (keras.Model): a compiled Keras model of a GradientFlow strategy; its optimizer
+        is built if not yet.
+      filepath (str): as for `model.load_weights`.
+      **kwargs (Any): as for `model.load_weights`.
 
     Raises:
-      CheckpointMismatchError (a ValueError) as `load_weights` does for another worker count,
-      replica count per worker, variable list, pack plan or momentum correction.
+      CheckpointMismatchError: (a ValueError, `gf_tf.keras.checkpoint_checks`) as
+        `load_weights` raises it: another worker count, replica count per worker,
+        variable list, pack plan or momentum correction.
     """
     optimizer = model.optimizer
     if optimizer is not None and not optimizer.built:
@@ -63,7 +66,8 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     `gf_tf_state.worker<rank>.npz`, in the same `backup_dir` (which must be
     visible to every worker: one host or shared storage). On restart every
     worker restores the chief's weights, optimizer and epoch (so all resume
-    identically) and its own CSC state. Args as Keras's callback.
+    identically) and its own CSC state. Arguments as for
+    `keras.callbacks.BackupAndRestore`.
     """
 
     def _rank(self) -> int:

@@ -55,7 +55,8 @@ class StepProfile(callback_base()):
 class GradientFlowStats(callback_base()):
     """Keras callback: GradientFlow's communication figures in the `fit` logs.
 
-    A Keras 3 callback, or a tf-keras one when TF_USE_LEGACY_KERAS=1 (the Keras `tf.keras` is).
+    A Keras 3 callback, or a tf-keras one when TF_USE_LEGACY_KERAS=1 (whichever Keras
+    `tf.keras` is).
 
     At the end of every epoch it adds, per all-reduce step of that epoch,
     `gf_dense_bytes_per_step` (float32 dense-equivalent bytes),
@@ -75,15 +76,18 @@ class GradientFlowStats(callback_base()):
     inter-op threads.
 
     Args:
-      gradient_flow: the `gf_tf.GradientFlowAllReduce` (or its `CommStats`)
-        that carries the model's gradients.
+      gradient_flow (GradientFlowAllReduce | CommStats): the
+        `gf_tf.GradientFlowAllReduce` (or its `CommStats`) that carries the model's
+        gradients.
       prefix: prefix of the log keys.
       profile_dir: directory of the trace, or None (default: no trace).
       profile_batch: the batch to trace (>= 0, counted within the epoch; default 1,
         after the first, which traces the step function).
 
     Raises:
-      TypeError if `gradient_flow` has no statistics; ValueError for profile_batch < 0.
+      TypeError: `gradient_flow` has no statistics (neither a GradientFlowAllReduce nor a
+        CommStats).
+      ValueError: profile_batch < 0.
     """
 
     def __init__(self, gradient_flow, prefix: str = "gf_", profile_dir: Optional[str] = None,

@@ -23,6 +23,7 @@ model's checkpoint:
   (`BackupAndRestore`, `load_weights_from_chief`).
 
 Mismatches (never silent; gf_tf.keras.checkpoint_checks, at restore time):
+
 - CheckpointMismatchError (a ValueError): another worker count, another replica
   count per worker, another worker's file loaded by plain `load_weights` (a file
   only the chief saved: `load_weights_from_chief`), another variable list or
@@ -33,7 +34,7 @@ Mismatches (never silent; gf_tf.keras.checkpoint_checks, at restore time):
   chief's backup (e.g. it was killed between the chief's save and its own).
 - Warning, state ignored: CSC state in the checkpoint, no CSC in this run.
 
-The checkpoint also holds the GradientFlowAllReduce's CommStats totals ("comm_<total>"), so
+The checkpoint also holds the GradientFlowAllReduce's CommStats totals (`comm_<total>`), so
 figures over all steps (models.train's summary) cover the whole run after a resume too.
 """
 
@@ -55,7 +56,7 @@ from gf_tf.keras.flavour import check_keras_version
 FORMAT = 1
 ATTRIBUTE = "_gf_tf_checkpoint"
 
-_log = logging.getLogger("gf_tf.checkpoint")   # its name before the move to gf_tf.keras
+_log = logging.getLogger("gf_tf.checkpoint")   # the name log filters know (its deprecated alias)
 
 
 class _Held:
@@ -255,8 +256,14 @@ class GradientFlowCheckpoint(_keras_saveable_class(), tf.Module):
     def restore(self, meta: Optional[dict], arrays: Dict[str, np.ndarray]) -> None:
         """Checks `meta` against this run and applies it now or when the state is created.
 
-        Raises CheckpointMismatchError (a ValueError) on a mismatch that would give wrong
-        state (see module doc), before anything is assigned.
+        Args:
+          meta: the saved meta dict (see the class docstring), or None (a checkpoint
+            without CSC state).
+          arrays: the saved arrays by key.
+
+        Raises:
+          CheckpointMismatchError: (a ValueError) a mismatch that would give wrong
+            state (`gf_tf.keras.checkpoint`), raised before anything is assigned.
         """
         held = self._self_held
         csc = getattr(self._gf, "sparsity", None) is not None
@@ -297,7 +304,7 @@ class GradientFlowCheckpoint(_keras_saveable_class(), tf.Module):
                f"{held.num_local}. Resume with the same devices per worker")
         _check(meta["worker"] == rank or held.expect_side_file,
                f"it holds worker {meta['worker']}'s state and this is worker {rank}. Each worker "
-               f"must load the file it saved itself (or use gf_tf.checkpoint.BackupAndRestore); "
+               f"must load the file it saved itself (or use gf_tf.keras.backup.BackupAndRestore); "
                f"{CHIEF_RECIPE}")
         _check(bool(meta["momentum"]) == self._momentum(),
                f"momentum correction was {'on' if meta['momentum'] else 'off'} when it was saved "
@@ -409,7 +416,7 @@ def _decode(array) -> dict:
 
 def _parse(data: bytes):
     """(meta, {key: array}) of the bytes `state_tensor` wrote, or of `to_bytes`'s .npz
-    (a zip: it starts with b"PK"; also how gf_tf before SavedModel support wrote checkpoints)."""
+    (a zip: it starts with b"PK"; the format of older gf_tf checkpoints too)."""
     if data[:2] == b"PK":
         loaded = np.load(io.BytesIO(data))
         return _decode(loaded["meta"]), {k: loaded[k] for k in loaded.files if k != "meta"}

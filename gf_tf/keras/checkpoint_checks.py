@@ -19,7 +19,7 @@ import tensorflow as tf
 from gf_tf.state import describe
 
 CHIEF_RECIPE = ("to load a file only the chief saved (TF's multi-worker guide: ModelCheckpoint on "
-                "the chief) on every worker, call gf_tf.checkpoint.load_weights_from_chief(model, "
+                "the chief) on every worker, call gf_tf.keras.backup.load_weights_from_chief(model, "
                 "path) instead of model.load_weights(path): the chief's weights and optimizer, "
                 "this worker's CSC residuals and momentum from zero (warned)")
 

@@ -1,4 +1,4 @@
-"""Which Keras runs, and the versions gf_tf was tested with (README "Supported versions").
+"""Which Keras runs, and the versions gf_tf was tested with (docs/compatibility.md).
 
 Two Keras flavours are supported:
 - Keras 3 (`keras`, the minors of TESTED_KERAS_VERSIONS), the Keras `tf.keras` is by default;

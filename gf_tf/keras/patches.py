@@ -91,7 +91,9 @@ def install() -> None:
     a step with it) and by gf_tf.MultiWorkerMirroredStrategy (the fit fixes serve it
     without GradientFlow too). The running flavour's patches; Keras 3 models (`import
     keras`) may also run in a tf-keras process, so a tested Keras 3 is patched there too.
-    Raises RuntimeError on an untested Keras.
+
+    Raises:
+      RuntimeError: the running Keras is not a version gf_tf was tested with.
     """
     flavours = patched_flavours()
     for patch in PATCHES:

@@ -63,7 +63,7 @@ def library_path() -> str:
 
 
 def library_status() -> str:
-    """One line: 'compiled (<path>, AVX2+F16C kernels)' or 'composite (<why>)'.
+    """One line: `compiled (<path>, AVX2+F16C kernels)` or `composite (<why>)`.
 
     Says what runs for CPU tensors outside XLA; GPU tensors and XLA always use
     the composite ops.
@@ -137,14 +137,25 @@ def unpack(buffer: tf.Tensor, shapes: Sequence[tf.TensorShape],
     """Inverse of `pack`: splits `buffer` into tensors of `shapes`/`dtypes`.
 
     Output i is cast(float32(segment i) * scale[i]) to dtypes[i] (the
-    product in float32); `scale` (postscale) is a float or float32 tensor of
-    shape [] (one for all) or [len(shapes)]. Shapes must be fully defined.
+    product in float32).
+
+    Args:
+      buffer: 1-D float16, bfloat16 or float32 tensor of sum(size(shape))
+        elements (what `pack` returns).
+      shapes: N fully defined shapes, in pack order.
+      dtypes: N floating dtypes of the outputs.
+      scale: postscale, a float or float32 tensor of shape [] (one for all) or
+        [N] (output i times scale[i]).
+
+    Returns:
+      N tensors of `shapes` and `dtypes`.
 
     Raises:
       ValueError: the buffer's static length is not the sum of the shapes'
         sizes, a shape is not fully defined, or scale is not of shape [] or
         [len(shapes)] (tf.errors.InvalidArgumentError when only known at run
-        time). TypeError: a scale tensor is not float32.
+        time).
+      TypeError: a scale tensor is not float32.
     """
     return _implementation([buffer]).unpack(buffer, list(shapes), list(dtypes), scale)
 
@@ -187,8 +198,8 @@ def accumulate(residual: tf.Tensor, tensors: Sequence[tf.Tensor], chunk_size: in
       norm of acc, new velocity float32 [n] or None).
 
     Raises:
-      ValueError or tf.errors.InvalidArgumentError naming the problem:
-      chunk_size < 1, sizes that do not match.
+      ValueError: chunk_size < 1, or sizes that do not match (the message names
+        the problem; tf.errors.InvalidArgumentError when only known at run time).
     """
     tensors = list(tensors)
     return _implementation([residual] + tensors).accumulate(
@@ -217,9 +228,10 @@ def gather_chunks(acc: tf.Tensor, indices: tf.Tensor, chunk_size: int,
       chunks set to 0, or None).
 
     Raises:
-      ValueError or tf.errors.InvalidArgumentError naming the problem:
-      chunk_size < 1, out-of-range, unsorted or duplicate indices, scale not
-      of shape [] or [k]. TypeError: a scale tensor is not float32.
+      ValueError: chunk_size < 1, out-of-range, unsorted or duplicate indices,
+        scale not of shape [] or [k] (the message names the problem;
+        tf.errors.InvalidArgumentError when only known at run time).
+      TypeError: a scale tensor is not float32.
     """
     return _implementation([acc]).gather_chunks(acc, indices, chunk_size, wire_dtype,
                                                 scale, velocity)
@@ -232,12 +244,25 @@ def scatter_chunks(selected: tf.Tensor, indices: tf.Tensor, chunk_size: int,
 
     Positions outside the chunks `indices` are 0; inside chunk indices[j],
     float32(selected values) * scale[j] (or * scale, for shape []), cast to
-    each output dtype. scale: a float or float32 tensor of shape [] or [k].
+    each output dtype.
+
+    Args:
+      selected: 1-D wire buffer of the chunks `indices` (what `gather_chunks`
+        returns, all-reduced).
+      indices: int32 (or int64) [k], sorted ascending, unique, in [0, num_chunks).
+      chunk_size: elements per chunk (>= 1).
+      shapes: fully defined shapes of the pack's tensors, in pack order.
+      dtypes: floating dtypes of the outputs.
+      scale: postscale, a float or float32 tensor of shape [] or [k].
+
+    Returns:
+      One tensor per shape, of that shape and dtype.
 
     Raises:
-      ValueError or tf.errors.InvalidArgumentError naming the problem: bad
-      indices (as in `gather_chunks`), `selected` not as long as the chunks,
-      scale not of shape [] or [k]. TypeError: a scale tensor is not float32.
+      ValueError: bad indices (as in `gather_chunks`), `selected` not as long
+        as the chunks, scale not of shape [] or [k] (the message names the
+        problem; tf.errors.InvalidArgumentError when only known at run time).
+      TypeError: a scale tensor is not float32.
     """
     return _implementation([selected]).scatter_chunks(
         selected, indices, chunk_size, list(shapes), list(dtypes), scale)

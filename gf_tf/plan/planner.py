@@ -81,15 +81,16 @@ AUTO = "auto"
 TF_OWN = "tf"   # Plan.method of TensorFlow's own float32 batch all-reduce
 FLOAT32_BYTES = 4
 DEFAULT_BYTES_PER_PACK = 4 * 1024 * 1024
-# bytes_per_pack="auto" is 4 MiB packs (a set below 4 MiB is one pack): on ResNet-50-sized
-# sets they beat one pack, where the model below calls the two a tie, because it does not see
-# everything the pipeline hides (benchmarks.allreduce).
+# bytes_per_pack="auto" is 4 MiB packs (a set below 4 MiB is one pack): on large sets they beat
+# one pack in benchmarks/allreduce.py (docs/benchmarks.md), where the model below calls the two
+# a tie, because it does not see everything the pipeline hides.
 PACK_SIZES = (DEFAULT_BYTES_PER_PACK,)
 # compression="auto": where the model is unsure, measure. A GradientFlow wire predicted at most
 # TRIAL_BAND[0] of TF's own seconds is taken; one predicted above TRIAL_BAND[1] is not; in between
-# both are timed when the set is first traced (`gf_tf.plan.trial`). The model's error on one
-# all-reduce reaches 1.5-2x where worker processes share cores; above 1.9 are the
-# latency-bound sets where a scaled wire's two collectives (bounds, pack) face TF's one.
+# both are timed when the set is first traced (`gf_tf.plan.trial`). The band is wide because the
+# model's error on one all-reduce is large where worker processes share cores (docs/planner.md,
+# docs/benchmarks.md); above its top are the latency-bound sets where a scaled wire's two
+# collectives (bounds, pack) face TF's one.
 TRIAL_BAND = (0.4, 1.9)
 # overlap="auto" (module docstring, "Overlap"): the overlapped form may be predicted at most this
 # share slower than the one-barrier form when nothing hides behind backprop ...
@@ -103,12 +104,15 @@ OVERLAP_CHOICES = (AUTO, True, False)
 class Costs:
     """Measured constants of the model (`gf_tf.plan.probe`), in seconds.
 
-    byte_s: beta, wire time of one payload byte on one link.
-    latency_s: per algorithm name (`gf_tf.collectives.ALGORITHMS`), its latency unit
-      (the ring: one hop; recursive doubling: one round).
-    local_s: per wire method name (`gf_tf.wire.WireFormat.method`: "none", "fp16",
-      "bf16", ...), local seconds per float32 element of its pack + unpack (scaled wires:
-      with max |g| and the scaling). "none" is also TF's own concat + split.
+    The mean over the workers, so every worker plans from the same numbers.
+
+    Attributes:
+      byte_s: beta, wire seconds of one payload byte on one link.
+      latency_s: per algorithm name (`gf_tf.collectives.ALGORITHMS`), its latency
+        unit in seconds (the ring: one hop; recursive doubling: one round).
+      local_s: per wire method name (`gf_tf.wire.WireFormat.method`: "none", "fp16",
+        "bf16", ...), local seconds per float32 element of its pack + unpack (scaled
+        wires: with max |g| and the scaling). "none" is also TF's own concat + split.
     """
     byte_s: float
     latency_s: Mapping[str, float]
@@ -119,16 +123,18 @@ class Costs:
 class Plan:
     """The decision for one variable set's float32/float16/bfloat16 gradients.
 
-    method: "tf" (the wrapped TF cross-device ops' own float32 batch all-reduce,
-      gf_tf sends nothing itself) or a wire format's method name (`gf_tf.wire`:
-      "fp16", "bf16", "none" for packs in their own dtype, ...).
-    bytes_per_pack: pack threshold in wire bytes (0: one pack per dtype).
-    algorithm: a `gf_tf.collectives.ALGORITHMS` name.
-    groups: consecutive groups the packs are cut into, each with its own control
-      collective (1: one barrier, every pack waits for the step's last gradient;
-      `gf_tf.reducers.for_each_group`).
-    trial: this GradientFlow wire is timed against TensorFlow's own float32
-      all-reduce when the set is first traced and the faster is kept (`gf_tf.plan.trial`).
+    Attributes:
+      method: "tf" (the wrapped TF cross-device ops' own float32 batch all-reduce,
+        gf_tf sends nothing itself) or a wire format's method name (`gf_tf.wire`:
+        "fp16", "bf16", "none" for packs in their own dtype, ...).
+      bytes_per_pack: pack threshold in wire bytes (0: one pack per dtype).
+      algorithm: a `gf_tf.collectives.ALGORITHMS` name.
+      groups: consecutive groups the packs are cut into, each with its own control
+        collective (1: one barrier, every pack waits for the step's last gradient;
+        `gf_tf.reducers.for_each_group`).
+      trial: this GradientFlow wire is timed against TensorFlow's own float32
+        all-reduce when the set is first traced and the faster is kept
+        (`gf_tf.plan.trial`).
     """
     method: str
     bytes_per_pack: int
@@ -152,9 +158,11 @@ class Forecast:
     """What the model predicts of a plan, in seconds (None: not modelled, e.g. one worker or
     settings pinned without measurements).
 
-    seconds: the step's all-reduce when nothing hides behind backprop.
-    last_seconds: with groups > 1, the last group alone (what is left after backprop at best).
-    tf_seconds: for a trial plan, TF's own all-reduce's.
+    Attributes:
+      seconds: the step's all-reduce when nothing hides behind backprop.
+      last_seconds: with groups > 1, the last group alone (what is left after
+        backprop at best).
+      tf_seconds: for a trial plan, TF's own all-reduce's.
     """
     seconds: Optional[float] = None
     last_seconds: Optional[float] = None
@@ -169,9 +177,15 @@ class Planned(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class PlanReport:
-    """How a variable set travels, for people: the plan, its forecast and, once a trial has
-    decided, (TF's own, the GradientFlow wire's) measured seconds per all-reduce (the mean
-    over workers of each worker's median)."""
+    """How a variable set travels, for people (`GradientFlowAllReduce.plans()`).
+
+    Attributes:
+      plan: the `Plan`; for a trial that has decided, the candidate kept.
+      forecast: the model's `Forecast` of it.
+      measured: once a trial has decided, (TF's own, the GradientFlow wire's)
+        measured seconds per all-reduce (the mean over workers of each worker's
+        median); else None.
+    """
     plan: Plan
     forecast: Forecast = Forecast()
     measured: Optional[Tuple[float, float]] = None
@@ -185,6 +199,7 @@ class PlanReport:
         return seconds
 
     def describe(self) -> str:
+        """One line for a log: the plan, its predicted and (after a trial) measured seconds."""
         plan, forecast = self.plan, self.forecast
         if plan.method == TF_OWN:
             what = "TensorFlow's own float32 all-reduce"
@@ -272,7 +287,8 @@ def choose(elements: int, tensors: int, workers: int, costs: Optional[Costs],
       overlap: "auto", True or False (default): how a scaled wire's packs are grouped
         (`choose_overlap`).
 
-    Returns: the Plan with the lowest predicted seconds and its Forecast (ties go to the
+    Returns:
+      the Plan with the lowest predicted seconds and its Forecast (ties go to the
       earlier candidate: "tf", the first algorithm, fewer packs), except with method "auto",
       where the model's error is larger than many of its margins: the best GradientFlow
       wire is taken outright only when predicted at most TRIAL_BAND[0] of TF's own

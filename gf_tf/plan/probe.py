@@ -85,7 +85,9 @@ def measure(cross_ops: tf.distribute.CrossDeviceOps, devices: Sequence[str], opt
       options: tf.distribute.experimental.CommunicationOptions (its timeout applies).
       workers: gf_tf.cluster.WorkerInfo of this worker (N > 1).
 
-    Raises: what the collectives raise (a peer lost: TF's error at the timeout).
+    Raises:
+      tf.errors.OpError: what the collectives raise (a peer lost: TF's error at the
+        timeout).
     """
     start = time.perf_counter()
     n = workers.num_workers

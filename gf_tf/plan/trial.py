@@ -1,12 +1,12 @@
 """The trial: TensorFlow's own all-reduce against GradientFlow's wire, timed when a set is first traced.
 
 The planner's cost model (`gf_tf.plan.planner`) comes from a probe of a few
-seconds, and its error on one all-reduce reaches 1.5-2x where worker processes
-share cores. Where
-its prediction cannot tell TensorFlow's own float32 all-reduce and the best
-GradientFlow wire apart (`planner.TRIAL_BAND`), the two are timed on the
-set's own shapes while its step is first traced, eagerly (as the settings
-handshake runs, `gf_tf.agreement`), and the step is traced with the one kept:
+seconds, and its error on one all-reduce is large where worker processes share
+cores (docs/planner.md). Where its prediction cannot tell TensorFlow's own
+float32 all-reduce and the best GradientFlow wire apart (`planner.TRIAL_BAND`),
+the two are timed on the set's own shapes while its step is first traced,
+eagerly (as the settings handshake runs, `gf_tf.agreement`), and the step is
+traced with the one kept:
 
   each candidate UNTIMED times, untimed (first runs trace the candidate and
                   resolve its collectives' groups and instances)
@@ -75,7 +75,9 @@ def measure(candidates: Sequence[Callable[[], object]],
       set_name: the variable set, for the log line.
       clock: seconds (tests replace it).
 
-    Raises: what the collectives raise (a peer lost: TF's error at the timeout).
+    Raises:
+      tf.errors.OpError: what the collectives raise (a peer lost: TF's error at the
+        timeout).
     """
     for candidate in candidates:
         for _ in range(UNTIMED):

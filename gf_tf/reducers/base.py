@@ -57,13 +57,15 @@ PackGrads = Sequence[Sequence[tf.Tensor]]
 class Communicator:
     """The collectives a reducer may use, for the replicas this call serves.
 
-    all_reduce_sum: one 1-D tensor per served replica (float16, bfloat16 or
-      float32) -> per served replica the SUM over all N replicas of all workers.
-    num_replicas: N, replicas over all workers.
-    mean: the caller asked for MEAN (divide the SUM by N).
-    replicas: indices (among this worker's replicas) of the served replicas:
-      all of them on the merge-call path, one on the replica-context path.
-    devices: per served replica, its device (where its per-replica work runs).
+    Attributes:
+      all_reduce_sum: one 1-D tensor per served replica (float16, bfloat16 or
+        float32, the same shape on every replica) -> per served replica the SUM over
+        all N replicas of all workers, same shape and dtype.
+      num_replicas: N, replicas over all workers.
+      mean: the caller asked for MEAN (divide the SUM by N).
+      replicas: indices (among this worker's replicas) of the served replicas:
+        all of them on the merge-call path, one on the replica-context path.
+      devices: per served replica, its device (where its per-replica work runs).
     """
     all_reduce_sum: Callable[[List[tf.Tensor]], List[tf.Tensor]]
     num_replicas: int
@@ -88,7 +90,13 @@ class Communicator:
 
 @dataclasses.dataclass(frozen=True)
 class PackStep:
-    """One pack of a step: its spec, its gradients per served replica, its reducer state."""
+    """One pack of a step.
+
+    Attributes:
+      spec: the pack's `gf_tf.packing.PackSpec` (its tensors' shapes and dtypes).
+      grads: per served replica, the pack's gradients in pack order.
+      state: the pack's reducer state (`Reducer.create_states`), or None.
+    """
     spec: PackSpec
     grads: PackGrads
     state: Optional[tf.Module]
@@ -98,12 +106,13 @@ class PackStep:
 class StepInput:
     """One step of one variable set, for `Reducer.reduce`.
 
-    packs: the packs with elements, in all-reduce order.
-    shared: the reducer's state of the whole set (`Reducer.create_states`), or None.
-    comm: the collectives and the served replicas.
-    groups: how many consecutive groups the packs are cut into (`group_ranges`),
-      each with its own control all-reduce (1: one for the step). The dense
-      reducer uses it; CSC keeps one.
+    Attributes:
+      packs: the packs with elements, in all-reduce order.
+      shared: the reducer's state of the whole set (`Reducer.create_states`), or None.
+      comm: the collectives and the served replicas.
+      groups: how many consecutive groups the packs are cut into (`group_ranges`),
+        each with its own control all-reduce (1: one for the step). The dense
+        reducer uses it; CSC keeps one.
     """
     packs: Tuple[PackStep, ...]
     shared: Optional[tf.Module]
@@ -115,14 +124,17 @@ class StepInput:
 class Sent:
     """What one step sent for some packs, per replica (every replica sends the same).
 
-    dense_bytes: float32 dense all-reduce equivalent (4 bytes x elements).
-    sent_bytes: bytes put into collectives (wire buffers plus control vectors).
-    selected_chunks / total_chunks: CSC chunks sent / existing (0 for dense).
-    residual_norm: L1 norm of the first served replica's CSC residual, or None.
-    density: the CSC density of the step (1.0 on dense steps; density="auto":
-      the rung chosen), or None (a dense reducer: everything sent).
     Fields may be Python numbers or scalar tensors; `+` adds them up (density:
     the first one given).
+
+    Attributes:
+      dense_bytes: float32 dense all-reduce equivalent, in bytes (4 bytes x elements).
+      sent_bytes: bytes put into collectives (wire buffers plus control vectors).
+      selected_chunks: CSC chunks sent (0 for dense).
+      total_chunks: CSC chunks existing (0 for dense).
+      residual_norm: L1 norm of the first served replica's CSC residual, or None.
+      density: the CSC density of the step (1.0 on dense steps; density="auto":
+        the rung chosen), or None (a dense reducer: everything sent).
     """
     dense_bytes: Any = 0
     sent_bytes: Any = 0
@@ -153,10 +165,12 @@ MAX_REDUCER_SETTINGS = 4
 class CostTerms:
     """What one step of a reducer costs on the wire, for the planner (`gf_tf.plan.planner`).
 
-    collective_bytes: bytes per worker of each collective a step issues, in order (for the
-      whole set; cut into groups, each group issues the same collectives over its share).
-    groupable: the packs may be cut into groups, each issuing its own collectives, so a
-      group waits only for its own gradients (overlap with backprop).
+    Attributes:
+      collective_bytes: bytes per worker of each collective a step issues, in order
+        (for the whole set; cut into groups, each group issues the same collectives
+        over its share).
+      groupable: the packs may be cut into groups, each issuing its own collectives,
+        so a group waits only for its own gradients (overlap with backprop).
     """
     collective_bytes: Tuple[int, ...]
     groupable: bool = False
@@ -165,10 +179,14 @@ class CostTerms:
 class Reducer:
     """The interface of a reducer: its state, settings, cost and step.
 
-    default_method: the wire a reducer's packs travel by with compression="auto":
-      "auto" (for a reducer without its own `cost`: the planner chooses among the wire
-      formats and TF's own all-reduce; with one: the packs' own dtype) or a wire
-      format's method name (`gf_tf.wire`).
+    Subclass it and pass an instance as `GradientFlowAllReduce(reducer=...)`. The
+    shape is that of PyTorch DDP communication hooks (`gf_tf.reducers.base`).
+
+    Attributes:
+      default_method: the wire a reducer's packs travel by with compression="auto":
+        "auto" (for a reducer without its own `cost`: the planner chooses among the
+        wire formats and TF's own all-reduce; with one: the packs' own dtype) or a
+        wire format's method name (`gf_tf.wire`).
     """
 
     default_method = "auto"
@@ -219,7 +237,7 @@ def fuse_controls(comm: Communicator, parts: Sequence[Sequence[tf.Tensor]]
 
 def for_each_group(step: StepInput, fn: Callable[[int, Tuple[PackStep, ...]], Any]) -> list:
     """[fn(g, the packs of group g)] for the `step.groups` consecutive groups of the step's
-    packs (`group_ranges`), in order, each under the name scope "gf_group<g>"."""
+    packs (`group_ranges`), in order, each under the name scope `gf_group<g>`."""
     out = []
     for g, (start, end) in enumerate(group_ranges(len(step.packs), step.groups)):
         with tf.name_scope(f"gf_group{g}"):

@@ -1,0 +1,274 @@
+"""The figures of docs/benchmarks.md, drawn from benchmark JSON files: `python -m benchmarks.plots`.
+
+    python -m benchmarks.plots                              # the committed JSON -> docs/img/*.png
+    python -m benchmarks.plots --out-dir /tmp/figures       # somewhere else
+    python -m benchmarks.plots --speed benchmarks/results/allreduce.json   # a run of your own
+
+Three figures (each flag takes one or more JSON files; the defaults are the dated
+files in benchmarks/results/ that docs/benchmarks.md shows):
+
+- speed-vs-tf.png (--speed): seconds per all-reduce of TF's default fp32 divided by
+  each method's, against the number of workers N, one panel per link. Reads
+  benchmarks.allreduce JSON ("cells" with set, workers, rate_mbit, method and
+  speedup_vs_tf_fp32, which benchmarks.allreduce writes when the file holds TF fp32
+  cells of the same set, N and link). A cell with a "run" field is kept apart from
+  the other runs of the same method.
+- bytes-vs-density.png (--bytes): bytes one worker puts into collectives per step
+  (payload_bytes), and where measured the bytes its network interface sent
+  (wire_tx_bytes_per_worker), against the density (the fraction of the gradient
+  sent: a CSC method's density, 1 for dense FP16 and float32). Reads
+  benchmarks.allreduce JSON, or cells with an explicit "density".
+- projection.png (--projection): benchmarks.projection's speedup (N x step-time
+  efficiency) against N, per model, at one link rate (--link-gbit), one column per
+  JSON file (`python -m benchmarks.projection --json F`), titled with the file's
+  alpha and local-cost scale.
+
+A JSON file whose "meta" holds a "source" (a table transcribed from a dated report,
+not a run's own output) is drawn the same way; the source goes into the figure's
+footnote. Failed cells (with "error") are skipped. Needs matplotlib
+(`pip install ".[plot]"`); without it, exits with status 2 and writes nothing.
+"""
+
+import argparse
+import json
+import os
+import sys
+from typing import Dict, List, Optional, Sequence
+
+from benchmarks import report
+from benchmarks.workers import methods
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_SPEED = [os.path.join(RESULTS, "2026-12-02-n2-8.json")]
+DEFAULT_BYTES = [os.path.join(RESULTS, "2026-12-03-bytes-density.json"),
+                 os.path.join(RESULTS, "2026-12-03-bytes-density-csc10.json"),
+                 os.path.join(RESULTS, "2026-12-01-convergence.json")]
+DEFAULT_PROJECTION = [os.path.join(RESULTS, f"2026-12-03-projection-{name}.json")
+                      for name in ("fitted", "local-0.01", "alpha-10us")]
+DEFAULT_OUT_DIR = os.path.join(REPO_ROOT, "docs", "img")
+FIGURES = ("speed-vs-tf.png", "bytes-vs-density.png", "projection.png")
+
+SET_LABELS = {"tiny": "tiny", "resnet20": "ResNet-20", "resnet50": "ResNet-50", "alexnet": "AlexNet",
+              "digits_cnn": "digits CNN"}
+SET_STYLES = {"resnet50": "-", "resnet20": "--", "tiny": ":", "alexnet": "-.", "digits_cnn": "-."}
+PROJECTION_METHODS = ("tf_fp32", "auto", "gf_fp16", "csc_1", "csc_1_ahead", "csc_1_rd")
+METHOD_ORDER = ["auto", "gf_fp16", "csc_1", "csc_1_rd", "csc_1_ahead", "csc_0.1", "tf_fp32", "gf_fp16_rd"]
+
+
+def load(path: str) -> Dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _color(method: str) -> str:
+    order = METHOD_ORDER + [m for m in methods.METHODS if m not in METHOD_ORDER]
+    return f"C{order.index(method) % 10}" if method in order else "black"
+
+
+def _label(method: str) -> str:
+    return methods.LABELS.get(method, method)
+
+
+def _link(rate_mbit) -> str:
+    return report.link_label(rate_mbit)
+
+
+def _times_ticks(ax, values: Sequence[float]) -> None:
+    """Ticks at the powers of 2 the values span, labelled 0.5x, 1x, 2x, ..."""
+    import math
+    lo = math.floor(math.log2(min(min(values), 1.0)))
+    hi = math.ceil(math.log2(max(max(values), 1.0)))
+    ticks = [2.0 ** e for e in range(lo, hi + 1)]
+    ax.set_yticks(ticks)
+    ax.set_yticklabels([f"{t:g}x" for t in ticks])
+    ax.minorticks_off()
+
+
+def _save(fig, path: str, bottom: float) -> None:
+    """Lays the axes out above `bottom` (a share of the height kept for a legend or footnote)
+    and writes the PNG, creating its folder."""
+    fig.tight_layout(rect=(0, bottom, 1, 1))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+
+
+def _sources(docs: Sequence[Dict], paths: Sequence[str], sep: str = "; ") -> str:
+    """The figure's footnote: each file's transcription source, or its run's date and command."""
+    notes = []
+    for doc, path in zip(docs, paths):
+        meta = doc.get("meta", {})
+        if "source" in meta:
+            notes.append(f"{os.path.basename(path)}: {meta.get('measured', '')}, transcribed from a report")
+        elif "date_utc" in meta:
+            notes.append(f"{os.path.basename(path)}: measured {meta['date_utc']}")
+        else:
+            notes.append(os.path.basename(path))
+    return sep.join(notes)
+
+
+def speed_figure(paths: Sequence[str], out: str, plt) -> None:
+    """Speed relative to TF's default fp32 against N, one panel per link."""
+    docs = [load(p) for p in paths]
+    cells = [c for d in docs for c in d["cells"]
+             if "speedup_vs_tf_fp32" in c and c["method"] != "tf_fp32" and "error" not in c]
+    if not cells:
+        raise SystemExit(f"benchmarks.plots: no cells with speedup_vs_tf_fp32 in {', '.join(paths)}")
+    links = sorted({c["rate_mbit"] for c in cells}, key=lambda r: (r is None, r or 0))
+    fig, axes = plt.subplots(1, len(links), figsize=(4.6 * len(links), 4.8), squeeze=False, sharey=True)
+    series: Dict[tuple, List] = {}
+    for c in cells:
+        series.setdefault((c["rate_mbit"], c["method"], c["set"], c.get("run")), []).append(
+            (c["workers"], c["speedup_vs_tf_fp32"]))
+    for ax, link in zip(axes[0], links):
+        keys = [k for k in series if k[0] == link]
+        for _, method, set_, run in keys:
+            pts = sorted(series[(link, method, set_, run)])
+            ax.plot([n for n, _ in pts], [s for _, s in pts], marker="o", markersize=4,
+                    linestyle=SET_STYLES.get(set_, "-"), color=_color(method))
+        ax.axhline(1.0, color="gray", linewidth=1)
+        ax.set_yscale("log", base=2)
+        _times_ticks(ax, [s for k in series for _, s in series[k]])
+        ax.set_xticks(sorted({n for k in keys for n, _ in series[k]}))
+        ax.set_title(f"{_link(link)} links")
+        ax.set_xlabel("workers N")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("speed vs TF default fp32 (1 = TF)")
+    shown = {(k[1], k[2]) for k in series}
+    handles = [plt.Line2D([], [], color=_color(m), marker="o", label=_label(m))
+               for m in METHOD_ORDER if any(m == sm for sm, _ in shown)]
+    handles += [plt.Line2D([], [], color="gray", linestyle=SET_STYLES.get(s, "-"), label=SET_LABELS.get(s, s))
+                for s in SET_STYLES if any(s == ss for _, ss in shown)]
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 4), fontsize=8, frameon=False)
+    fig.text(0.01, 0.005, _sources(docs, paths), fontsize=6.5, color="gray")
+    _save(fig, out, bottom=0.14)
+
+
+def _density(cell: Dict) -> Optional[float]:
+    if "density" in cell:
+        return cell["density"]
+    if cell["method"] in methods.CSC_DENSITY:
+        density = methods.CSC_DENSITY[cell["method"]]
+        return None if density == "auto" else float(density)
+    return 1.0
+
+
+def bytes_figure(paths: Sequence[str], out: str, plt) -> None:
+    """Payload (and wire) bytes per worker per step against the density, one line per gradient set
+    (the cells of a set may come from several files)."""
+    docs = [load(p) for p in paths]
+    cells = [c for d in docs for c in d["cells"]
+             if "payload_bytes" in c and "error" not in c and _density(c) is not None]
+    sets = sorted({c["set"] for c in cells},
+                  key=lambda s: list(SET_LABELS).index(s) if s in SET_LABELS else 99)
+    fig, ax = plt.subplots(figsize=(7.2, 4.8))
+    for index, set_ in enumerate(sets):
+        mine = [c for c in cells if c["set"] == set_]
+        color = f"C{(index + 3) % 10}"
+        line = sorted((_density(c), c["payload_bytes"]) for c in mine
+                      if c["method"] != "tf_fp32" and c["method"] not in methods.CSC_SELECTION)
+        ax.plot([d for d, _ in line], [b for _, b in line], marker="o", linestyle="-", color=color,
+                label=f"{SET_LABELS.get(set_, set_)}: sent (FP16 wire)")
+        for c in mine:
+            if c["method"] == "tf_fp32":
+                ax.plot([_density(c)], [c["payload_bytes"]], marker="s", color=color, linestyle="none")
+            if c["method"] in methods.CSC_SELECTION:   # another selection at the same density
+                ax.plot([_density(c)], [c["payload_bytes"]], marker="^", color=color, linestyle="none")
+        wire = sorted((_density(c), c["wire_tx_bytes_per_worker"]) for c in mine
+                      if "wire_tx_bytes_per_worker" in c and c["method"] != "tf_fp32"
+                      and c["method"] not in methods.CSC_SELECTION)
+        if wire:
+            ax.plot([d for d, _ in wire], [b for _, b in wire], marker="x", linestyle=":", color=color,
+                    label=f"{SET_LABELS.get(set_, set_)}: on the wire (eth0 TX)")
+    ax.plot([], [], marker="s", color="gray", linestyle="none", label="dense float32 (TF default)")
+    ax.plot([], [], marker="^", color="gray", linestyle="none", label="CSC 1%, chosen a step ahead")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("density (fraction of the gradient's elements sent; 1 = dense)")
+    ax.set_ylabel("bytes per worker per step")
+    ax.set_title("Bytes per step against density")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.text(0.01, 0.005, _sources(docs, paths, "\n"), fontsize=6, color="gray")
+    _save(fig, out, bottom=0.07)
+
+
+def projection_figure(paths: Sequence[str], out: str, plt, link_gbit: float) -> None:
+    """benchmarks.projection's speedup against N: one row per model, one column per JSON file."""
+    docs = [load(p) for p in paths]
+    models = sorted({r["model"] for d in docs for r in d["rows"]})
+    fig, axes = plt.subplots(len(models), len(docs), figsize=(4.4 * len(docs), 3.6 * len(models) + 0.8),
+                             squeeze=False, sharey=True)
+    speedups = [r["speedup"] for d in docs for r in d["rows"] if r["method"] in PROJECTION_METHODS]
+    for j, doc in enumerate(docs):
+        rows = [r for r in doc["rows"] if r["link_gbit"] == link_gbit]
+        if not rows:
+            raise SystemExit(f"benchmarks.plots: {paths[j]} holds no rows at {link_gbit:g} Gbit/s "
+                             f"(--link-gbit)")
+        alpha_us, scale = rows[0]["alpha_us"], rows[0]["local_scale"]
+        fitted = abs(doc.get("fitted_parameters", {}).get("alpha", -1) * 1e6 - alpha_us) < 1e-6
+        for i, model in enumerate(models):
+            ax = axes[i][j]
+            for method in PROJECTION_METHODS:
+                pts = sorted((r["workers"], r["speedup"]) for r in rows
+                             if r["model"] == model and r["method"] == method)
+                if pts:
+                    ax.plot([n for n, _ in pts], [s for _, s in pts], "o-", markersize=3,
+                            color=_color(method))
+            ns = sorted({r["workers"] for r in rows})
+            ax.plot(ns, ns, ":", color="gray")
+            if model == "alexnet":
+                ax.plot([512], [410.2], "k*", markersize=10)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log", base=2)
+            ax.set_xticks(ns)
+            ax.set_xticklabels([str(n) for n in ns])
+            _times_ticks(ax, speedups)
+            ax.set_title(f"{SET_LABELS.get(model, model)}, {link_gbit:g} Gbit/s\n"
+                         f"alpha {alpha_us:.4g} us{' (fitted)' if fitted else ''}, local costs x{scale:g}",
+                         fontsize=9)
+            ax.set_xlabel("workers (one per host)")
+            ax.grid(True, which="both", alpha=0.3)
+    for i in range(len(models)):
+        axes[i][0].set_ylabel("projected speedup over 1 worker")
+    handles = [plt.Line2D([], [], color=_color(m), marker="o", markersize=3, label=_label(m))
+               for m in PROJECTION_METHODS]
+    handles += [plt.Line2D([], [], color="gray", linestyle=":", label="linear (N x)"),
+                plt.Line2D([], [], color="black", marker="*", linestyle="none", markersize=10,
+                           label="GradientFlow paper: AlexNet, 512 GPUs, 410.2x")]
+    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.text(0.01, 0.005, _sources(docs, paths), fontsize=6, color="gray")
+    _save(fig, out, bottom=0.09)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--speed", nargs="+", default=DEFAULT_SPEED, help="benchmarks.allreduce JSON(s)")
+    parser.add_argument("--bytes", nargs="+", default=DEFAULT_BYTES, help="JSON(s) with payload_bytes cells")
+    parser.add_argument("--projection", nargs="+", default=DEFAULT_PROJECTION,
+                        help="benchmarks.projection --json output(s), one column each")
+    parser.add_argument("--link-gbit", type=float, default=56.0, help="the projection's link rate to draw")
+    parser.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="where the PNGs go (default docs/img)")
+    args = parser.parse_args(argv)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("benchmarks.plots: matplotlib is not installed (pip install '.[plot]')", file=sys.stderr)
+        return 2
+    for path in [*args.speed, *args.bytes, *args.projection]:
+        if not os.path.exists(path):
+            raise SystemExit(f"benchmarks.plots: no such file {path}")
+    outputs = [os.path.join(args.out_dir, name) for name in FIGURES]
+    speed_figure(args.speed, outputs[0], plt)
+    bytes_figure(args.bytes, outputs[1], plt)
+    projection_figure(args.projection, outputs[2], plt, args.link_gbit)
+    plt.close("all")
+    for path in outputs:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
