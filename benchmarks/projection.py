@@ -199,14 +199,15 @@ def method_traffic(method: str, shapes, bytes_per_pack: int = DEFAULT_BYTES_PER_
     density = methods.CSC_DENSITY[method]
     if density == "auto":
         raise ValueError(f"{method}: the density is chosen at run time; no fixed traffic to model")
-    chunks = [math.ceil(n / DEFAULT_CHUNK_SIZE) for n in packs]
+    chunk_size = int(methods.CSC_EXTRA.get(method, {}).get("chunk_size", DEFAULT_CHUNK_SIZE))
+    chunks = [math.ceil(n / chunk_size) for n in packs]
     if methods.csc_selection(method) == "global":   # one top K over all chunks (one wire dtype)
         selected = selected_chunk_count(sum(chunks), density)
     else:
         selected = sum(selected_chunk_count(c, density) for c in chunks)
     if methods.csc_selection(method) == "ahead":   # chunks, next scores and bound: one FP16 buffer
-        return 2.0 * selected * DEFAULT_CHUNK_SIZE + 2.0 * (sum(chunks) + len(packs)), 1
-    payload = 2.0 * selected * DEFAULT_CHUNK_SIZE + 4.0 * sum(chunks)
+        return 2.0 * selected * chunk_size + 2.0 * (sum(chunks) + len(packs)), 1
+    payload = 2.0 * selected * chunk_size + 4.0 * sum(chunks)
     return payload, 2                      # the norms' all-reduce and the chunks' all-reduce
 
 

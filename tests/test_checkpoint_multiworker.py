@@ -18,26 +18,29 @@ pytestmark = pytest.mark.slow
 SCRIPT = "csc_resume_worker.py"
 
 
-def _run(tmp_path, name, kill_after_epoch=-1, comm_timeout=60.0):
+def _run(tmp_path, name, kill_after_epoch=-1, comm_timeout=60.0, selection="per_pack"):
     backup, states = tmp_path / name / "backup", tmp_path / name / "states"
     os.makedirs(states, exist_ok=True)
     args = ["--backup_dir", str(backup), "--state_dir", str(states), "--epochs", "4",
-            "--kill_after_epoch", str(kill_after_epoch)]
+            "--kill_after_epoch", str(kill_after_epoch), "--selection", selection]
     return cluster.run_workers(SCRIPT, 2, args=args, timeout=300.0, comm_timeout=comm_timeout), \
         backup, states
 
 
-def test_sigkill_then_backup_and_restore_matches_an_uninterrupted_run_bitwise(tmp_path):
-    reference, _, _ = _run(tmp_path, "reference")
+@pytest.mark.parametrize("selection", ["per_pack", "ahead"])
+def test_sigkill_then_backup_and_restore_matches_an_uninterrupted_run_bitwise(tmp_path, selection):
+    """With selection="ahead" the chunks of the first resumed step were chosen before the kill: they
+    come back with the scores and bound, so the resumed run sends what the uninterrupted one did."""
+    reference, _, _ = _run(tmp_path, "reference", selection=selection)
     assert all(r.ok for r in reference), cluster.describe(reference)
 
-    killed, backup, states = _run(tmp_path, "job", kill_after_epoch=1, comm_timeout=20.0)
+    killed, backup, states = _run(tmp_path, "job", kill_after_epoch=1, comm_timeout=20.0, selection=selection)
     assert killed[1].returncode == -9, cluster.describe(killed)
     assert killed[0].returncode not in (0, None), cluster.describe(killed)   # its peer vanished
     assert sorted(os.listdir(backup)) == ["gf_tf_state.worker1.npz", "latest.weights.h5",
                                           "training_metadata.json"]
 
-    resumed, _, _ = _run(tmp_path, "job")
+    resumed, _, _ = _run(tmp_path, "job", selection=selection)
     assert all(r.ok for r in resumed), cluster.describe(resumed)
     for worker in range(2):
         before = np.load(states / f"epoch1_worker{worker}.npz")
@@ -47,6 +50,10 @@ def test_sigkill_then_backup_and_restore_matches_an_uninterrupted_run_bitwise(tm
         assert int(before["steps"][0]) == 8
         np.testing.assert_array_equal(after["restored_residual"], before["residual"])
         np.testing.assert_array_equal(after["restored_velocity"], before["velocity"])
+        if selection == "ahead":
+            np.testing.assert_array_equal(after["restored_scores"], before["scores"])
+            np.testing.assert_array_equal(after["restored_bound"], before["bound"])
+            assert np.any(before["scores"]) and float(before["bound"]) > 0
         assert np.any(before["residual"])
         # No second warm-up: every resumed step sends 3 of the 25 chunks (387 parameters,
         # chunks of 16, density 0.1).
@@ -77,8 +84,8 @@ def test_every_worker_loads_the_chiefs_file_with_load_weights_from_chief(tmp_pat
     assert str(other["plain_error"]).startswith(
         "gf_tf: cannot restore the checkpoint's CSC state: it holds worker 0's state and this is "
         "worker 1. Each worker must load the file it saved itself (or use "
-        "gf_tf.checkpoint.BackupAndRestore); to load a file only the chief saved"), other["plain_error"]
-    assert "gf_tf.checkpoint.load_weights_from_chief(model, path)" in str(other["plain_error"])
+        "gf_tf.keras.backup.BackupAndRestore); to load a file only the chief saved"), other["plain_error"]
+    assert "gf_tf.keras.backup.load_weights_from_chief(model, path)" in str(other["plain_error"])
     assert str(other["warnings"]) == (
         f"gf_tf: worker 1 loaded the chief's {tmp_path / 'chief.weights.h5'}: its residuals and "
         f"momentum start from zero (step counters follow the chief's).")

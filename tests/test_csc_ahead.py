@@ -178,6 +178,8 @@ def test_settings_name_what_ahead_does_not_combine_with():
         gf_tf.ChunkSparsity(density="auto", selection="ahead")
     with pytest.raises(ValueError, match=r"scoring must be one of \('error_feedback', 'paper'\)"):
         gf_tf.ChunkSparsity(selection="ahead", scoring="l2")
+    with pytest.raises(ValueError, match=r"scoring='paper' .* only selection=\"ahead\" does; got selection='per_pack'"):
+        gf_tf.ChunkSparsity(scoring="paper")
     csc = gf_tf.ChunkSparsity(selection="ahead", scoring="paper")
     assert "selection='ahead', scoring='paper'" in repr(csc)
     assert csc.get_config()["scoring"] == "paper" and csc.overlaps

@@ -30,6 +30,9 @@
     csc_1_ahead / csc_1_ahead_overlap
               csc_1 with selection="ahead" (each pack's chunks chosen at the step
               before: one collective a step), one barrier / with overlap=True
+    csc_15_paper / csc_10_paper
+              the GradientFlow paper's own settings: chunks of 32,000 elements (its "32K
+              gradients"), 15% / 10% of them, chosen a step ahead with its scoring rule
 
 Every GradientFlow method pins bytes_per_pack, algorithm and overlap (False) unless its
 OVERRIDES entry says otherwise (`auto` leaves them to the planner, the `_overlap` methods
@@ -47,15 +50,22 @@ keyword is one line there, e.g. `"gf_fp16_overlap": {"overlap": True},`.
 from typing import Dict, Union
 
 _BASE_METHODS = ["tf_fp32", "tf_fp16", "gf_fp16", "csc_10", "csc_1", "csc_0.1", "csc_auto",
-                 "csc_1_global", "csc_0.1_global", "csc_1_ahead"]
+                 "csc_1_global", "csc_0.1_global", "csc_1_ahead", "csc_15_paper", "csc_10_paper"]
 CSC_DENSITY: Dict[str, Union[float, str]] = {"csc_10": 0.10, "csc_1": 0.01, "csc_0.1": 0.001,
                                              "csc_auto": "auto",
                                              "csc_1_global": 0.01, "csc_0.1_global": 0.001,
                                              "csc_1_rd": 0.01, "csc_1_overlap": 0.01,
-                                             "csc_1_ahead": 0.01, "csc_1_ahead_overlap": 0.01}
+                                             "csc_1_ahead": 0.01, "csc_1_ahead_overlap": 0.01,
+                                             "csc_15_paper": 0.15, "csc_10_paper": 0.10}
 # ChunkSparsity(selection=...) of the CSC methods not selecting per pack.
 CSC_SELECTION: Dict[str, str] = {"csc_1_global": "global", "csc_0.1_global": "global",
-                                 "csc_1_ahead": "ahead", "csc_1_ahead_overlap": "ahead"}
+                                 "csc_1_ahead": "ahead", "csc_1_ahead_overlap": "ahead",
+                                 "csc_15_paper": "ahead", "csc_10_paper": "ahead"}
+# Other ChunkSparsity keywords of a CSC method (its defaults otherwise).
+CSC_EXTRA: Dict[str, Dict[str, object]] = {
+    "csc_15_paper": {"chunk_size": 32000, "scoring": "paper"},
+    "csc_10_paper": {"chunk_size": 32000, "scoring": "paper"},
+}
 # GradientFlowAllReduce keywords of every GradientFlow method ("default" bytes_per_pack:
 # gf_tf.plan.DEFAULT_BYTES_PER_PACK, 4 MiB), before its OVERRIDES.
 PINNED: Dict[str, object] = {"compression": "fp16", "bytes_per_pack": "default", "algorithm": "ring",
@@ -88,6 +98,8 @@ LABELS = {
     "csc_1_overlap": "GradientFlow CSC 1%, a group per pack",
     "csc_1_ahead": "GradientFlow CSC 1%, chosen a step ahead",
     "csc_1_ahead_overlap": "GradientFlow CSC 1% ahead, a group per pack",
+    "csc_15_paper": "GradientFlow CSC 15%, chunks of 32,000, ahead (the paper's)",
+    "csc_10_paper": "GradientFlow CSC 10%, chunks of 32,000, ahead (the paper's)",
 }
 for _m in [m for m in OVERRIDES if m not in LABELS]:   # a method added by one OVERRIDES line:
     LABELS[_m] = "GradientFlow " + ", ".join(f"{k}={v!r}" for k, v in OVERRIDES[_m].items())   # its keywords
@@ -124,7 +136,8 @@ def gradient_flow_kwargs(method: str) -> Dict[str, object]:
         kwargs["bytes_per_pack"] = DEFAULT_BYTES_PER_PACK
     if method in CSC_DENSITY:
         kwargs["sparsity"] = gf_tf.ChunkSparsity(density=CSC_DENSITY[method], warmup_steps=0,
-                                                 selection=csc_selection(method))
+                                                 selection=csc_selection(method),
+                                                 **CSC_EXTRA.get(method, {}))
     return kwargs
 
 

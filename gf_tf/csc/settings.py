@@ -12,27 +12,31 @@ from typing import Optional, Tuple, Union
 from gf_tf.csc.reducer import CSCReducer
 from gf_tf.csc.selection import POLICIES, selected_chunk_count
 
-# Chosen with benchmarks/csc_defaults.py and benchmarks/convergence.py: at
-# 1024 elements the norms cost 0.1% of the float32 bytes (15% of what a 1%
-# step sends; 43% at 256), the 0.54M-parameter digits CNN still has 533 chunks,
-# the selected chunks carry about as much of the accumulator's L1 mass per
-# step as 16-256 element chunks (2.2% vs 2.3-2.8% at density 1%), and density
-# 1% (151x fewer bytes) trains the digits CNN as well as dense float32.
+# DEFAULT_CHUNK_SIZE: the chunk norms add 4 bytes per chunk_size float32 elements (1/1024 of
+# the dense bytes at 1024), a small share of what a sparse FP16 step sends, and smaller chunks
+# select about the same share of the accumulator's L1 mass per step while their norms cost
+# more. DEFAULT_DENSITY: the sparsest fixed density that trains models.train's digits CNN as
+# well as dense float32 (benchmarks/csc_defaults.py, benchmarks/convergence.py; the figures are
+# in docs/benchmarks.md).
 DEFAULT_CHUNK_SIZE = 1024
+"""`ChunkSparsity(chunk_size=)`: elements per chunk."""
 DEFAULT_DENSITY = 0.01
+"""`ChunkSparsity(density=)`: fraction of each pack's chunks sent per step."""
 
 # density="auto" (see ChunkSparsity): the densities it may choose (static k per pack per
 # rung, so every rung's wire shape is static), its default floor and communication budget.
 AUTO = "auto"
 AUTO_LADDER = (0.25, 0.1, 0.03, 0.01, 0.003, 0.001)
+"""The densities density="auto" chooses from (those above `min_density`, then `min_density`)."""
 # The rule prices rungs by bytes only and knows nothing of convergence, so the floor is the
-# convergence bound: the fixed default, the sparsest density measured to train at
-# models.train's defaults. Top-k with error feedback sends a chunk once its residual is
-# among the k largest, so at density d every chunk can be sent within ceil(C / k) <= 1/d
-# steps (100 at 1%); a floor whose 1/d exceeds a run's sparse steps leaves residuals stale
-# and trains worse (README "density="auto"" has the table).
+# convergence bound: the fixed default, the sparsest density that trains at models.train's
+# defaults. Top-k with error feedback sends a chunk once its residual is among the k largest,
+# so at density d every chunk can be sent within ceil(C / k) <= 1/d steps; a floor whose 1/d
+# exceeds a run's sparse steps leaves residuals stale and trains worse (docs/benchmarks.md).
 DEFAULT_MIN_DENSITY = DEFAULT_DENSITY
+"""`ChunkSparsity(min_density=)`: the floor of density="auto" (the fixed default density)."""
 DEFAULT_AUTO_BUDGET = 0.05
+"""`ChunkSparsity(auto_budget=)`: communication seconds density="auto" allows per compute second."""
 
 WARMUP_MODES = ("dense", "exponential")
 SELECTIONS = tuple(POLICIES)     # "per_pack", "global", "ahead"
@@ -41,46 +45,86 @@ SCORINGS = ("error_feedback", "paper")
 
 
 class ChunkSparsity:
-    """CSC configuration and state, for `GradientFlowAllReduce(sparsity=...)`.
+    """CSC settings, for `GradientFlowAllReduce(sparsity=...)`.
+
+    Source: GradientFlow (arXiv 1902.06855), "coarse-grained sparse
+    communication" (CSC): each pack is cut into chunks of `chunk_size`
+    elements, and each step sends only the k chunks with the largest
+    all-reduced L1 norms; what is not sent stays in a per-replica residual
+    (error feedback). Momentum correction and warm-up follow Deep Gradient
+    Compression (Lin et al., arXiv 1712.01887, sections 3.2 and 3.4).
 
     Args:
-      density: target fraction of chunks sent per step, in (0, 1]. k =
-        max(1, ceil(density * num_chunks)) chunks of each pack are sent.
-        1.0 means dense. Or "auto": the density follows the measured link
-        (below).
-      chunk_size: elements per chunk (>= 1). The chunk norms add 4 bytes per
-        chunk_size elements to each step (1/chunk_size of the float32 bytes).
-      warmup_steps: number of all-reduce steps (optimizer steps) at the start
-        that use the warm-up schedule instead of `density`.
-      momentum: momentum correction factor m in [0, 1). With m > 0 this object
-        keeps the momentum u = m*u + g per replica and sends from
+      density (float | str): target fraction of chunks sent per step, in
+        (0, 1]. k = max(1, ceil(density * num_chunks)) chunks of each pack are
+        sent; 1.0 means dense. Or "auto": the density follows the measured
+        link (see "density="auto"" below).
+      chunk_size (int): elements per chunk (>= 1). The chunk norms add 4
+        bytes per chunk_size elements to each step (1/chunk_size of the
+        float32 bytes).
+      warmup_steps (int): number of all-reduce steps (optimizer steps) at the
+        start that use the warm-up schedule instead of `density`.
+      momentum (float): momentum correction factor m in [0, 1). With m > 0
+        this object keeps the momentum u = m*u + g per replica and sends from
         residual + u, so the optimizer must be plain SGD WITHOUT momentum
-        (e.g. keras.optimizers.SGD(learning_rate, momentum=0.0)) set to the
+        (e.g. `keras.optimizers.SGD(learning_rate, momentum=0.0)`) set to the
         learning rate you would use with momentum m (for a constant rate the
         dense steps then equal Keras's SGD with momentum m). With m = 0 it is
         plain error feedback and any optimizer can be used (momentum
         optimizers converge worse at low density: see DGC).
-      warmup: the schedule during the first `warmup_steps` steps:
-        "dense": every pack is all-reduced densely (wire dtype of the pack);
-        "exponential": the warm-up is cut into equal stages of density
+      warmup (str): the schedule during the first `warmup_steps` steps:
+
+        - "dense": every pack is all-reduced densely (in the pack's wire dtype);
+        - "exponential": the warm-up is cut into equal stages of density
           0.25, 0.25/4, 0.25/16, ... (those above `density`), as in DGC's
           25% -> 6.25% -> 1.5625% -> 0.4% ramp.
-        See `schedule()` and `density_at(step)`. Momentum correction needs
-        a warm-up: on the digits CNN at density 1% (benchmarks/convergence.py)
-        it diverged without one and with the exponential ramp from step 0,
-        and matched dense float32 after 50 dense steps; plain error feedback
-        (momentum=0) converged without warm-up.
-      min_density: density="auto" only: the floor, in (0, 1] (default
-        DEFAULT_DENSITY, 0.01: auto never sends less than the fixed default
-        and only goes denser when the link affords it). It bounds how stale
-        a residual can get: at the floor every chunk can be sent within
+
+        See `schedule()` and `density_at(step)`. Momentum correction needs a warm-up of dense
+        steps (DGC, section 3.4): without one, or with the exponential ramp
+        from step 0, training with momentum > 0 can diverge (see
+        docs/benchmarks.md). Plain error feedback (momentum=0) needs none.
+      selection (str): which chunks compete for the k places:
+
+        - "per_pack": each pack sends its own top k = max(1, ceil(density *
+          C_p)) of its C_p chunks (every pack is represented every step);
+        - "global": one top K = max(1, ceil(density * C)) over the C chunks of
+          all packs of one wire dtype (the whole model in practice), the
+          whole-model importance of GradientFlow's CSC; a pack may send none
+          or all of its chunks on a step. Same bytes on the wire, same two
+          collectives per step; ties go to the lower chunk index, counting
+          through the packs in their all-reduce order;
+        - "ahead": each pack sends its own top k, chosen at the previous step
+          from all-reduced scores (GradientFlow's Algorithm 1): a sparse step
+          issues ONE collective per group of packs (its chunks, with the
+          scores and bound that choose and scale the next step's), so each
+          group leaves as soon as its own gradients are ready. The last
+          warm-up step chooses the first sparse step's chunks (the chunk L1
+          norms of its dense all-reduced gradient). Needs a numeric density.
+          See `gf_tf.csc.ahead` for the FP16 wire's scale and its float32
+          retry.
+      min_density (float): density="auto" only: the floor, in (0, 1]
+        (default DEFAULT_DENSITY, 0.01: auto never sends less than the fixed
+        default and only goes denser when the link affords it). It bounds how
+        stale a residual can get: at the floor every chunk can be sent within
         ceil(C / k) <= 1 / min_density steps (C chunks of a pack, k of them
-        sent per step). At 0.001 the digits CNN (532 chunks, k=1) trained to
-        49-83% test accuracy against 98% dense under `models.train`'s 20
-        warm-up steps, its residual growing 80x. Lower it only for runs
-        much longer than 1 / min_density steps that were measured to train.
-      auto_budget: density="auto" only: communication seconds allowed per
-        second of compute, > 0 (default 0.05).
+        sent per step). Lower it only for runs much longer than
+        1 / min_density steps: with fewer sparse steps than that, residuals
+        go stale and the model trains worse (see docs/benchmarks.md).
+      auto_budget (float): density="auto" only: communication seconds allowed
+        per second of compute, > 0 (default 0.05).
+      scoring (str): selection="ahead" only: the score that chooses the next
+        step's chunks, all-reduced (SUM over replicas):
+
+        - "error_feedback": the L1 norm of each chunk of what the next step
+          will send from, as far as it is known: the residual (plus
+          momentum * u with momentum correction);
+        - "paper": GradientFlow's rule: a chunk just sent scores the L1 norm of
+          its all-reduced sum, any other its residual's L1 norm.
+
+    Raises:
+      ValueError: an argument is out of range or of the wrong type (the
+        message names it), selection="ahead" is given with density="auto", or a
+        scoring other than "error_feedback" is given without selection="ahead".
 
     density="auto": after the warm-up, each step picks one rung of
     `rungs()` (AUTO_LADDER = 0.25, 0.1, 0.03, 0.01, 0.003, 0.001 above
@@ -90,58 +134,32 @@ class ChunkSparsity:
     t_c, the compute seconds (gradients ready minus the end of the previous
     step's communication) and t_m, the seconds of the chunk all-reduce (the
     local chunk path, which costs the same at every rung, is left out), with
-    b, the bytes that step sent. The figures ride in the
-    step's control all-reduce (3 float32 more, no extra collective), so every
-    replica on every worker decides from the same sums with the same float32
+    b, the bytes that step sent. The figures ride in the step's control
+    all-reduce (3 float32 more, no extra collective), so every replica on
+    every worker decides from the same sums with the same float32
     arithmetic and picks the same rung (`choose_rung`): predicting
     t(d) = t_m * bytes(d) / b, the largest d with t(d) <= auto_budget * t_c,
-    else the floor; the floor when nothing was measured yet (the first step;
-    dense warm-up steps measure too, so the first sparse step after a warm-up
-    already decides on a measurement). CSC's collectives run after the last
-    gradient of the step is ready (the norms decide which chunks to send), so
-    they cannot hide behind backprop: "hides behind compute" is implemented as
-    "costs at most auto_budget of the compute time", which keeps throughput
-    within a factor 1 / (1 + auto_budget) (95% at 0.05) of a step without
-    communication, hence of the fastest fixed density, while sending the most
-    chunks the link affords. The decision follows the previous step's
-    figures; a slow step (an evaluation between epochs) may give one step at a
-    higher density. The chosen density is `GradientFlowStats`' `gf_density`.
-      selection: which chunks compete for the k places:
-        "per_pack": each pack sends its own top k = max(1, ceil(density *
-          C_p)) of its C_p chunks (every pack is represented every step);
-        "global": one top K = max(1, ceil(density * C)) over the C chunks of
-          all packs of one wire dtype (the whole model in practice), the
-          whole-model importance of GradientFlow's CSC; a pack may send none
-          or all of its chunks on a step. Same bytes on the wire, same two
-          collectives per step; ties go to the lower chunk index, counting
-          through the packs in their all-reduce order.
-        "ahead": each pack sends its own top k, chosen at the previous step
-          from all-reduced scores (GradientFlow's Algorithm 1): a sparse step
-          issues ONE collective per group of packs (its chunks, with the
-          scores and bound that choose and scale the next step's), so each
-          group leaves as soon as its own gradients are ready. The last
-          warm-up step chooses the first sparse step's chunks (the chunk L1
-          norms of its dense all-reduced gradient). Needs a numeric density.
-          See `gf_tf.csc.ahead` for the FP16 wire's scale and its FP32 retry.
-      scoring: selection="ahead" only: the score that chooses the next step's
-        chunks, all-reduced (SUM over replicas):
-        "error_feedback": the L1 norm of each chunk of what the next step
-          will send from, as far as it is known: the residual (plus
-          momentum * u with momentum correction);
-        "paper": GradientFlow's rule: a chunk just sent scores the L1 norm of
-          its all-reduced sum, any other its residual's L1 norm.
+    else the floor; the floor when nothing has been measured yet (the first
+    step; dense warm-up steps measure too, so the first sparse step after a
+    warm-up already decides on a measurement). CSC's collectives run after
+    the last gradient of the step is ready (the norms decide which chunks to
+    send), so they cannot hide behind backprop: "hides behind compute" is
+    implemented as "costs at most auto_budget of the compute time", which
+    keeps throughput within a factor 1 / (1 + auto_budget) of a step without
+    communication, hence of the fastest fixed density, while sending the
+    most chunks the link affords. The decision follows the previous step's
+    figures; a slow step (an evaluation between epochs) may give one step at
+    a higher density. The chosen density is `GradientFlowStats`'
+    `gf_density`.
 
-    Raises:
-      ValueError naming the argument when one is out of range.
-
-    This object holds settings only. The state (`CSCState`: residuals,
-    velocities, step counters) belongs to the variables whose gradients it
-    holds: GradientFlowAllReduce keeps one per variable set (see
-    `GradientFlowAllReduce.states()`), so two models or two optimizers under
-    one strategy never share it. The state is saved with the optimizer's
-    checkpoint (`gf_tf.checkpoint`: `model.save_weights`, `ModelCheckpoint`,
-    `BackupAndRestore`), each worker its own; use
-    `gf_tf.checkpoint.BackupAndRestore` with several workers.
+    State: this object holds settings only. The state (`CSCState`:
+    residuals, velocities, step counters) belongs to the variables whose
+    gradients it holds: GradientFlowAllReduce keeps one per variable set
+    (see `GradientFlowAllReduce.states()`), so two models or two optimizers
+    under one strategy never share it. The state is saved with the
+    optimizer's checkpoint (`gf_tf.keras.checkpoint`: `model.save_weights`,
+    `ModelCheckpoint`, `BackupAndRestore`), each worker its own; use
+    `gf_tf.keras.backup.BackupAndRestore` with several workers.
     """
 
     def __init__(self, density: Union[float, str] = DEFAULT_DENSITY,
@@ -173,6 +191,10 @@ class ChunkSparsity:
                              "with density=\"auto\", or a fixed density with \"ahead\"")
         if scoring not in SCORINGS:
             raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
+        if scoring != SCORINGS[0] and selection != "ahead":
+            raise ValueError(f"scoring={scoring!r} scores chunks for the next step, which only "
+                             f"selection=\"ahead\" does; got selection={selection!r}. Pass "
+                             f"selection=\"ahead\", or leave scoring at its default")
         if isinstance(min_density, bool) or not (isinstance(min_density, (int, float))
                                                  and 0.0 < min_density <= 1.0):
             raise ValueError(f"min_density must be a fraction in (0, 1] (the floor of "

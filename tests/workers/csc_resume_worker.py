@@ -1,8 +1,8 @@
-"""One worker of a 2-worker Keras fit with CSC and gf_tf.checkpoint.BackupAndRestore.
+"""One worker of a 2-worker Keras fit with CSC (--selection) and gf_tf.checkpoint.BackupAndRestore.
 
 --kill_after_epoch k: at the end of epoch k (after the backup callback ran),
 worker 1 SIGKILLs itself. Every worker writes its CSC state (residuals, velocity,
-step counter) at the end of epoch k to --state_dir/epoch<k>_worker<i>.npz. A run
+step counter; with selection="ahead" also the scores and bound) at the end of epoch k to --state_dir/epoch<k>_worker<i>.npz. A run
 started over an existing backup records the state as restored (right when the
 variable set's state is created, before the first step) and writes it with the
 final weights to GF_TF_RESULT.
@@ -25,6 +25,7 @@ parser.add_argument("--epochs", type=int, default=4)
 parser.add_argument("--kill_after_epoch", type=int, default=-1)
 parser.add_argument("--steps_per_epoch", type=int, default=4)
 parser.add_argument("--global_batch", type=int, default=16)
+parser.add_argument("--selection", default="per_pack")
 args = parser.parse_args()
 
 import gf_tf  # after argparse: fail fast on bad flags
@@ -32,7 +33,7 @@ from gf_tf import checkpoint
 
 tf.config.experimental.enable_op_determinism()
 rank = worker_util.task_index()
-gradient_flow, strategy = worker_util.csc_checkpoint_strategy()
+gradient_flow, strategy = worker_util.csc_checkpoint_strategy(args.selection)
 
 x, y = worker_util.regression_data(args.global_batch * args.steps_per_epoch)
 with strategy.scope():
@@ -44,8 +45,11 @@ with strategy.scope():
 
 def snapshot(state):
     pack = state.packs[0]
-    return {"steps": np.array([int(s.numpy()) for s in pack.steps]),
-            "residual": pack.residuals[0].numpy(), "velocity": pack.velocities[0].numpy()}
+    out = {"steps": np.array([int(s.numpy()) for s in pack.steps]),
+           "residual": pack.residuals[0].numpy(), "velocity": pack.velocities[0].numpy()}
+    if pack.scores:   # selection="ahead": the next step's chunks are chosen from these
+        out.update(scores=pack.scores[0].numpy(), bound=pack.bounds[0].numpy())
+    return out
 
 
 class AtEpochEnd(keras.callbacks.Callback):

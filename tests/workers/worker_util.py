@@ -107,11 +107,12 @@ def collective_reduces(model):
     return found
 
 
-def csc_checkpoint_strategy():
+def csc_checkpoint_strategy(selection="per_pack"):
     """(GradientFlowAllReduce, gf_tf.MultiWorkerMirroredStrategy) of the checkpoint workers:
     CSC at density 0.1 in chunks of 16, 3 warm-up steps, momentum correction 0.5."""
     import gf_tf  # pylint: disable=import-outside-toplevel
-    sparsity = gf_tf.ChunkSparsity(density=0.1, chunk_size=16, warmup_steps=3, momentum=0.5)
+    sparsity = gf_tf.ChunkSparsity(density=0.1, chunk_size=16, warmup_steps=3, momentum=0.5,
+                                   selection=selection)
     gradient_flow = gf_tf.GradientFlowAllReduce(sparsity=sparsity)
     strategy = gf_tf.MultiWorkerMirroredStrategy(communication_options=communication_options(),
                                                  gradient_flow=gradient_flow)
