@@ -63,8 +63,9 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
     worker "auto" is TensorFlow's own all-reduce. `plans()` shows the choice.
 
     Args:
-      compression (str | None): "auto" (default: the planner picks "fp16" or TF's
-        own float32), "fp16", "bf16" or None (packing only), or another name
+      compression (str | None): "auto" (default: the planner picks "fp16" packs,
+        float32 packs over recursive doubling, or TF's own float32 all-reduce),
+        "fp16", "bf16" or None (packing only), or another name
         registered in `gf_tf.wire.FORMATS`. With `sparsity`, "auto" is "fp16".
       bytes_per_pack (int | str): lazy all-reduce threshold in wire bytes (>= 0);
         0 = one pack per dtype. A tensor larger than it gets a pack of its own.

@@ -11,7 +11,7 @@ import gf_tf
 from gf_tf.collectives import recursive_doubling
 from gf_tf.cluster import WorkerInfo
 from cluster import describe, run_workers
-from csc_reference import NumpyCSC, chunks_zero, flatten, pack_order
+from csc_reference import NumpyAheadCSC, NumpyCSC, chunks_zero, flatten, pack_order
 
 # Unit roundoff per dtype, and the worker's cases (tests/workers/collectives_worker.py).
 UNIT = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -24}
@@ -192,6 +192,31 @@ def test_gradient_flow_csc_over_recursive_doubling_at_3_workers_matches_the_nump
         grads = [flatten([r[f"g{s}_{i}"] for i in range(len(VARIABLES))], order) for r in results]
         ref, idx = model.step(grads, 0.01)
         assert len(idx) == 1
+        outs = [flatten([r[f"out{s}_{i}"] for i in range(len(VARIABLES))], order) for r in results]
+        for got in outs:
+            np.testing.assert_array_equal(got.astype(np.float32).view(np.uint32),
+                                          outs[0].astype(np.float32).view(np.uint32))
+        np.testing.assert_allclose(outs[0], ref, rtol=4e-3, atol=4e-3 * np.abs(ref).max())
+        np.testing.assert_array_equal(np.flatnonzero(~chunks_zero(outs[0], cs)), idx)
+
+
+@pytest.mark.slow
+def test_csc_ahead_over_recursive_doubling_at_3_workers_matches_the_numpy_model():
+    """selection="ahead" (one collective per sparse step) over recursive doubling: a dense warm-up
+    step, then 3 sparse steps whose chunks were chosen a step ahead, against NumpyAheadCSC in
+    float64; every collective is a 2-member one (no 3-member ring), every worker gets the same bits."""
+    steps, n, cs, density = 4, 3, 16, 0.05
+    results = _workers(n, "--mode=gradients", f"--steps={steps}", f"--density={density}",
+                       f"--chunk_size={cs}", "--selection=ahead", "--warmup_steps=1", timeout=300)
+    for r in results:
+        assert r["collectives"].size and all(c.endswith(":2") for c in r["collectives"].tolist()), \
+            r["collectives"]
+    order = pack_order(VARIABLES)
+    model = NumpyAheadCSC(1030, n, cs)
+    for s in range(steps):
+        grads = [flatten([r[f"g{s}_{i}"] for i in range(len(VARIABLES))], order) for r in results]
+        ref, idx = model.step(grads, density, warmup=s == 0)
+        assert len(idx) == (65 if s == 0 else 4)
         outs = [flatten([r[f"out{s}_{i}"] for i in range(len(VARIABLES))], order) for r in results]
         for got in outs:
             np.testing.assert_array_equal(got.astype(np.float32).view(np.uint32),

@@ -27,9 +27,10 @@
     csc_1_overlap
               csc_1 with overlap=True: each 4 MiB pack all-reduces its own chunk norms,
               then its own chunks, as soon as its gradients exist
-    csc_1_ahead / csc_1_ahead_overlap
+    csc_1_ahead / csc_1_ahead_overlap / csc_1_ahead_rd
               csc_1 with selection="ahead" (each pack's chunks chosen at the step
-              before: one collective a step), one barrier / with overlap=True
+              before: one collective a step), one barrier / with overlap=True / over
+              recursive doubling
     csc_15_paper / csc_10_paper
               the GradientFlow paper's own settings: chunks of 32,000 elements (its "32K
               gradients"), 15% / 10% of them, chosen a step ahead with its scoring rule
@@ -56,11 +57,13 @@ CSC_DENSITY: Dict[str, Union[float, str]] = {"csc_10": 0.10, "csc_1": 0.01, "csc
                                              "csc_1_global": 0.01, "csc_0.1_global": 0.001,
                                              "csc_1_rd": 0.01, "csc_1_overlap": 0.01,
                                              "csc_1_ahead": 0.01, "csc_1_ahead_overlap": 0.01,
-                                             "csc_15_paper": 0.15, "csc_10_paper": 0.10}
+                                             "csc_15_paper": 0.15, "csc_10_paper": 0.10,
+                                             "csc_1_ahead_rd": 0.01}
 # ChunkSparsity(selection=...) of the CSC methods not selecting per pack.
 CSC_SELECTION: Dict[str, str] = {"csc_1_global": "global", "csc_0.1_global": "global",
                                  "csc_1_ahead": "ahead", "csc_1_ahead_overlap": "ahead",
-                                 "csc_15_paper": "ahead", "csc_10_paper": "ahead"}
+                                 "csc_15_paper": "ahead", "csc_10_paper": "ahead",
+                                 "csc_1_ahead_rd": "ahead"}
 # Other ChunkSparsity keywords of a CSC method (its defaults otherwise).
 CSC_EXTRA: Dict[str, Dict[str, object]] = {
     "csc_15_paper": {"chunk_size": 32000, "scoring": "paper"},
@@ -78,6 +81,7 @@ OVERRIDES: Dict[str, Dict[str, object]] = {
     "csc_1_rd": {"algorithm": "recursive_doubling"},
     "csc_1_overlap": {"overlap": True},   # CSC 1%, each pack's norms and chunks on their own
     "csc_1_ahead_overlap": {"overlap": True},   # CSC 1% ahead, each pack's one collective on its own
+    "csc_1_ahead_rd": {"algorithm": "recursive_doubling"},
 }
 METHODS = _BASE_METHODS + [m for m in OVERRIDES if m not in _BASE_METHODS]
 # The methods the presets loop over when they take "every method".
@@ -98,6 +102,7 @@ LABELS = {
     "csc_1_overlap": "GradientFlow CSC 1%, a group per pack",
     "csc_1_ahead": "GradientFlow CSC 1%, chosen a step ahead",
     "csc_1_ahead_overlap": "GradientFlow CSC 1% ahead, a group per pack",
+    "csc_1_ahead_rd": "GradientFlow CSC 1% ahead, recursive doubling",
     "csc_15_paper": "GradientFlow CSC 15%, chunks of 32,000, ahead (the paper's)",
     "csc_10_paper": "GradientFlow CSC 10%, chunks of 32,000, ahead (the paper's)",
 }

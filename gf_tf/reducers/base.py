@@ -112,7 +112,8 @@ class StepInput:
       comm: the collectives and the served replicas.
       groups: how many consecutive groups the packs are cut into (`group_ranges`),
         each with its own control all-reduce (1: one for the step). The dense
-        reducer uses it; CSC keeps one.
+        reducer uses it, and so does CSC where its `CostTerms.groupable` is true
+        (per-pack or "ahead" selection at a fixed density).
     """
     packs: Tuple[PackStep, ...]
     shared: Optional[tf.Module]

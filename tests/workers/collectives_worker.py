@@ -31,6 +31,8 @@ parser.add_argument("--algorithm", default="recursive_doubling")
 parser.add_argument("--density", type=float, default=0.0)
 parser.add_argument("--chunk_size", type=int, default=16)
 parser.add_argument("--steps", type=int, default=2)
+parser.add_argument("--selection", default="per_pack")
+parser.add_argument("--warmup_steps", type=int, default=0)
 parser.add_argument("--victim", type=int, default=1)
 parser.add_argument("--stall", action="store_true")
 args = parser.parse_args()
@@ -49,7 +51,8 @@ if args.mode == "gradients":
     gradient_flow = gf_tf.GradientFlowAllReduce(
         compression="fp16", algorithm=args.algorithm,
         sparsity=gf_tf.ChunkSparsity(density=args.density, chunk_size=args.chunk_size,
-                                     warmup_steps=0) if args.density else None)
+                                     warmup_steps=args.warmup_steps, selection=args.selection)
+        if args.density else None)
 strategy = gf_tf.MultiWorkerMirroredStrategy(communication_options=worker_util.communication_options(),
                                             gradient_flow=gradient_flow)
 workers = cluster.from_tf_config().worker_info()
@@ -121,7 +124,7 @@ def gradients():
     collectives_found = [
         f"{op.type}:{tf.get_static_value(op.inputs[group_size_input[op.type]])}"
         if op.type in group_size_input else op.type
-        for op in graph.get_operations() if op.type.startswith("Collective")]
+        for op in worker_util.nested_ops(graph) if op.type.startswith("Collective")]
     worker_util.write_result(collectives=np.array(collectives_found), **results)
 
 

@@ -53,37 +53,45 @@ def write_result(**arrays) -> None:
     np.savez(os.environ["GF_TF_RESULT"], **{k: np.asarray(v) for k, v in arrays.items()})
 
 
+def nested_ops(graph, key=None, seen=None):
+    """Every op of `graph` and of the graphs it runs: nested tf.functions and the branch graphs of
+    its conds and switch_cases, each graph once (test-only use of FuncGraph's `_get_function` and
+    cond_v2's `If._true_graph/_false_graph`)."""
+    seen = set() if seen is None else seen
+    key = id(graph) if key is None else key
+    if key in seen:
+        return
+    seen.add(key)
+    for op in graph.get_operations():
+        yield op
+        if op.type in ("PartitionedCall", "StatefulPartitionedCall"):   # a nested tf.function
+            callee = op.get_attr("f").name
+            function = graph._get_function(callee)  # pylint: disable=protected-access
+            if function is not None and getattr(function, "graph", None) is not None:
+                yield from nested_ops(function.graph, callee, seen)
+        for branch in ("_true_graph", "_false_graph"):
+            if getattr(op, branch, None) is not None:
+                yield from nested_ops(getattr(op, branch), id(getattr(op, branch)), seen)
+        if op.type in ("Case", "StatelessCase"):   # a tf.switch_case's branch functions
+            for function in op.get_attr("branches"):
+                branch = graph._get_function(function.name)  # pylint: disable=protected-access
+                if branch is not None:
+                    yield from nested_ops(branch.graph, function.name, seen)
+
+
 def collective_reduces(model):
     """(dtype name, element count) of every CollectiveReduceV2 in the model's traced train step.
 
-    Reads the concrete functions behind `model.train_function`, the functions they call
-    and the branch graphs of their conds and switch_cases, each once (test-only use of tf.function's
-    `_list_all_concrete_functions`, FuncGraph's `_get_function` and cond_v2's
-    `If._true_graph/_false_graph`).
+    Reads the concrete functions behind `model.train_function` and the graphs they run
+    (`nested_ops`; test-only use of tf.function's `_list_all_concrete_functions`).
     """
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     found, seen = [], set()
 
     def scan(graph, name):
-        if name in seen:
-            return
-        seen.add(name)
-        for op in graph.get_operations():
+        for op in nested_ops(graph, name, seen):
             if op.type == "CollectiveReduceV2":
                 found.append((op.get_attr("T").name, op.inputs[0].shape.num_elements()))
-            if op.type in ("PartitionedCall", "StatefulPartitionedCall"):   # a nested tf.function
-                callee = op.get_attr("f").name
-                function = graph._get_function(callee)  # pylint: disable=protected-access
-                if function is not None and getattr(function, "graph", None) is not None:
-                    scan(function.graph, callee)
-            for branch in ("_true_graph", "_false_graph"):
-                if getattr(op, branch, None) is not None:
-                    scan(getattr(op, branch), id(getattr(op, branch)))
-            if op.type in ("Case", "StatelessCase"):   # a tf.switch_case's branch functions
-                for function in op.get_attr("branches"):
-                    branch = graph._get_function(function.name)  # pylint: disable=protected-access
-                    if branch is not None:
-                        scan(branch.graph, function.name)
 
     def walk(obj):
         if isinstance(obj, tf.types.experimental.PolymorphicFunction):
