@@ -70,10 +70,6 @@ def _label(method: str) -> str:
     return methods.LABELS.get(method, method)
 
 
-def _link(rate_mbit) -> str:
-    return report.link_label(rate_mbit)
-
-
 def _times_ticks(ax, values: Sequence[float]) -> None:
     """Ticks at the powers of 2 the values span, labelled 0.5x, 1x, 2x, ..."""
     import math
@@ -83,14 +79,6 @@ def _times_ticks(ax, values: Sequence[float]) -> None:
     ax.set_yticks(ticks)
     ax.set_yticklabels([f"{t:g}x" for t in ticks])
     ax.minorticks_off()
-
-
-def _save(fig, path: str, bottom: float) -> None:
-    """Lays the axes out above `bottom` (a share of the height kept for a legend or footnote)
-    and writes the PNG, creating its folder."""
-    fig.tight_layout(rect=(0, bottom, 1, 1))
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=100)
 
 
 def _sources(docs: Sequence[Dict], paths: Sequence[str], sep: str = "; ") -> str:
@@ -130,7 +118,7 @@ def speed_figure(paths: Sequence[str], out: str, plt) -> None:
         ax.set_yscale("log", base=2)
         _times_ticks(ax, [s for k in series for _, s in series[k]])
         ax.set_xticks(sorted({n for k in keys for n, _ in series[k]}))
-        ax.set_title(f"{_link(link)} links")
+        ax.set_title(f"{report.link_label(link)} links")
         ax.set_xlabel("workers N")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("speed vs TF default fp32 (1 = TF)")
@@ -141,7 +129,7 @@ def speed_figure(paths: Sequence[str], out: str, plt) -> None:
                 for s in SET_STYLES if any(s == ss for _, ss in shown)]
     fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 4), fontsize=8, frameon=False)
     fig.text(0.01, 0.005, _sources(docs, paths), fontsize=6.5, color="gray")
-    _save(fig, out, bottom=0.14)
+    report.save_figure(fig, out, dpi=100, bottom=0.14)
 
 
 def _density(cell: Dict) -> Optional[float]:
@@ -190,7 +178,7 @@ def bytes_figure(paths: Sequence[str], out: str, plt) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left")
     fig.text(0.01, 0.005, _sources(docs, paths, "\n"), fontsize=6, color="gray")
-    _save(fig, out, bottom=0.07)
+    report.save_figure(fig, out, dpi=100, bottom=0.07)
 
 
 def projection_figure(paths: Sequence[str], out: str, plt, link_gbit: float) -> None:
@@ -238,7 +226,7 @@ def projection_figure(paths: Sequence[str], out: str, plt, link_gbit: float) -> 
                            label="GradientFlow paper: AlexNet, 512 GPUs, 410.2x")]
     fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8, frameon=False)
     fig.text(0.01, 0.005, _sources(docs, paths), fontsize=6, color="gray")
-    _save(fig, out, bottom=0.09)
+    report.save_figure(fig, out, dpi=100, bottom=0.09)
 
 
 def main(argv=None) -> int:

@@ -68,9 +68,10 @@ def machine_description(command: str) -> dict:
     }
 
 
-def save_figure(fig, path: str, dpi: int) -> None:
-    """Lays out a matplotlib figure and writes it to `path` as PNG, creating its folder."""
-    fig.tight_layout()
+def save_figure(fig, path: str, dpi: int, bottom: float = 0.0) -> None:
+    """Lays out a matplotlib figure above `bottom` (a share of its height kept for a legend or
+    footnote) and writes it to `path` as PNG, creating its folder."""
+    fig.tight_layout(rect=(0, bottom, 1, 1))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=dpi)
 
