@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from test_docs import with_stand_ins
+
 # slow: every test runs README's commands in fresh processes (TensorFlow, model.fit, workers).
 pytestmark = pytest.mark.slow
 
@@ -22,17 +24,8 @@ def _usage_blocks():
     return re.findall(r"```python\n(.*?)```", section, flags=re.S)
 
 
-# The README leaves the model and data to the reader; these stand in for them.
-_HARNESS = '''
-import numpy as np
-{cpu_setup}
-import gf_tf, keras, tensorflow as tf
-def build_model():
-    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
-rng = np.random.default_rng()
-dataset = tf.data.Dataset.from_tensor_slices(
-    (rng.standard_normal((64, 8)).astype("float32"), rng.integers(0, 3, 64))).batch(16)
-{block}
+# What the snippet's run shows; the model and data it leaves to the reader are test_docs' stand-ins.
+_REPORT = '''
 print("replicas:", strategy.num_replicas_in_sync)
 print("logged:", sorted(k for k in model.history.history if k.startswith("gf_")))
 print("dense bytes per step:", model.history.history.get("gf_dense_bytes_per_step"))
@@ -40,7 +33,7 @@ print("dense bytes per step:", model.history.history.get("gf_dense_bytes_per_ste
 
 
 def _run(block, cpu_setup=""):
-    code = _HARNESS.format(block=block.replace("epochs=10", "epochs=1"), cpu_setup=cpu_setup)
+    code = cpu_setup + "\n" + with_stand_ins(block.replace("epochs=10", "epochs=1")) + _REPORT
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          cwd=str(REPO), env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="3"),
                          check=False)
