@@ -181,9 +181,9 @@ def pack_sizes(shapes: Sequence[Tuple[int, ...]], bytes_per_pack: int = DEFAULT_
                ) -> List[int]:
     """Elements per pack of a float32 gradient list on a float16 wire, as GradientFlow cuts it."""
     import tensorflow as tf
-    from gf_tf import packing
+    from gf_tf import packing, wire
     signature = [(tf.TensorShape(s), tf.float32) for s in shapes]
-    plan = packing.plan_packs(signature, bytes_per_pack, lambda dtype: tf.float16)
+    plan = packing.plan_packs(signature, bytes_per_pack, wire.FP16)
     return [p.num_elements for p in plan]
 
 

@@ -51,7 +51,7 @@ def check_workers_agree(workers, settings: List[Setting], devices: Sequence[str]
     width = 1 + len(settings)
     mine = np.zeros([workers.num_workers, width], np.float64)
     mine[workers.rank] = [1.0] + [float(number) for _, number, _ in settings]
-    ring = collectives.ring.ring_sum(cross_device_ops, options)
+    ring = collectives.ring.tf_sum(cross_device_ops, options)
     try:
         table = collectives.sum_over_workers(ring, devices, mine).reshape(mine.shape)
     except tf.errors.OpError as e:

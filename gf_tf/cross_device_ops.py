@@ -135,7 +135,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         # skipping non-finite steps together) for MirroredStrategy users too.
         integrations.install_all()
 
-    # The settings as given (compression: "auto" or the `gf_tf.wire.Compression`), checked.
+    # The settings as given (compression: "auto" or the `gf_tf.wire.WireFormat`), checked.
     compression = property(lambda self: self._settings.compression)
     bytes_per_pack = property(lambda self: self._settings.bytes_per_pack)
     algorithm = property(lambda self: self._settings.algorithm)
@@ -211,10 +211,6 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         return self._wrapped
 
     @property
-    def _num_workers(self) -> int:
-        return self._workers.num_workers if self._workers is not None else 1
-
-    @property
     def _num_between_graph_workers(self):
         return tf_internal.num_workers_of(self._wrapped) if self._wrapped is not None else 1
 
@@ -243,64 +239,37 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         """The gradient all-reduce of one replica (see `gf_tf.all_reduce_gradients`). Both
         ways TensorFlow runs it, merge_call (every CPU run) and the replica context (XLA on
         all-GPU devices), go through `gf_tf.route.run`, so they cannot drift apart."""
-        strategy = replica_ctx.strategy
-        self._cross_ops()   # the strategy's ops, before the route reads self._wrapped
-        if tf_internal.use_merge_call(strategy):
+        orchestrator = self._orchestrator(self._cross_ops())
+        if tf_internal.use_merge_call(replica_ctx.strategy):
             def merge_fn(strategy, *per_replica):
-                return self._reduce_merged(strategy, list(per_replica), variables, reduce_op,
-                                           options)
+                return route.run_merged(orchestrator, strategy, list(per_replica), variables,
+                                        reduce_op, options)
             return replica_ctx.merge_call(merge_fn, args=tuple(grads))
-        return self._reduce_in_replica(replica_ctx, grads, variables, reduce_op, options)
+        return route.run_in_replica(orchestrator, replica_ctx, grads, variables, reduce_op,
+                                    options)
 
-    def _reduce_merged(self, strategy, per_replica, variables, reduce_op, options):
-        grads = [tf_internal.local_values(v) for v in per_replica]
-        num_local = len(grads[0])
-        tf_internal.check_not_xla_across_devices(num_local)
+    def reduce_locally(self, strategy, grads: Sequence[tf.Tensor], variables: Sequence,
+                       reduce_op=_SUM) -> List[tf.Tensor]:
+        """One replica's gradient all-reduce through this object's plan, reducer and state,
+        every collective the identity: a step's local work (packing, scaling, CSC's chunk
+        path) without a network, for benchmarks (`gf_tf.route.run_locally`). Call it in a
+        tf.function. grads: this replica's; variables: theirs. Returns per gradient what a
+        step of one replica without peers returns.
 
-        def all_reduce_sum(tensors):
-            pr = tf_internal.per_replica(tensors)
-            reduced = strategy.extended.batch_reduce_to(_SUM, [(pr, pr)], options)[0]
-            return tf_internal.local_values(reduced)
+        Raises:
+          ValueError: this object serves a gf_tf.MultiWorkerMirroredStrategy's workers.
+        """
+        if self._workers is not None:
+            raise ValueError("reduce_locally runs without peers; this GradientFlowAllReduce "
+                             "serves the workers of a gf_tf.MultiWorkerMirroredStrategy")
+        return route.run_locally(self._orchestrator(None), strategy, grads, variables, reduce_op)
 
-        def others(indices):
-            pairs = [(per_replica[i], per_replica[i]) for i in indices]
-            reduced = strategy.extended.batch_reduce_to(reduce_op, pairs, options)
-            return [tf_internal.local_values(r) for r in reduced]
-
-        per_local = [[g[r] for g in grads] for r in range(num_local)]
-        results = self._run(strategy, per_local, tuple(range(num_local)), variables,
-                            reduce_op, all_reduce_sum, others, options)
-        return [tf_internal.mirrored([results[r][i] for r in range(num_local)])
-                for i in range(len(per_replica))]
-
-    def _reduce_in_replica(self, replica_ctx, grads, variables, reduce_op, options):
-        num_local = len(replica_ctx.strategy.extended.worker_devices)
-        replica_id = tf.get_static_value(replica_ctx.replica_id_in_sync_group)
-        if replica_id is None:
-            raise ValueError("gf_tf: the replica id is not known while tracing; the replica-context "
-                             "gradient all-reduce needs a static one (tf.distribute strategies give it)")
-        local = int(replica_id) % num_local
-
-        def all_reduce_sum(tensors):
-            return [replica_ctx.all_reduce(_SUM, tensors[0], options)]
-
-        def others(indices):
-            reduced = replica_ctx.all_reduce(reduce_op, [grads[i] for i in indices], options)
-            return [[r] for r in reduced]
-
-        return self._run(replica_ctx.strategy, [list(grads)], (local,), variables,
-                         reduce_op, all_reduce_sum, others, options)[0]
-
-    def _run(self, strategy, grads, replicas, variables, reduce_op, ring_sum, others, options):
-        return route.run(self._links(), route.Call(strategy, grads, replicas, variables, reduce_op,
-                                                   ring_sum, others, options))
-
-    def _links(self) -> route.Links:
-        return route.Links(self._wrapped, self._workers, self._costs, self._settings,
-                           self.reducer, self._states, self.stats, self.trial_clock)
+    def _orchestrator(self, cross_ops) -> route.Orchestrator:
+        return route.Orchestrator(cross_ops, self._workers, self._costs, self._settings,
+                                  self.reducer, self._states, self.stats, self.trial_clock)
 
     def pack_plan(self, signature) -> plan.SetPlan:
         """(the plan and its forecast, the signature it packs, its PackSpecs) of a
         gradient signature (per gradient (shape, dtype), or None where it cannot be packed):
         what a step builds, and a checkpoint restore compares (`gf_tf.plan.plan_set`)."""
-        return plan.plan_set(signature, self._settings, self.reducer, self._num_workers, self._costs)
+        return self._orchestrator(self._wrapped).plan_set(signature)

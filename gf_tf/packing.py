@@ -11,11 +11,11 @@ all-reduced while backprop still computes the rest.
 import dataclasses
 import functools
 import zlib
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
-from gf_tf.wire import PACKABLE_DTYPES
+from gf_tf.wire import PACKABLE_DTYPES, WireFormat, pack_format
 
 # One entry per value in the caller's list: (shape, dtype) when it can be
 # packed, None when it goes to the wrapped cross-device ops untouched.
@@ -32,14 +32,21 @@ class PackSpec:
     indices: positions in the caller's value list, in pack (backprop) order.
     shapes, dtypes: of those values, same order.
     num_elements: total elements (sum of the sizes).
-    wire_dtype: dtype of the buffer sent through the all-reduce.
+    wire: the `gf_tf.wire.WireFormat` the buffer travels on (`gf_tf.wire.pack_format`): its
+      dtype and whether values are scaled into its range.
     """
     key: str
     indices: Tuple[int, ...]
     shapes: Tuple[tf.TensorShape, ...]
     dtypes: Tuple[tf.DType, ...]
     num_elements: int
-    wire_dtype: tf.DType
+    wire: WireFormat
+
+    @property
+    def wire_dtype(self) -> tf.DType:
+        """dtype of the buffer sent through the all-reduce: the format's, or (a format
+        without one) the pack's own."""
+        return self.wire.dtype or self.dtypes[0]
 
     @property
     def num_bytes(self) -> int:
@@ -74,16 +81,16 @@ def groups_by_dtype(indices: Sequence[int], samples) -> List[List[int]]:
     return list(groups.values())
 
 
-def plan_fingerprint(signature: Signature, bytes_per_pack: int,
-                     wire_dtype_of: Callable[[tf.DType], tf.DType]) -> int:
-    """A 32-bit CRC of the signature and the options; equal on every worker iff they agree."""
+def plan_fingerprint(signature: Signature, bytes_per_pack: int, wire_format: WireFormat) -> int:
+    """A 32-bit CRC of the signature, the pack size and the packs' wire dtypes; equal on every
+    worker iff they agree."""
     text = repr((_canonical(signature), int(bytes_per_pack),
-                 tuple(sorted({wire_dtype_of(s[1]).name for s in signature if s}))))
+                 tuple(sorted({_wire_dtype(wire_format, s[1]).name for s in signature if s}))))
     return zlib.crc32(text.encode())
 
 
 def plan_packs(signature: Signature, bytes_per_pack: int,
-               wire_dtype_of: Callable[[tf.DType], tf.DType]) -> Tuple[PackSpec, ...]:
+               wire_format: WireFormat) -> Tuple[PackSpec, ...]:
     """Cuts the packable values of `signature` into packs.
 
     Args:
@@ -93,8 +100,9 @@ def plan_packs(signature: Signature, bytes_per_pack: int,
         closed when the next value of its dtype would take it beyond this; a
         value bigger than it gets a pack of its own. 0 means one pack per
         dtype.
-      wire_dtype_of: maps a value dtype to its wire dtype. Values are grouped
-        per value dtype (a pack holds one dtype only).
+      wire_format: the `gf_tf.wire.WireFormat` of float32 packs; float16 and bfloat16
+        packs travel on their own built-in format (`gf_tf.wire.pack_format`). Values
+        are grouped per value dtype (a pack holds one dtype only).
 
     Returns:
       The packs, ordered by the backprop position of their first value.
@@ -102,7 +110,7 @@ def plan_packs(signature: Signature, bytes_per_pack: int,
     """
     if bytes_per_pack < 0:
         raise ValueError(f"bytes_per_pack must be >= 0 bytes, got {bytes_per_pack}")
-    return _plan_cached(_canonical(signature), int(bytes_per_pack), wire_dtype_of)
+    return _plan_cached(_canonical(signature), int(bytes_per_pack), wire_format)
 
 
 def _canonical(signature: Signature):
@@ -120,18 +128,24 @@ def _canonical(signature: Signature):
     return tuple(out)
 
 
+def _wire_dtype(wire_format: WireFormat, dtype) -> tf.DType:
+    """The dtype on the wire of a pack of `dtype` values (`PackSpec.wire_dtype`)."""
+    return pack_format(wire_format, dtype).dtype or tf.as_dtype(dtype)
+
+
 @functools.lru_cache(maxsize=256)
-def _plan_cached(signature, bytes_per_pack, wire_dtype_of):
-    wire = {name: wire_dtype_of(tf.as_dtype(name)) for name in
-            {entry[1] for entry in signature if entry is not None}}
-    fingerprint = plan_fingerprint(signature, bytes_per_pack, wire_dtype_of)
+def _plan_cached(signature, bytes_per_pack, wire_format):
+    dtypes = {entry[1] for entry in signature if entry is not None}
+    wire = {name: pack_format(wire_format, name) for name in dtypes}
+    wire_size = {name: _wire_dtype(wire_format, name).size for name in dtypes}
+    fingerprint = plan_fingerprint(signature, bytes_per_pack, wire_format)
 
     closed = []   # lists of caller indices
     open_packs = {}  # dtype name -> (indices, bytes)
     backprop_order = [i for i in reversed(range(len(signature))) if signature[i] is not None]
     for i in backprop_order:
         dims, dtype = signature[i]
-        size = _num_elements(dims) * wire[dtype].size
+        size = _num_elements(dims) * wire_size[dtype]
         members, used = open_packs.get(dtype, ([], 0))
         if members and bytes_per_pack and used + size > bytes_per_pack:
             closed.append(members)
@@ -151,7 +165,7 @@ def _plan_cached(signature, bytes_per_pack, wire_dtype_of):
             shapes=tuple(tf.TensorShape(signature[i][0]) for i in members),
             dtypes=tuple(tf.as_dtype(signature[i][1]) for i in members),
             num_elements=n,
-            wire_dtype=wire[dtype]))
+            wire=wire[dtype]))
     return tuple(packs)
 
 

@@ -23,20 +23,20 @@ from gf_tf.plan import trial
 from gf_tf.reducers import MAX_REDUCER_SETTINGS, Communicator, PackStep, Reducer, Sent, StepInput
 from gf_tf.state import StateRegistry, VariableSetState
 
-_log = logging.getLogger("gf_tf.planner")
-_SUM = tf.distribute.ReduceOp.SUM
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
-class Links:
-    """What a route travels by, passed in whole (the orchestrator's, for this call).
+class Orchestrator:
+    """The parts of one GradientFlowAllReduce a route reads, passed in whole.
 
-    cross_ops: the wrapped TF cross-device ops. workers: `gf_tf.cluster.WorkerInfo` or None
+    cross_ops: the wrapped TF cross-device ops (None where nothing crosses a process:
+    `GradientFlowAllReduce.reduce_locally`). workers: `gf_tf.cluster.WorkerInfo` or None
     (one worker, a MirroredStrategy). costs: the probe's `Costs` or None. settings and
     reducer: the GradientFlowAllReduce's. states: its StateRegistry. stats: its CommStats.
     trial_clock: the trial's clock (seconds).
     """
-    cross_ops: tf.distribute.CrossDeviceOps
+    cross_ops: Optional[tf.distribute.CrossDeviceOps]
     workers: object
     costs: Optional[plan.Costs]
     settings: plan.Settings
@@ -50,60 +50,114 @@ class Links:
         return self.workers.num_workers if self.workers is not None else 1
 
     def plan_set(self, signature) -> plan.SetPlan:
+        """`gf_tf.plan.plan_set` of a gradient signature under this orchestrator's settings."""
         return plan.plan_set(signature, self.settings, self.reducer, self.num_workers, self.costs)
 
 
 @dataclasses.dataclass(frozen=True)
 class Call:
     """One call of the funnel. grads: per served replica, the caller's gradient list.
-    replicas: the served replicas' indices among this worker's. ring_sum: the wrapped ops'
-    SUM all-reduce of one 1-D tensor per served replica. others(indices): the wrapped
-    ops' all-reduce (the caller's reduce_op) of those gradients, per index per served
-    replica."""
+    replicas: the served replicas' indices among this worker's. tf_sum: TensorFlow's own
+    SUM all-reduce of one 1-D tensor per served replica (`gf_tf.collectives.ring.tf_sum`).
+    others(indices): the strategy's all-reduce (the caller's reduce_op) of those
+    gradients, per index per served replica."""
     strategy: tf.distribute.Strategy
     grads: List[List]
     replicas: tuple
     variables: Sequence
     reduce_op: tf.distribute.ReduceOp
-    ring_sum: Callable
+    tf_sum: Callable
     others: Callable
     options: object
 
 
-def run(links: Links, call: Call) -> List[List]:
+def run(orchestrator: Orchestrator, call: Call) -> List[List]:
     """Per served replica the reduced gradient list (packs through the reducer, the rest
     through `others`, one batch per dtype)."""
     grads = call.grads
     signature = [packing.packable_signature([g[i] for g in grads]) for i in range(len(grads[0]))]
     packable = [i for i, entry in enumerate(signature) if entry is not None]
-    planned, signature, packs = links.plan_set(signature)
+    planned, signature, pack_specs = orchestrator.plan_set(signature)
     devices = list(call.strategy.extended.worker_devices)
-    state = links.states.get(list(call.variables), signature, packs,
-                             lambda specs: links.reducer.create_states(specs, devices))
+    state = orchestrator.states.get(list(call.variables), signature, pack_specs,
+                                    lambda specs: orchestrator.reducer.create_states(specs, devices))
     if state.planned != planned:
         state.planned = planned
         _log.info("gf_tf: variable set [%s] travels as %s", state.set_name,
                   plan.PlanReport(*planned).describe())
-    if call.replicas[0] == 0 and links.workers is not None:
-        agreement.check_workers_agree(links.workers, settings(state, links.reducer), devices,
-                                      links.cross_ops, call.options)
-    comm = _communicator(links, call, planned.plan, devices)
+    if call.replicas[0] == 0 and orchestrator.workers is not None:
+        agreement.check_workers_agree(orchestrator.workers, settings(state, orchestrator.reducer),
+                                      devices, orchestrator.cross_ops, call.options)
+    comm = _communicator(orchestrator, call, planned.plan, devices)
     results = [[None] * len(signature) for _ in grads]
-    if planned.plan.method == plan.TF_OWN or (planned.plan.trial and _trial_choice(
-            links, state, call, packable, comm, devices) == trial.TF_OWN):
+    choice = _choice(orchestrator, state, call, packable, comm, devices)
+    if choice == trial.TF_OWN:
         sent = _sent_by_tf([grads[0][i] for i in packable])
         rest = list(range(len(signature)))   # every gradient by TF's own all-reduce
     else:
-        sent = reduce_packs(links.reducer, state, grads, comm, results)
+        sent = reduce_packs(orchestrator.reducer, state, grads, comm, results)
         rest = [i for i, entry in enumerate(signature) if entry is None]
     reduce_by_tf(grads, rest, call.others, results)
     if packable and call.replicas[0] == 0:
-        links.stats.update(**vars(sent))
+        orchestrator.stats.update(**vars(sent))
     return results
 
 
-def _communicator(links: Links, call: Call, set_plan: plan.Plan, devices) -> Communicator:
-    context = collectives.Context(call.ring_sum, links.cross_ops, links.workers,
+def run_merged(orchestrator: Orchestrator, strategy, per_replica, variables, reduce_op,
+               options) -> list:
+    """`run` on the merge-call path: every local replica's gradients (`per_replica`: per
+    gradient a PerReplica) -> per gradient a Mirrored value."""
+    grads = [tf_internal.local_values(v) for v in per_replica]
+    num_local = len(grads[0])
+    tf_internal.check_not_xla_across_devices(num_local)
+
+    def others(indices):
+        pairs = [(per_replica[i], per_replica[i]) for i in indices]
+        return [tf_internal.local_values(r)
+                for r in strategy.extended.batch_reduce_to(reduce_op, pairs, options)]
+
+    results = run(orchestrator, Call(
+        strategy, [[g[r] for g in grads] for r in range(num_local)], tuple(range(num_local)),
+        variables, reduce_op, collectives.ring.tf_sum(orchestrator.cross_ops, options), others,
+        options))
+    return [tf_internal.mirrored([results[r][i] for r in range(num_local)])
+            for i in range(len(per_replica))]
+
+
+def run_in_replica(orchestrator: Orchestrator, replica_ctx, grads, variables, reduce_op,
+                   options) -> list:
+    """`run` on the replica-context path: one replica's gradients -> its reduced gradients.
+
+    Raises:
+      ValueError: the replica id is not static while tracing.
+    """
+    num_local = len(replica_ctx.strategy.extended.worker_devices)
+    replica_id = tf.get_static_value(replica_ctx.replica_id_in_sync_group)
+    if replica_id is None:
+        raise ValueError("gf_tf: the replica id is not known while tracing; the replica-context "
+                         "gradient all-reduce needs a static one (tf.distribute strategies give it)")
+
+    def others(indices):
+        return [[r] for r in replica_ctx.all_reduce(reduce_op, [grads[i] for i in indices],
+                                                    options)]
+
+    tf_sum = collectives.ring.tf_sum(orchestrator.cross_ops, options, int(replica_id))
+    return run(orchestrator, Call(replica_ctx.strategy, [list(grads)], (int(replica_id) % num_local,),
+                                  variables, reduce_op, tf_sum, others, options))[0]
+
+
+def run_locally(orchestrator: Orchestrator, strategy, grads, variables, reduce_op) -> list:
+    """`run` for one replica (the strategy's first) with the identity in place of every
+    collective (TF's SUM and the strategy's all-reduce of the rest): the step's local work."""
+    grads = list(grads)
+    return run(orchestrator, Call(strategy, [grads], (0,), variables, reduce_op,
+                                  lambda tensors: list(tensors),
+                                  lambda indices: [[grads[i]] for i in indices], None))[0]
+
+
+def _communicator(orchestrator: Orchestrator, call: Call, set_plan: plan.Plan,
+                  devices) -> Communicator:
+    context = collectives.Context(call.tf_sum, orchestrator.cross_ops, orchestrator.workers,
                                   tuple(devices[r] for r in call.replicas),
                                   len(call.replicas) == len(devices), call.options)
     return Communicator(collectives.get(set_plan.algorithm).build(context),
@@ -116,17 +170,18 @@ def reduce_packs(reducer: Reducer, state: VariableSetState, grads, comm: Communi
                  results) -> Sent:
     """Hands the reducer the packs with elements (one record of the step) and writes their
     reduced values into `results`; an empty pack's values are zeros of their shapes."""
-    live = [p for p, pack in enumerate(state.plan) if pack.num_elements]
-    for pack in state.plan:
+    specs = state.pack_specs
+    live = [p for p, spec in enumerate(specs) if spec.num_elements]
+    for pack in specs:
         if not pack.num_elements:
             for r in range(len(grads)):
                 for i, shape, dtype in zip(pack.indices, pack.shapes, pack.dtypes):
                     results[r][i] = tf.zeros(shape, dtype)
     if not live:
         return Sent()
-    step = StepInput(tuple(PackStep(state.plan[p], [[g[i] for i in state.plan[p].indices]
-                                                    for g in grads], state.packs[p])
-                           for p in live), state.shared, comm, state.planned.plan.groups)
+    step = StepInput(tuple(PackStep(specs[p], [[g[i] for i in specs[p].indices] for g in grads],
+                                    state.pack_states[p]) for p in live),
+                     state.shared, comm, state.planned.plan.groups)
     outputs, sent = reducer.reduce(step)
     for pack, per_replica in zip(step.packs, outputs):
         for r, reduced in enumerate(per_replica):
@@ -185,26 +240,35 @@ def _method_text(method: str) -> str:
     return repr(wire.format_of(method).name)
 
 
-def _trial_choice(links: Links, state: VariableSetState, call: Call, packable,
-                  comm: Communicator, devices) -> int:
-    """trial.TF_OWN or trial.GRADIENT_FLOW: the set's trial decision, timed at its first
-    trace where every local replica is served (the merge-call path); else the model's pick
-    (the replica-context path: one replica a call)."""
+def _choice(orchestrator: Orchestrator, state: VariableSetState, call: Call, packable,
+            comm: Communicator, devices) -> int:
+    """trial.TF_OWN or trial.GRADIENT_FLOW: how the set travels this step. Its plan's method;
+    for a trial plan, the trial's decision, timed at the set's first trace where every local
+    replica is served (the merge-call path), else the model's pick (the replica-context path:
+    one replica a call)."""
+    set_plan = state.planned.plan
+    if set_plan.method == plan.TF_OWN:
+        return trial.TF_OWN
+    if not set_plan.trial:
+        return trial.GRADIENT_FLOW
     if len(comm.replicas) != len(devices):
         forecast = state.planned.forecast
         faster = forecast.seconds <= forecast.tf_seconds
         return trial.GRADIENT_FLOW if faster else trial.TF_OWN
     if state.trial is None:
-        state.trial = _measure_trial(links, state, [[g[i] for i in packable] for g in call.grads],
+        state.trial = _measure_trial(orchestrator, state,
+                                     [[g[i] for i in packable] for g in call.grads],
                                      packable, comm, call.options)
     return state.trial.choice
 
 
-def _measure_trial(links: Links, state: VariableSetState, grads, packable, comm: Communicator,
-                   options) -> trial.Decision:
+def _measure_trial(orchestrator: Orchestrator, state: VariableSetState, grads, packable,
+                   comm: Communicator, options) -> trial.Decision:
     """Runs the set's trial eagerly on tensors shaped like its packable gradients `grads`
-    (per served replica), on their devices: TF's own all-reduce against the reducer's."""
-    cross_ops, size = links.cross_ops, len(state.signature)
+    (per served replica), on their devices: TF's own all-reduce against the reducer's, both
+    through TF's one SUM door (`gf_tf.collectives.ring.tf_batch_sum`)."""
+    size = len(state.signature)
+    tf_batch_sum = collectives.ring.tf_batch_sum(orchestrator.cross_ops, options)
 
     def as_gradient_list(inputs):   # per replica, the packable ones at their indices
         out = [[None] * size for _ in inputs]
@@ -214,9 +278,7 @@ def _measure_trial(links: Links, state: VariableSetState, grads, packable, comm:
         return out
 
     def by_tf(indices, values):   # per index in `indices`, per replica: the SUM of values[r][i]
-        pairs = [(pr, pr) for pr in (tf_internal.per_replica([replica[i] for replica in values])
-                                     for i in indices)]
-        return [tf_internal.local_values(r) for r in cross_ops.batch_reduce(_SUM, pairs, options)]
+        return tf_batch_sum([[replica[i] for replica in values] for i in indices])
 
     @tf.function(autograph=False)   # AutoGraph would convert every gf_tf helper it calls
     def tf_own(inputs):
@@ -227,13 +289,12 @@ def _measure_trial(links: Links, state: VariableSetState, grads, packable, comm:
     @tf.function(autograph=False)   # AutoGraph would convert every gf_tf helper it calls
     def gradient_flow(inputs):
         out = [[None] * size for _ in inputs]
-        reduce_packs(links.reducer, state, as_gradient_list(inputs), comm, out)
+        reduce_packs(orchestrator.reducer, state, as_gradient_list(inputs), comm, out)
         return out
 
-    ring = collectives.ring.ring_sum(cross_ops, options)
-
     def mean(mine):
-        return collectives.sum_over_workers(ring, comm.devices, mine) / links.num_workers
+        return collectives.sum_over_workers(collectives.ring.tf_sum(orchestrator.cross_ops, options),
+                                            comm.devices, mine) / orchestrator.num_workers
 
     with tf.init_scope():
         inputs = []
@@ -241,4 +302,4 @@ def _measure_trial(links: Links, state: VariableSetState, grads, packable, comm:
             with tf.device(device):
                 inputs.append([tf.fill(g.shape, tf.constant(1e-3, g.dtype)) for g in replica])
         return trial.measure([lambda: tf_own(inputs), lambda: gradient_flow(inputs)], mean,
-                             state.set_name, links.trial_clock)
+                             state.set_name, orchestrator.trial_clock)

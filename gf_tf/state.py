@@ -1,4 +1,4 @@
-"""GradientFlow state per variable set: the pack plan and the reducer's state of the set and its packs.
+"""GradientFlow state per variable set: its pack specs and the reducer's state of the set and its packs.
 
 The state of compressed gradients (CSC residuals, velocities, step counters)
 belongs to the variables whose gradients it holds. `StateRegistry` keys it by
@@ -10,6 +10,7 @@ smaller last batch, a new input signature) keeps it.
 
 import logging
 import threading
+import warnings
 import weakref
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -25,26 +26,39 @@ class VariableSetState(tf.Module):
     """What GradientFlow keeps for the gradients of one list of variables.
 
     name: human-readable, e.g. "3 variables: dense/kernel, dense/bias, out/kernel".
-    plan: the PackSpecs of this set's gradients.
+    pack_specs: the `gf_tf.packing.PackSpec`s of this set's gradients.
     shared: the reducer's state of the whole set (e.g. `gf_tf.csc.CSCSetState`: the
       step counters) or None.
-    packs: per pack, the reducer's state (e.g. `gf_tf.csc.CSCState`) or None.
+    pack_states: per pack spec, the reducer's state (e.g. `gf_tf.csc.CSCState`) or None.
     planned: the `gf_tf.plan.Planned` (plan and forecast) its gradients travel by.
     trial: with a trial plan, its `gf_tf.plan.trial.Decision` (taken at the first trace; not
       checkpointed), else None.
     """
 
-    def __init__(self, name: str, variables: Sequence, signature, plan: Tuple[PackSpec, ...],
-                 shared: Optional[tf.Module], packs: List[Optional[tf.Module]]):
+    def __init__(self, name: str, variables: Sequence, signature,
+                 pack_specs: Tuple[PackSpec, ...], shared: Optional[tf.Module],
+                 pack_states: List[Optional[tf.Module]]):
         super().__init__(name=None)
         self.set_name = name
         self.signature = tuple(signature)
-        self.plan = plan
+        self.pack_specs = pack_specs
         self.shared = shared
-        self.packs = packs
+        self.pack_states = pack_states
         self.planned = None   # the gf_tf.plan.Planned it travels by, set on first use
         self.trial = None
         self._refs = [_weak(v) for v in variables]
+
+    @property
+    def plan(self) -> Tuple[PackSpec, ...]:
+        """Deprecated name of `pack_specs`."""
+        _deprecated("plan", "pack_specs")
+        return self.pack_specs
+
+    @property
+    def packs(self) -> List[Optional[tf.Module]]:
+        """Deprecated name of `pack_states`."""
+        _deprecated("packs", "pack_states")
+        return self.pack_states
 
     def owners(self) -> list:
         """The variables whose gradients this set holds (None where one was garbage-collected)."""
@@ -61,11 +75,12 @@ class VariableSetState(tf.Module):
 
     @property
     def has_state(self) -> bool:
-        return self.shared is not None or any(p is not None for p in self.packs)
+        return self.shared is not None or any(p is not None for p in self.pack_states)
 
     def _parts(self) -> List[Tuple[str, tf.Module]]:
         """(key prefix, state) of the set's state (prefix "") and of each pack p's ("p{p}_")."""
-        parts = [("", self.shared)] + [(f"p{p}_", pack) for p, pack in enumerate(self.packs)]
+        parts = [("", self.shared)] + [(f"p{p}_", pack)
+                                       for p, pack in enumerate(self.pack_states)]
         return [(prefix, part) for prefix, part in parts if part is not None]
 
     def _part_arrays(self) -> List[Tuple[str, tf.Module, Dict[str, np.ndarray]]]:
@@ -122,13 +137,13 @@ class StateRegistry:
         """
         self._listeners.append(weakref.WeakMethod(listener))
 
-    def get(self, variables: Sequence, signature, plan: Tuple[PackSpec, ...],
+    def get(self, variables: Sequence, signature, pack_specs: Tuple[PackSpec, ...],
             create_states: Callable[[Tuple[PackSpec, ...]],
                                     Tuple[Optional[tf.Module], List[Optional[tf.Module]]]]
             ) -> VariableSetState:
         """The state of `variables`, created (eagerly, outside any scope) on first use.
 
-        create_states(plan) -> (the set's reducer state, per pack its state), as
+        create_states(pack_specs) -> (the set's reducer state, per pack its state), as
         `gf_tf.reducers.Reducer.create_states`.
 
         A set whose gradient signature changed, or an older set that shares
@@ -149,9 +164,9 @@ class StateRegistry:
                             "compression state (residuals, momentum, step counter) starts again "
                             "from zero with a fresh warm-up.", old.set_name, describe(variables))
             with tf.init_scope():
-                shared, packs = create_states(plan)
-            state = VariableSetState(describe(variables), variables, signature, plan, shared,
-                                     list(packs))
+                shared, pack_states = create_states(pack_specs)
+            state = VariableSetState(describe(variables), variables, signature, pack_specs,
+                                     shared, list(pack_states))
             with tf.init_scope():
                 for ref in list(self._listeners):
                     if ref() is not None:
@@ -187,6 +202,11 @@ def describe(variables: Sequence) -> str:
     names = [str(getattr(v, "path", None) or getattr(v, "name", "?")) for v in variables]
     shown = names if len(names) <= 4 else names[:2] + ["..."] + names[-1:]
     return f"{len(names)} variable{'s' if len(names) != 1 else ''}: {', '.join(shown)}"
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"VariableSetState.{old} is deprecated: use VariableSetState.{new}",
+                  DeprecationWarning, stacklevel=3)
 
 
 def _weak(obj):

@@ -16,7 +16,7 @@ BF16 has float32's range and float32 needs no scaling: their scale is 1.
 """
 
 import dataclasses
-from typing import Dict, Optional, Union
+from typing import Dict, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -71,6 +71,7 @@ NO_COMPRESSION = "none"   # the planner's name of the None format
 # Wire formats by name: adding a format is one `register` call (plus the dtype in the op
 # library, gf_tf.ops.WIRE_DTYPES, if it is a new one).
 FORMATS: Dict[Optional[str], WireFormat] = {}
+PACKABLE_DTYPES = ops.WIRE_DTYPES   # gradients that can travel packed: the wire dtypes themselves
 
 
 def register(wire_format: WireFormat) -> WireFormat:
@@ -93,8 +94,22 @@ def register(wire_format: WireFormat) -> WireFormat:
 
 
 register(WireFormat(None, None, auto=True))
-register(WireFormat("fp16", tf.float16, scaled=True, auto=True))
-register(WireFormat("bf16", tf.bfloat16))
+FP16 = register(WireFormat("fp16", tf.float16, scaled=True, auto=True))
+BF16 = register(WireFormat("bf16", tf.bfloat16))
+# 16-bit gradients travel as themselves, on their dtype's built-in format (these, never another
+# registered format of the same dtype): float16 scaled into its range, bfloat16 unscaled.
+NATIVE_FORMATS = {tf.float16: FP16, tf.bfloat16: BF16}
+
+
+def get(name: Optional[str]) -> WireFormat:
+    """The registered format a user names as `compression` (None: packs in their own dtype).
+
+    Raises:
+      ValueError: an unknown name (the message lists the registered ones).
+    """
+    if name not in FORMATS:
+        raise ValueError(f"compression must be \"auto\" or one of {list(FORMATS)}, got {name!r}")
+    return FORMATS[name]
 
 
 def format_of(method: str) -> WireFormat:
@@ -103,63 +118,29 @@ def format_of(method: str) -> WireFormat:
     Raises:
       ValueError: an unknown name (the message lists the registered ones).
     """
-    name = None if method == NO_COMPRESSION else method
-    if name not in FORMATS:
-        raise ValueError(f"compression must be \"auto\" or one of {list(FORMATS)}, got {method!r}")
-    return FORMATS[name]
+    return get(None if method == NO_COMPRESSION else method)
 
 
-PACKABLE_DTYPES = ops.WIRE_DTYPES   # gradients that can travel packed: the wire dtypes themselves
+def pack_format(wire_format: WireFormat, dtype: tf.DType) -> WireFormat:
+    """The format a pack of `dtype` values travels on when float32 packs travel on `wire_format`:
+    float32 -> `wire_format`; float16 and bfloat16 -> their built-in format (`NATIVE_FORMATS`),
+    whatever else is registered with their dtype.
+
+    Raises:
+      ValueError: a dtype that cannot be packed (not in PACKABLE_DTYPES).
+    """
+    dtype = tf.as_dtype(dtype)
+    if dtype not in PACKABLE_DTYPES:
+        raise ValueError(f"cannot pack {dtype.name}; packable dtypes are "
+                         f"{[d.name for d in PACKABLE_DTYPES]}")
+    return wire_format if dtype == tf.float32 else NATIVE_FORMATS[dtype]
+
 
 # Scaled values stay below this (a power of two below float16's max, 65504),
 # so a sum that FP16 rounds up by a few ulps is still finite.
 SCALE_TARGET_EXPONENT = 15
 _MIN_EXPONENT, _MAX_EXPONENT = -126, 126   # float32 normal powers of two
 _SMALLEST_NORMAL = 2.0 ** -126
-
-
-@dataclasses.dataclass(frozen=True)
-class Compression:
-    """The wire format of packed gradients.
-
-    name: "fp16" (IEEE half, range 6e-8 .. 65504, 11-bit significand), "bf16"
-      (bfloat16: float32's range, 8-bit significand) or None (each pack travels
-      in its own dtype).
-    """
-    name: Optional[str] = "fp16"
-
-    def __post_init__(self):
-        if self.name not in FORMATS:
-            raise ValueError(f"compression must be \"auto\" or one of {list(FORMATS)}, "
-                             f"got {self.name!r}")
-
-    @property
-    def format(self) -> WireFormat:
-        return FORMATS[self.name]
-
-    def wire_dtype(self, dtype: tf.DType) -> tf.DType:
-        """Wire dtype of a pack of `dtype` values: float32 -> the compression
-        dtype; float16/bfloat16 travel as themselves (already 2 bytes).
-
-        Raises ValueError for a dtype that cannot be packed."""
-        dtype = tf.as_dtype(dtype)
-        if dtype not in PACKABLE_DTYPES:
-            raise ValueError(f"cannot pack {dtype.name}; packable dtypes are "
-                             f"{[d.name for d in PACKABLE_DTYPES]}")
-        if self.name is None or dtype != tf.float32:
-            return dtype
-        return FORMATS[self.name].dtype
-
-
-def as_compression(value: Union[None, str, Compression]) -> Compression:
-    """Accepts a Compression, one of the FORMATS names, or None."""
-    return value if isinstance(value, Compression) else Compression(value)
-
-
-def needs_scaling(wire_dtype: tf.DType) -> bool:
-    """True for wire dtypes with a narrower range than float32 (float16), as FORMATS says."""
-    dtype = tf.as_dtype(wire_dtype)
-    return any(f.scaled and f.dtype == dtype for f in FORMATS.values())
 
 
 def power_of_two_scale(bound: tf.Tensor) -> tf.Tensor:

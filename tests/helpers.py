@@ -63,7 +63,7 @@ class Runner:
 def only_state(gfar):
     """The CSC state of the one pack of the one variable set `gfar` serves."""
     (variable_set,) = gfar.states().values()
-    (state,) = variable_set.packs
+    (state,) = variable_set.pack_states
     return state
 
 
@@ -101,8 +101,8 @@ def all_ops(graph):
 def pack_states(run):
     """(tensor index of each pack, its CSC state), in pack order; one tensor per pack."""
     (variable_set,) = run.gfar.states().values()
-    assert all(len(pack.indices) == 1 for pack in variable_set.plan)
-    return [pack.indices[0] for pack in variable_set.plan], variable_set.packs
+    assert all(len(pack.indices) == 1 for pack in variable_set.pack_specs)
+    return [pack.indices[0] for pack in variable_set.pack_specs], variable_set.pack_states
 
 
 def make_costs(hop_s, round_s, byte_s, copy_s, fp16_s):

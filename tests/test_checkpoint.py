@@ -42,7 +42,7 @@ def _data():
 
 def _state(gfar):
     (variable_set,) = gfar.states().values()
-    return variable_set.packs[0]
+    return variable_set.pack_states[0]
 
 
 def _snapshot(state):
@@ -143,11 +143,11 @@ def test_another_pack_plan_is_refused_at_load_weights_naming_the_setting(tmp_pat
     (variable_set,) = saved_gfar.states().values()
     now = gf_tf.GradientFlowAllReduce(**{"compression": "fp16", "bytes_per_pack": 4 << 20, **setting})
     now_plan = gf_tf.packing.plan_packs(variable_set.signature, now.bytes_per_pack,
-                                        now.compression.wire_dtype)
+                                        now.compression)
     assert message.startswith(
         f"gf_tf: cannot restore the checkpoint's CSC state: it was saved with other "
         f"GradientFlowAllReduce settings ({then}): its pack plan "
-        f"{[[p.key, p.num_elements] for p in variable_set.plan]} differs from this run's "
+        f"{[[p.key, p.num_elements] for p in variable_set.pack_specs]} differs from this run's "
         f"{[[p.key, p.num_elements] for p in now_plan]}. Use the same settings.\n\n(Keras: 1 "
         f"object(s) could not be loaded: [<gf_tf.keras.checkpoint.GradientFlowCheckpoint object at"
         ), message
@@ -334,7 +334,7 @@ class _Recorder:
         self.out = out
 
     def record(self, state):
-        self.out.update(_snapshot(state.packs[0]))
+        self.out.update(_snapshot(state.pack_states[0]))
 
 
 def test_tf_train_checkpoint_of_model_and_optimizer_holds_the_csc_state(tmp_path):

@@ -96,7 +96,7 @@ def test_a_pack_holding_1e3_beside_1e_minus_8_keeps_both_to_fp16_precision():
     small = np.array([1e-8, 3e-8, 1e-7, 1e-6, 1e-5], np.float32)
     out = batch_reduce(gfar, strategy, [[big, small], [big, small]])
     (variable_set,) = gfar.states().values()
-    assert len(variable_set.plan) == 1                      # one pack
+    assert len(variable_set.pack_specs) == 1                      # one pack
     for k, values in enumerate((big, small)):
         for v in out[k]:
             np.testing.assert_allclose(v.numpy(), 2.0 * values.astype(np.float64), rtol=2 ** -11)

@@ -184,5 +184,5 @@ def test_settings_name_what_ahead_does_not_combine_with():
     assert "selection='ahead', scoring='paper'" in repr(csc)
     assert csc.get_config()["scoring"] == "paper" and csc.overlaps
     assert "scoring" not in gf_tf.ChunkSparsity().get_config()
-    terms = csc.reducer().cost(1024 * 1000)
+    terms = csc.reducer().cost(1024 * 1000, gf_tf.wire.FORMATS["fp16"])
     assert terms.collective_bytes == (2 * 1024 * 10 + 2 * 1001,) and terms.groupable

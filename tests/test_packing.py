@@ -7,10 +7,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import pytest
 import tensorflow as tf
 
-from gf_tf.wire import Compression, as_compression, needs_scaling
+from gf_tf import wire
+from gf_tf.wire import FORMATS, pack_format
 from gf_tf.packing import plan_fingerprint, plan_packs
 
-FP16 = Compression("fp16").wire_dtype
+FP16 = FORMATS["fp16"]
 
 
 def sig(*entries):
@@ -65,7 +66,7 @@ def test_plan_depends_only_on_the_ordered_signature():
     entries = [((3, 4), tf.float32), ((10,), tf.float16), ((7,), tf.float32)]
     a = plan_packs(sig(*entries), 32, FP16)
     b = plan_packs([(tf.TensorShape(list(s)), tf.as_dtype(d.name)) for s, d in entries], 32,
-                   Compression("fp16").wire_dtype)
+                   wire.get("fp16"))
     assert [(p.key, p.indices) for p in a] == [(p.key, p.indices) for p in b]
     swapped = plan_packs(sig(entries[2], entries[1], entries[0]), 32, FP16)
     assert [p.key for p in swapped] != [p.key for p in a]
@@ -75,9 +76,9 @@ def test_plan_depends_only_on_the_ordered_signature():
 
 
 def test_compression_none_keeps_float32_on_the_wire():
-    plan = plan_packs(sig(((10,), tf.float32)), 0, Compression(None).wire_dtype)
+    plan = plan_packs(sig(((10,), tf.float32)), 0, FORMATS[None])
     assert plan[0].wire_dtype == tf.float32 and plan[0].num_bytes == 40
-    assert Compression("bf16").wire_dtype(tf.float32) == tf.bfloat16
+    assert pack_format(FORMATS["bf16"], tf.float32).dtype == tf.bfloat16
 
 
 def test_bad_arguments_raise_clear_errors():
@@ -86,11 +87,12 @@ def test_bad_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match="fully defined"):
         plan_packs([(tf.TensorShape([None, 3]), tf.float32)], 0, FP16)
     with pytest.raises(ValueError, match="compression must be"):
-        as_compression("fp8")
+        wire.get("fp8")
     with pytest.raises(ValueError, match="cannot pack float64"):
-        FP16(tf.float64)
+        pack_format(FP16, tf.float64)
 
 
 def test_only_the_float16_wire_is_scaled():
-    assert needs_scaling(tf.float16)
-    assert not needs_scaling(tf.bfloat16) and not needs_scaling(tf.float32)
+    none = FORMATS[None]
+    assert pack_format(none, tf.float16).scaled
+    assert not pack_format(none, tf.bfloat16).scaled and not pack_format(none, tf.float32).scaled

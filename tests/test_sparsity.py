@@ -321,7 +321,7 @@ def test_variable_set_state_turns_into_arrays_and_back_and_names_what_does_not_f
     assert sorted(arrays) == sorted([f"p{p}_{what}_r{r}" for p in range(2) for r in range(2)
                                      for what in ("step", "residual", "velocity")]
                                     + ["p0_residual_l1", "p1_residual_l1"])
-    assert variable_set.packs[0].steps is variable_set.packs[1].steps is variable_set.shared.steps
+    assert variable_set.pack_states[0].steps is variable_set.pack_states[1].steps is variable_set.shared.steps
     assert all(int(arrays[f"p{p}_step_r{r}"]) == 1 for p in range(2) for r in range(2))
     saved = {k: np.array(v) for k, v in arrays.items()}
     run([[np.ones(6, np.float32), np.ones(4, np.float32)]] * 2)
@@ -531,7 +531,7 @@ def test_several_packs_travel_in_two_collectives_per_step(selection, chunk_eleme
             for o in strategy.experimental_local_results(out[k]):
                 np.testing.assert_allclose(o.numpy(), want, rtol=1e-6, atol=1e-6)
     (variable_set,) = gfar.states().values()
-    assert [pack.indices for pack in variable_set.plan] == [(i,) for i in order]
+    assert [pack.indices for pack in variable_set.pack_specs] == [(i,) for i in order]
     graph = step.get_concrete_function(*values).graph
     vector_sums = sorted((op.get_attr("T").name, op.outputs[0].shape.num_elements())
                          for op in all_ops(graph) if op.type == "AddN"

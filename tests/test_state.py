@@ -2,6 +2,7 @@
 
 import tensorflow as tf
 
+from gf_tf import wire
 from gf_tf.packing import plan_packs
 from gf_tf.state import StateRegistry
 
@@ -11,7 +12,7 @@ def test_two_variable_sets_with_the_same_names_show_as_two_states():
     identically named variables showed as one; the states themselves were apart."""
     registry = StateRegistry()
     signature = [(tf.TensorShape([3]), tf.float32)]
-    plan = plan_packs(signature, 0, lambda dtype: tf.float16)
+    plan = plan_packs(signature, 0, wire.FORMATS["fp16"])
     models = [[tf.Variable(tf.zeros([3]), name="dense/kernel")] for _ in range(3)]
     sets = [registry.get(v, signature, plan,
                          lambda p: (None, [None] * len(p))) for v in models]

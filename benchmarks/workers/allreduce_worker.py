@@ -155,9 +155,7 @@ def chunk_path_seconds(strategy, method, values, iters):
     @tf.function
     def local_path():
         grads = [tf.identity(v) for v in values]
-        return gradient_flow._run(strategy, [grads], (0,), variables,
-                                  tf.distribute.ReduceOp.SUM, lambda tensors: list(tensors),
-                                  lambda indices: [[grads[i]] for i in indices], None)
+        return gradient_flow.reduce_locally(strategy, grads, variables)
 
     return median_seconds(local_path, iters)
 

@@ -32,16 +32,16 @@ class Context:
     """What an algorithm may build its all-reduce from, for one call.
 
     Attributes:
-      ring_sum: the wrapped TF ops' SUM all-reduce of the served replicas (the
-        merge-call or the replica-context form): one 1-D tensor per served replica
-        in, per served replica the SUM over all replicas of all workers out.
+      tf_sum: TensorFlow's own SUM all-reduce through the wrapped ops
+        (`ring.tf_sum`, merge-call or replica-context form): one 1-D tensor per
+        served replica in, per served replica the SUM over all replicas of all workers out.
       cross_ops: the wrapped TF cross-device ops.
       workers: `gf_tf.cluster.WorkerInfo`, or None (one worker).
       devices: the served replicas' devices.
       all_replicas: every local replica is served (the merge-call path).
       options: `tf.distribute.experimental.CommunicationOptions`, or None.
     """
-    ring_sum: SumFn
+    tf_sum: SumFn
     cross_ops: Optional[tf.distribute.CrossDeviceOps]
     workers: object
     devices: Tuple[str, ...]

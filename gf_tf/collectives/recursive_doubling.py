@@ -189,5 +189,5 @@ def build(context) -> Callable[[List[tf.Tensor]], List[tf.Tensor]]:
     them before its rounds), else the wrapped TF ops' ring."""
     workers = context.workers
     if workers is None or workers.num_workers <= 1 or not context.all_replicas:
-        return context.ring_sum
+        return context.tf_sum
     return recursive_doubling_sum(context.cross_ops, workers, context.devices, context.options)

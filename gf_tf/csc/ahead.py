@@ -83,7 +83,7 @@ def sparse_step(sparsity, step: StepInput, counts: Sequence[int], accumulated, p
     finite = tf.constant(True)
     for group in selection.wire_groups([pack.spec for pack in step.packs]):
         parts, group_finite = _exchange([sends[j] for j in group], comm,
-                                        step.packs[group[0]].spec.wire_dtype)
+                                        step.packs[group[0]].spec.wire)
         finite = tf.logical_and(finite, group_finite)
         for j, part in zip(group, parts):
             received[j] = part
@@ -100,7 +100,7 @@ def _prepare(sparsity, pack, accumulated, count, k, comm: Communicator) -> List[
     """Per served replica: the pack's chunks, next scores and bound contribution."""
     spec, state, cs = pack.spec, pack.state, sparsity.chunk_size
     length = spec.num_elements if k is None else k * cs
-    scaled = wire.needs_scaling(spec.wire_dtype)
+    scaled = spec.wire.scaled
 
     def prepare(r, acc, norms, new_u):
         if k is None:
@@ -128,7 +128,7 @@ def _prepare(sparsity, pack, accumulated, count, k, comm: Communicator) -> List[
     return comm.map(prepare, accumulated.accs, accumulated.norms, accumulated.new_us)
 
 
-def _exchange(members: List[List[_Send]], comm: Communicator, wire_dtype: tf.DType):
+def _exchange(members: List[List[_Send]], comm: Communicator, wire_format: wire.WireFormat):
     """All-reduce one wire group's buffers: (per member pack, per served replica its float32
     buffer of SUMs, unscaled; bool scalar: every sum is finite, the same on every worker)."""
     sizes = [int(send[0].wire_buffer.shape[0]) for send in members]
@@ -148,7 +148,7 @@ def _exchange(members: List[List[_Send]], comm: Communicator, wire_dtype: tf.DTy
         return reduce([tf.concat([send[i].wire_buffer for send in members], 0) for i in replicas],
                       lambda j, i: 1.0 / members[j][i].prescale)
 
-    if not wire.needs_scaling(wire_dtype):   # float32 or bfloat16: float32's range
+    if not wire_format.scaled:   # float32 or bfloat16: float32's range
         return on_wire()
 
     def exact():

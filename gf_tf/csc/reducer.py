@@ -113,11 +113,12 @@ class CSCReducer(Reducer):
         return [("sparsity density", -1.0 if density == "auto" else float(density), density_text),
                 ("sparsity settings (CRC32)", zlib.crc32(repr(config).encode()), hex_text)]
 
-    def cost(self, elements):
+    def cost(self, elements, wire_format):
         """Two collectives a step: the chunk norms, then the selected chunks (one with
         selection="ahead"); groupable at a fixed density with per-pack or "ahead" selection
         (`ChunkSparsity.overlaps`)."""
-        return CostTerms(self.sparsity.step_bytes(elements), groupable=self.sparsity.overlaps)
+        return CostTerms(self.sparsity.step_bytes(elements, wire_format.wire_bytes),
+                         groupable=self.sparsity.overlaps)
 
     def reduce(self, step: StepInput):
         """The packs share the schedule and step counter, so one `tf.switch_case` over
@@ -290,7 +291,7 @@ class CSCReducer(Reducer):
                 idx = tf.range(ops.num_chunks(spec.num_elements, cs), dtype=tf.int32)
             else:
                 idx = selection.select_chunks(norm, k)
-            prescale, postscale = wire_scales(spec.wire_dtype, comm,
+            prescale, postscale = wire_scales(spec.wire, comm,
                                                        lambda: tf.gather(norm, idx))
             selected, new_residual, masked_u = ops.gather_chunks(
                 acc, idx, cs, spec.wire_dtype, prescale, new_u if k is not None else None)

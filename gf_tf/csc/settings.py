@@ -290,16 +290,17 @@ class ChunkSparsity:
         stages = [(s, d) for s, d in self.schedule() if d != AUTO]
         return tuple(stages + ([(None, d) for d in self.rungs()] if self.auto else []))
 
-    def step_bytes(self, elements: int) -> Tuple[int, ...]:
+    def step_bytes(self, elements: int, wire_bytes: int = 2) -> Tuple[int, ...]:
         """Bytes per worker of each collective of one sparse step over `elements` gradient
-        elements in one pack, at the final density (density="auto": its floor), on FP16, for
+        elements in one pack, at the final density (density="auto": its floor), on a wire of
+        `wire_bytes` bytes per element (FP16: 2), for
         the planner (`CSCReducer.cost`): (chunk norms, selected chunks), or with
         selection="ahead" (selected chunks + the next step's scores and bound,)."""
         chunks = math.ceil(elements / self.chunk_size)
         density = self.min_density if self.auto else self.density
-        selected = 2 * self.chunk_size * selected_chunk_count(chunks, density)
+        selected = wire_bytes * self.chunk_size * selected_chunk_count(chunks, density)
         if self.selection == "ahead":
-            return (selected + 2 * (chunks + 1),)
+            return (selected + wire_bytes * (chunks + 1),)
         return 4 * chunks, selected
 
     def reducer(self) -> CSCReducer:

@@ -245,7 +245,7 @@ class GradientFlowCheckpoint(_keras_saveable_class(), tf.Module):
                 "settings": settings_of(self._gf),
                 "sets": [{"variables": positions, "name": state.set_name,
                           "signature": signature_to_json(state.signature),
-                          "packs": [[p.key, p.num_elements] for p in state.plan]}
+                          "packs": [[p.key, p.num_elements] for p in state.pack_specs]}
                          for state, positions in sets]}
 
     def _iterations(self) -> int:
@@ -330,7 +330,7 @@ class GradientFlowCheckpoint(_keras_saveable_class(), tf.Module):
             raise CheckpointMismatchError(another_set_message(held.meta["sets"], state.set_name,
                                                               positions))
         s = match[0]
-        packs = [[p.key, p.num_elements] for p in state.plan]
+        packs = [[p.key, p.num_elements] for p in state.pack_specs]
         _check(held.meta["sets"][s]["packs"] == packs,
                f"its pack plan {held.meta['sets'][s]['packs']} differs from this run's {packs} "
                f"(another bytes_per_pack, compression or model). Use the same settings")

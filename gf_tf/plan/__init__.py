@@ -26,21 +26,21 @@ __all__ = ["AUTO", "DEFAULT_BYTES_PER_PACK", "TF_OWN", "Costs", "Forecast", "Pla
 class Settings:
     """A GradientFlowAllReduce's transport settings, checked once.
 
-    compression: "auto" or a `gf_tf.wire.Compression` (from a FORMATS name or None).
+    compression: "auto" or a `gf_tf.wire.WireFormat` (given as one, or by its FORMATS name,
+      None included).
     bytes_per_pack: "auto" or wire bytes >= 0. algorithm: "auto" or an ALGORITHMS name.
     overlap: "auto", True or False.
 
     Raises ValueError naming the bad setting and the values it takes.
     """
-    compression: Union[str, wire.Compression] = AUTO
+    compression: Union[str, wire.WireFormat] = AUTO
     bytes_per_pack: Union[str, int] = AUTO
     algorithm: str = AUTO
     overlap: Union[str, bool] = False
 
     def __post_init__(self):
-        if not isinstance(self.compression, wire.Compression):
-            if self.compression != AUTO:
-                object.__setattr__(self, "compression", wire.as_compression(self.compression))
+        if not isinstance(self.compression, wire.WireFormat) and self.compression != AUTO:
+            object.__setattr__(self, "compression", wire.get(self.compression))
         size = self.bytes_per_pack
         if size != AUTO:
             if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0:
@@ -55,7 +55,7 @@ class Settings:
         """The planner's method: "auto" (the reducer's default wire) or the pinned wire's."""
         if self.compression == AUTO:
             return reducer.default_method
-        return self.compression.format.method
+        return self.compression.method
 
 
 class SetPlan(NamedTuple):
@@ -73,7 +73,10 @@ def plan_set(signature: Sequence, settings: Settings, reducer: Reducer, workers:
     worker given the same arguments."""
     packable = [entry for entry in signature if entry is not None]
     elements = sum(int(shape.num_elements()) for shape, _ in packable)
-    method, terms = settings.method(reducer), reducer.cost(elements)
+    method = settings.method(reducer)
+    # A reducer with its own cost sends its packs in their own dtype under "auto".
+    own_wire = wire.format_of(wire.NO_COMPRESSION if method == AUTO else method)
+    terms = reducer.cost(elements, own_wire)
     if terms is None:
         planned = planner.choose(elements, len(packable), workers, costs, method,
                                  settings.algorithm, settings.bytes_per_pack, settings.overlap)
@@ -81,13 +84,12 @@ def plan_set(signature: Sequence, settings: Settings, reducer: Reducer, workers:
         size = (DEFAULT_BYTES_PER_PACK if settings.bytes_per_pack == AUTO
                 else settings.bytes_per_pack)
         algorithm = planner.choose_fixed_algorithm(terms, workers, costs, settings.algorithm)
-        method = wire.NO_COMPRESSION if method == AUTO else method   # packs in their own dtype
-        planned = Planned(Plan(method, size, algorithm), Forecast())
+        planned = Planned(Plan(own_wire.method, size, algorithm), Forecast())
     plan = planned.plan
     if plan.method == TF_OWN:
-        signature = [None] * len(signature)   # every gradient goes to TF's own all-reduce
-    packs = packing.plan_packs(signature, plan.bytes_per_pack,
-                               wire.as_compression(plan.compression).wire_dtype)
+        signature, packs = [None] * len(signature), ()   # every gradient by TF's own all-reduce
+    else:
+        packs = packing.plan_packs(signature, plan.bytes_per_pack, plan.wire)
     live = sum(1 for p in packs if p.num_elements)
     if terms is None:
         plan = planner.with_pack_count(plan, live, settings.overlap)

@@ -143,14 +143,14 @@ class Plan:
     trial: bool = False
 
     @property
-    def compression(self) -> Optional[str]:
-        """The GradientFlowAllReduce compression name of a GradientFlow wire (None for "none")."""
-        return None if self.method == TF_OWN else wire.format_of(self.method).name
+    def wire(self) -> Optional[wire.WireFormat]:
+        """The `gf_tf.wire.WireFormat` float32 packs travel on; None for TF's own all-reduce."""
+        return None if self.method == TF_OWN else wire.format_of(self.method)
 
     @property
     def scaled(self) -> bool:
         """Its wire needs all-reduced scale bounds before its packs (`gf_tf.wire`)."""
-        return self.method != TF_OWN and wire.format_of(self.method).scaled
+        return self.method != TF_OWN and self.wire.scaled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +206,7 @@ class PlanReport:
         else:
             packs = "one pack per dtype" if not plan.bytes_per_pack else \
                 f"packs of {plan.bytes_per_pack} bytes"
-            name = "float32" if plan.compression is None else plan.method
+            name = "float32" if plan.wire.name is None else plan.method
             what = f"{name} packs ({packs}), {plan.algorithm.replace('_', ' ')}"
             what += f", {plan.groups} groups overlapped with backprop" if plan.groups > 1 \
                 else ", one barrier" if plan.scaled else ""

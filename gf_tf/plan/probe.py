@@ -93,7 +93,7 @@ def measure(cross_ops: tf.distribute.CrossDeviceOps, devices: Sequence[str], opt
     n = workers.num_workers
     formats = list(wire.FORMATS.values())
     local = [local_seconds(f, devices[0]) for f in formats]
-    ring = collectives.ring.ring_sum(cross_ops, options)
+    ring = collectives.ring.tf_sum(cross_ops, options)
     context = collectives.Context(ring, cross_ops, workers, tuple(devices), True, options)
     latency = {}
     for name, algorithm in collectives.ALGORITHMS.items():

@@ -204,8 +204,10 @@ class Reducer:
         plan, at most MAX_REDUCER_SETTINGS of them. Default: none."""
         return []
 
-    def cost(self, elements: int) -> Optional[CostTerms]:
-        """The wire cost of one step over `elements` float32 gradient elements, or None:
+    def cost(self, elements: int, wire_format: wire.WireFormat) -> Optional[CostTerms]:
+        """The wire cost of one step over `elements` float32 gradient elements whose packs
+        travel on `wire_format` (`gf_tf.wire.WireFormat`: the pinned compression's, or under
+        "auto" the `default_method`'s, "auto" itself giving the None format), or None:
         the planner's model of packs (wire format, pack size, scale bounds, overlap groups),
         as for the dense reducer."""
         return None
@@ -259,10 +261,12 @@ def no_control(comm: Communicator) -> List[tf.Tensor]:
     return [tf.zeros([0], tf.float32) for _ in comm.replicas]
 
 
-def wire_scales(wire_dtype: tf.DType, comm: Communicator, bound: Callable[[], tf.Tensor]):
+def wire_scales(wire_format: wire.WireFormat, comm: Communicator,
+                bound: Callable[[], tf.Tensor]):
     """(prescale, postscale) onto and off a wire: powers of two from the all-reduced
-    magnitude `bound()` on a scaled wire (gf_tf.wire), else (1, the postscale)."""
-    if not wire.needs_scaling(wire_dtype):
+    magnitude `bound()` where `wire_format.scaled` (a `gf_tf.wire.WireFormat`, e.g. a
+    `PackSpec.wire`), else (1, the postscale)."""
+    if not wire_format.scaled:
         return 1.0, comm.postscale
     prescale = wire.power_of_two_scale(bound())
     return prescale, comm.postscale / prescale

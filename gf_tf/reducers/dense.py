@@ -7,7 +7,7 @@ from typing import List
 
 import tensorflow as tf
 
-from gf_tf import ops, wire
+from gf_tf import ops
 from gf_tf.packing import PackSpec
 from gf_tf.reducers.base import (Communicator, PackStep, Reducer, Sent, for_each_group,
                                  fuse_controls, no_control, wire_scales)
@@ -39,19 +39,19 @@ class DenseReducer(Reducer):
     @staticmethod
     def _bounds(pack: PackStep, comm: Communicator) -> List[tf.Tensor]:
         """Per served replica float32 [tensors]: each tensor's max |g| (scaled wires only)."""
-        if not wire.needs_scaling(pack.spec.wire_dtype):
+        if not pack.spec.wire.scaled:
             return no_control(comm)
         return comm.map(lambda r, g: ops.abs_max(g), pack.grads)
 
     @staticmethod
     def _reduce_pack(spec: PackSpec, grads, bounds, comm: Communicator):
         def to_wire(r, g, bound):
-            prescale, postscale = wire_scales(spec.wire_dtype, comm, lambda: bound)
+            prescale, postscale = wire_scales(spec.wire, comm, lambda: bound)
             return ops.pack(g, spec.wire_dtype, prescale), postscale
         buffers, postscales = zip(*comm.map(to_wire, grads, bounds))
         buffers = comm.all_reduce_sum(list(buffers))
         outputs = comm.map(lambda r, buffer, postscale: ops.unpack(
             buffer, spec.shapes, spec.dtypes, postscale), buffers, postscales)
-        control_bytes = 4 * len(spec.shapes) if wire.needs_scaling(spec.wire_dtype) else 0
+        control_bytes = 4 * len(spec.shapes) if spec.wire.scaled else 0
         return outputs, Sent(dense_bytes=4 * spec.num_elements,
                              sent_bytes=spec.num_bytes + control_bytes)

@@ -44,7 +44,7 @@ def build(seed):
 first = build(1)
 first.fit(dataset, epochs=1, verbose=0, shuffle=False)
 (first_set,) = gradient_flow.state_registry.all_states()
-first_residual, first_steps = first_set.packs[0].residuals[0].numpy(), first_set.packs[0].steps
+first_residual, first_steps = first_set.pack_states[0].residuals[0].numpy(), first_set.pack_states[0].steps
 path = os.path.join(args.dir, "chief.weights.h5")
 if rank == 0:
     first.save_weights(path + ".tmp.weights.h5")
@@ -60,7 +60,7 @@ class Recorder:
 
     def record(self, state):
         new_sets.append(state)
-        pack = state.packs[0]
+        pack = state.pack_states[0]
         restored.update(steps=np.array([int(s.numpy()) for s in pack.steps]),
                         residual=pack.residuals[0].numpy(), velocity=pack.velocities[0].numpy())
 
@@ -89,5 +89,5 @@ worker_util.write_result(
     **{f"final{i}": w for i, w in enumerate(second.get_weights())},
     **{f"restored_{k}": v for k, v in restored.items()},
     first_residual=first_residual, first_steps=np.array([int(s.numpy()) for s in first_steps]),
-    final_steps=np.array([int(s.numpy()) for s in state.packs[0].steps]))
+    final_steps=np.array([int(s.numpy()) for s in state.pack_states[0].steps]))
 print("done", flush=True)

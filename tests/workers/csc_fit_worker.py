@@ -90,7 +90,7 @@ history = model.fit(dataset, epochs=1, verbose=0,
                     callbacks=[gf_tf.GradientFlowStats(gradient_flow), per_step])
 
 (variable_set,) = gradient_flow.states().values()
-(state,) = variable_set.packs
+(state,) = variable_set.pack_states
 result = {f"w{i}": w for i, w in enumerate(model.get_weights())}
 result["residual"] = state.residuals[0].numpy()
 result["csc_steps"] = int(state.step.numpy())

@@ -44,7 +44,7 @@ with strategy.scope():
 
 
 def snapshot(state):
-    pack = state.packs[0]
+    pack = state.pack_states[0]
     out = {"steps": np.array([int(s.numpy()) for s in pack.steps]),
            "residual": pack.residuals[0].numpy(), "velocity": pack.velocities[0].numpy()}
     if pack.scores:   # selection="ahead": the next step's chunks are chosen from these

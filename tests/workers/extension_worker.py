@@ -37,7 +37,7 @@ class SendEverything(reducers.Reducer):
     def settings(self):
         return [("send-everything version", 1, str)]
 
-    def cost(self, elements):
+    def cost(self, elements, wire_format):
         return reducers.CostTerms((4 * elements,))
 
     def reduce(self, step):
@@ -62,7 +62,7 @@ elif args.extension == "wire":
 else:
     ring = collectives.ALGORITHMS[collectives.RING]
     collectives.register(collectives.Algorithm(
-        "ring_alias", lambda context: context.ring_sum, ring.latency_units, ring.byte_factor,
+        "ring_alias", lambda context: context.tf_sum, ring.latency_units, ring.byte_factor,
         ring.same_as_tf_own))
     gradient_flow = gf_tf.GradientFlowAllReduce(compression="fp16", algorithm="ring_alias")
 

@@ -75,8 +75,8 @@ except ValueError as e:
 csc_step, residuals = -1, {}
 if sparsity:
     (variable_set,) = gradient_flow.states().values()
-    csc_step = int(variable_set.packs[0].step.numpy())
-    residuals = {f"residual_r{r}": v.numpy() for r, v in enumerate(variable_set.packs[0].residuals)}
+    csc_step = int(variable_set.pack_states[0].step.numpy())
+    residuals = {f"residual_r{r}": v.numpy() for r, v in enumerate(variable_set.pack_states[0].residuals)}
 micro_steps = getattr(optimizer, "_iterations", optimizer.iterations).numpy()   # pylint: disable=protected-access
 worker_util.write_result(x=x, y=y, iterations=int(optimizer.iterations.numpy()), csc_step=csc_step,
                          micro_steps=int(micro_steps), **residuals,

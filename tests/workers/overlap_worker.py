@@ -137,7 +137,7 @@ def run_csc():
             result[f"sent{s}_{i}"] = g
             result[f"sum{s}_{i}"] = strategy.experimental_local_results(got)[0].numpy()
     (state,) = gfar.states().values()
-    for p, (spec, pack) in enumerate(zip(state.plan, state.packs)):
+    for p, (spec, pack) in enumerate(zip(state.pack_specs, state.pack_states)):
         result[f"pack{p}_indices"] = np.array(spec.indices)
         result[f"pack{p}_residual"] = pack.residuals[0].numpy()
     (report,) = gfar.plans().values()
