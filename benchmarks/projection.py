@@ -78,7 +78,7 @@ from benchmarks.workers import gradients, methods
 from gf_tf import collectives
 from gf_tf.collectives import recursive_doubling
 from gf_tf.csc import DEFAULT_CHUNK_SIZE, selected_chunk_count
-from gf_tf.plan import DEFAULT_BYTES_PER_PACK, PlanReport, planner
+from gf_tf.plan import DEFAULT_BYTES_PER_PACK, Costs, PlanReport, planner
 
 PARAMETERS = ("alpha", "rho", "kappa", "gamma", "delta_tf", "delta_gf", "delta_csc")
 AUTO = "auto"   # gf_tf's default: the planner's pick
@@ -217,7 +217,7 @@ def overlapped_share(method: str, backward_share: float) -> float:
     return backward_share if method in ("gf_fp16", "gf_fp16_rd") else 0.0
 
 
-def planner_costs(params: Dict[str, float], link_bps: float, cpu_share: float = 1.0) -> planner.Costs:
+def planner_costs(params: Dict[str, float], link_bps: float, cpu_share: float = 1.0) -> Costs:
     """The fitted parameters as gf_tf.plan.Costs for links of `link_bps` bit/s.
 
     The planner's beta carries the wire and the reduction: 2(N-1)/N B beta =
@@ -226,7 +226,7 @@ def planner_costs(params: Dict[str, float], link_bps: float, cpu_share: float = 
     costs are delta_tf (copy: TF's own, float32 and BF16 packs) and delta_gf (FP16) times s.
     """
     copy_s, fp16_s = params["delta_tf"] * cpu_share, params["delta_gf"] * cpu_share
-    return planner.Costs(
+    return Costs(
         byte_s=params["kappa"] * 8.0 / link_bps + params["gamma"] * cpu_share / 2,
         latency_s={collectives.RING: params["alpha"], collectives.RECURSIVE_DOUBLING: params["rho"]},
         local_s={"none": copy_s, "bf16": copy_s, "fp16": fp16_s})

@@ -35,7 +35,7 @@ def check_workers_agree(workers, settings: List[Setting], devices: Sequence[str]
     raises before any packed collective exists.
 
     Args:
-      workers: gf_tf.strategy.WorkerInfo (rank, names).
+      workers: gf_tf.cluster.WorkerInfo (rank, names).
       settings: what must agree, as (name, number, how to print it).
       devices: this worker's replica devices (one row each).
       cross_device_ops: TF ops that carry the table (the wrapped ops).

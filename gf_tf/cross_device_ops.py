@@ -127,7 +127,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         self.reducer = sparsity.reducer() if sparsity is not None else reducer or DenseReducer()
         self._costs: Optional[plan.Costs] = None   # measured by gf_tf.plan.probe at _attach
         self._wrapped, self._strategy = cross_device_ops, None   # the strategy whose ops we took
-        self._workers = None  # gf_tf.strategy.WorkerInfo, set by gf_tf.MultiWorkerMirroredStrategy
+        self._workers = None  # gf_tf.cluster.WorkerInfo, set by gf_tf.MultiWorkerMirroredStrategy
         self._stats = None
         self._states = StateRegistry()
         self.trial_clock = time.perf_counter   # gf_tf.plan.trial's clock (seconds); tests replace it
@@ -162,7 +162,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
 
     @property
     def workers(self):
-        """The gf_tf.strategy.WorkerInfo (rank, names) set by gf_tf.MultiWorkerMirroredStrategy,
+        """The gf_tf.cluster.WorkerInfo (rank, names) set by gf_tf.MultiWorkerMirroredStrategy,
         or None (one worker, or a MirroredStrategy)."""
         return self._workers
 

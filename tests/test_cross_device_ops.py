@@ -314,7 +314,7 @@ def test_one_instance_serves_one_strategy():
     second = tf.distribute.MirroredStrategy(DEVICES[:2], cross_device_ops=gfar)
     value = first.experimental_distribute_values_from_function(lambda ctx: tf.identity(1.0))
     with first.scope():
-        gfar._cross_ops()  # pylint: disable=protected-access
+        gfar.batch_reduce(SUM, [(value, value)])   # takes the first strategy's ops
     with second.scope(), pytest.raises(ValueError, match="one GradientFlowAllReduce per strategy"):
         gfar.batch_reduce(SUM, [(value, value)])
 

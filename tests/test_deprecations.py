@@ -41,3 +41,17 @@ def test_commstats_old_attributes_read_the_counts_with_a_warning():
 def test_commstats_unknown_attribute_is_a_plain_attribute_error():
     with pytest.raises(AttributeError, match="no attribute 'sent'"):
         CommStats().sent  # pylint: disable=expression-not-assigned
+
+
+def test_variable_set_state_old_pack_fields_warn_and_give_the_same_objects():
+    from gf_tf import wire
+    from gf_tf.packing import plan_packs
+    from gf_tf.state import StateRegistry
+    signature = [(tf.TensorShape([3]), tf.float32)]
+    specs = plan_packs(signature, 0, wire.FP16)
+    state = StateRegistry().get([tf.Variable(tf.zeros([3]))], signature, specs,
+                                lambda p: (None, [None] * len(p)))
+    with pytest.warns(DeprecationWarning, match="pack_specs"):
+        assert state.plan is state.pack_specs is specs
+    with pytest.warns(DeprecationWarning, match="pack_states"):
+        assert state.packs is state.pack_states

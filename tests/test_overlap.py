@@ -248,7 +248,7 @@ def test_predicted_seconds_of_groups_by_hand():
 
 
 def _brute_force(e, t, n, costs, sizes):
-    barrier_packs = planner._pack_options(e, "fp16", sizes[0])[0][0]   # pylint: disable=protected-access
+    barrier_packs = planner.pack_options(e, "fp16", sizes[0])[0][0]
     budget = (1 + planner.OVERLAP_SLACK) * planner.predict_seconds("fp16", "ring", e, t, n, costs,
                                                                     barrier_packs)
     best = None

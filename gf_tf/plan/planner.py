@@ -44,41 +44,24 @@ predicted within TRIAL_BAND of TF's own seconds is a `Plan` with `trial`: both
 are timed on the set's own shapes when its step is first traced and the faster
 is kept (`gf_tf.plan.trial`), decided on all-reduced figures like everything else here.
 
-Overlap (scaled wires such as FP16, whose packs wait for their scale bounds). With G groups of the P packs (consecutive, in
-backprop order), group g's collectives depend only on group g's gradients, so
-they can run while backprop computes the later groups' gradients. What it
-costs and gains, in the same model, with C the control collective of T/G
-tensors:
-
-  all(G)  = G C + P lat + max(W, L) + min(W, L) G / P
-  last(G) = C + (P/G) lat + max(W, L) / G + min(W, L) / P
-
-all(G) is the step's all-reduce when nothing hides (every gradient ready at
-once: exactly what the one-barrier form, G = 1, always pays): one more control
-collective per group, and the pipeline refills in each group (a group's
-packing waits for its own scale). last(G) is the last group alone: what is
-left after backprop when every earlier group hid behind it. The planner knows
-no compute time, so it cannot tell which one a step will see. The rule
-(`choose_overlap`, overlap="auto"): take the G and pack size with the least
-last(G) among those with all(G) <= (1 + OVERLAP_SLACK) all(1) of the
-one-barrier plan. A step is C_b + all-reduce seconds at worst, so it is never
-predicted slower than the one-barrier form by more than OVERLAP_SLACK of its
-all-reduce (less of the step), and as fast as last(G) lets it be when backprop
-is long enough to hide the rest. With bytes_per_pack="auto" the pack sizes
-tried are OVERLAP_PACK_SIZES (smaller packs give more groups and a smaller last
-group, for more latency). Without measurements (one worker, or settings
-pinned so nothing was probed) "auto" keeps one barrier.
+Overlap (`choose_overlap`, overlap="auto"): a scaled wire's packs may be cut into G
+groups, each with its own control collective, so a group leaves while backprop
+computes the rest. all(G) is the step's all-reduce when nothing hides, last(G)
+the last group alone; the rule takes the least last(G) among the G (and, with
+bytes_per_pack="auto", the pack sizes OVERLAP_PACK_SIZES) whose all(G) is within
+OVERLAP_SLACK of the one-barrier plan's. The formulas and the table of choices:
+docs/planner.md, "Overlap groups".
 """
 
 import dataclasses
 import math
-from typing import List, Mapping, NamedTuple, Optional, Tuple
+from typing import List, Optional, Tuple
 
 from gf_tf import collectives, wire
+from gf_tf.plan.records import TF_OWN, Costs, Forecast, Plan, Planned
 from gf_tf.reducers.base import CostTerms
 
 AUTO = "auto"
-TF_OWN = "tf"   # Plan.method of TensorFlow's own float32 batch all-reduce
 FLOAT32_BYTES = 4
 DEFAULT_BYTES_PER_PACK = 4 * 1024 * 1024
 # bytes_per_pack="auto" is 4 MiB packs (a set below 4 MiB is one pack): on large sets they beat
@@ -98,132 +81,6 @@ OVERLAP_SLACK = 0.05
 # ... and with bytes_per_pack="auto" it tries these pack sizes (the first is the one-barrier one).
 OVERLAP_PACK_SIZES = (DEFAULT_BYTES_PER_PACK, 1 << 20, 256 << 10)
 OVERLAP_CHOICES = (AUTO, True, False)
-
-
-@dataclasses.dataclass(frozen=True)
-class Costs:
-    """Measured constants of the model (`gf_tf.plan.probe`), in seconds.
-
-    The mean over the workers, so every worker plans from the same numbers.
-
-    Attributes:
-      byte_s: beta, wire seconds of one payload byte on one link.
-      latency_s: per algorithm name (`gf_tf.collectives.ALGORITHMS`), its latency
-        unit in seconds (the ring: one hop; recursive doubling: one round).
-      local_s: per wire method name (`gf_tf.wire.WireFormat.method`: "none", "fp16",
-        "bf16", ...), local seconds per float32 element of its pack + unpack (scaled
-        wires: with max |g| and the scaling). "none" is also TF's own concat + split.
-    """
-    byte_s: float
-    latency_s: Mapping[str, float]
-    local_s: Mapping[str, float]
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """The decision for one variable set's float32/float16/bfloat16 gradients.
-
-    Attributes:
-      method: "tf" (the wrapped TF cross-device ops' own float32 batch all-reduce,
-        gf_tf sends nothing itself) or a wire format's method name (`gf_tf.wire`:
-        "fp16", "bf16", "none" for packs in their own dtype, ...).
-      bytes_per_pack: pack threshold in wire bytes (0: one pack per dtype).
-      algorithm: a `gf_tf.collectives.ALGORITHMS` name.
-      groups: consecutive groups the packs are cut into, each with its own control
-        collective (1: one barrier, every pack waits for the step's last gradient;
-        `gf_tf.reducers.for_each_group`).
-      trial: this GradientFlow wire is timed against TensorFlow's own float32
-        all-reduce when the set is first traced and the faster is kept
-        (`gf_tf.plan.trial`).
-    """
-    method: str
-    bytes_per_pack: int
-    algorithm: str
-    groups: int = 1
-    trial: bool = False
-
-    @property
-    def wire(self) -> Optional[wire.WireFormat]:
-        """The `gf_tf.wire.WireFormat` float32 packs travel on; None for TF's own all-reduce."""
-        return None if self.method == TF_OWN else wire.format_of(self.method)
-
-    @property
-    def scaled(self) -> bool:
-        """Its wire needs all-reduced scale bounds before its packs (`gf_tf.wire`)."""
-        return self.method != TF_OWN and self.wire.scaled
-
-
-@dataclasses.dataclass(frozen=True)
-class Forecast:
-    """What the model predicts of a plan, in seconds (None: not modelled, e.g. one worker or
-    settings pinned without measurements).
-
-    Attributes:
-      seconds: the step's all-reduce when nothing hides behind backprop.
-      last_seconds: with groups > 1, the last group alone (what is left after
-        backprop at best).
-      tf_seconds: for a trial plan, TF's own all-reduce's.
-    """
-    seconds: Optional[float] = None
-    last_seconds: Optional[float] = None
-    tf_seconds: Optional[float] = None
-
-
-class Planned(NamedTuple):
-    """A plan and its forecast."""
-    plan: Plan
-    forecast: Forecast
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanReport:
-    """How a variable set travels, for people (`GradientFlowAllReduce.plans()`).
-
-    Attributes:
-      plan: the `Plan`; for a trial that has decided, the candidate kept.
-      forecast: the model's `Forecast` of it.
-      measured: once a trial has decided, (TF's own, the GradientFlow wire's)
-        measured seconds per all-reduce (the mean over workers of each worker's
-        median); else None.
-    """
-    plan: Plan
-    forecast: Forecast = Forecast()
-    measured: Optional[Tuple[float, float]] = None
-
-    @property
-    def steady_seconds(self) -> Optional[float]:
-        """Predicted seconds once any trial has decided: the lesser of the two for a trial plan."""
-        seconds, tf_seconds = self.forecast.seconds, self.forecast.tf_seconds
-        if self.plan.trial and seconds is not None and tf_seconds is not None:
-            return min(seconds, tf_seconds)
-        return seconds
-
-    def describe(self) -> str:
-        """One line for a log: the plan, its predicted and (after a trial) measured seconds."""
-        plan, forecast = self.plan, self.forecast
-        if plan.method == TF_OWN:
-            what = "TensorFlow's own float32 all-reduce"
-        else:
-            packs = "one pack per dtype" if not plan.bytes_per_pack else \
-                f"packs of {plan.bytes_per_pack} bytes"
-            name = "float32" if plan.wire.name is None else plan.method
-            what = f"{name} packs ({packs}), {plan.algorithm.replace('_', ' ')}"
-            what += f", {plan.groups} groups overlapped with backprop" if plan.groups > 1 \
-                else ", one barrier" if plan.scaled else ""
-        if plan.trial:
-            what = (f"{what}, or TensorFlow's own float32 all-reduce, whichever measures faster "
-                    f"at the first trace")
-        if forecast.seconds is not None:
-            what = f"{what}, predicted {1000 * forecast.seconds:.2f} ms per step"
-            if plan.trial and forecast.tf_seconds is not None:
-                what = f"{what} against {1000 * forecast.tf_seconds:.2f} ms"
-            if forecast.last_seconds is not None:
-                what = f"{what} ({1000 * forecast.last_seconds:.2f} ms after the last gradient at best)"
-        if self.measured is not None:
-            tf_s, gf_s = self.measured
-            what = (f"{what}; measured {1000 * gf_s:.2f} ms (GradientFlow) against "
-                    f"{1000 * tf_s:.2f} ms (TensorFlow's own)")
-        return what
 
 
 def auto_methods() -> Tuple[str, ...]:
@@ -302,7 +159,7 @@ def choose(elements: int, tensors: int, workers: int, costs: Optional[Costs],
         if method == AUTO:
             return Planned(Plan(TF_OWN, 0 if bytes_per_pack == AUTO else int(bytes_per_pack),
                                 algorithms[0]), Forecast())
-        plan = Plan(method, _pack_options(elements, method, bytes_per_pack)[0][1], algorithms[0])
+        plan = Plan(method, pack_options(elements, method, bytes_per_pack)[0][1], algorithms[0])
         return choose_overlap(Planned(plan, Forecast()), elements, tensors, workers, costs,
                               overlap, bytes_per_pack)
     candidates: List[Tuple[Plan, float]] = []
@@ -311,7 +168,7 @@ def choose(elements: int, tensors: int, workers: int, costs: Optional[Costs],
             if (method == AUTO and m != TF_OWN and wire.format_of(m).exact
                     and collectives.get(a).same_as_tf_own(workers)):
                 continue   # TF's own all-reduce again
-            for count, pack in _pack_options(elements, m, bytes_per_pack):
+            for count, pack in pack_options(elements, m, bytes_per_pack):
                 candidates.append((Plan(m, pack, a), predict_seconds(
                     m, a, elements, tensors, workers, costs, count)))
     wires = [c for c in candidates if c[0].method != TF_OWN]
@@ -370,7 +227,7 @@ def choose_overlap(planned: Planned, elements: int, tensors: int, workers: int,
     sizes = OVERLAP_PACK_SIZES if bytes_per_pack == AUTO and modelled else (plan.bytes_per_pack,)
     options = []   # (size, packs, groups)
     for size in sizes:
-        count = _pack_options(elements, plan.method, size)[0][0]
+        count = pack_options(elements, plan.method, size)[0][0]
         options += [(size, count, g) for g in ((count,) if overlap is True else range(1, count + 1))]
     if not modelled:
         return Planned(dataclasses.replace(plan, groups=options[0][2] if overlap is True else 1),
@@ -388,7 +245,7 @@ def choose_overlap(planned: Planned, elements: int, tensors: int, workers: int,
         options = [o for o in options if o[2] > 1] or options
         size, count, groups = min(options, key=lambda o: (all_s(o), sizes.index(o[0])))
     else:
-        barrier = (plan.bytes_per_pack, _pack_options(elements, plan.method,
+        barrier = (plan.bytes_per_pack, pack_options(elements, plan.method,
                                                       plan.bytes_per_pack)[0][0], 1)
         budget = (1 + OVERLAP_SLACK) * all_s(barrier)
         options = [o for o in options if all_s(o) <= budget] or [barrier]
@@ -398,8 +255,8 @@ def choose_overlap(planned: Planned, elements: int, tensors: int, workers: int,
     return Planned(dataclasses.replace(plan, bytes_per_pack=size, groups=groups), forecast)
 
 
-def _pack_options(elements: int, method: str, bytes_per_pack) -> List[Tuple[int, int]]:
-    """(pack count, bytes_per_pack) to consider: PACK_SIZES for "auto", else the pinned size
+def pack_options(elements: int, method: str, bytes_per_pack) -> List[Tuple[int, int]]:
+    """(pack count, bytes_per_pack) of `elements` float32 elements on `method`'s wire to consider: PACK_SIZES for "auto", else the pinned size
     (0: one pack), with the count it gives (tensors are not split: approximate)."""
     if method == TF_OWN:   # TF's own batch all-reduce: one collective, no pack size of ours
         return [(1, 0 if bytes_per_pack == AUTO else int(bytes_per_pack))]

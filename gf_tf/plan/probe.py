@@ -5,7 +5,7 @@ wire format's pack + unpack (`gf_tf.wire.FORMATS`), a chain of small all-reduces
 by every registered algorithm (`gf_tf.collectives.ALGORITHMS`: its latency
 unit) and a chain of 1 MB all-reduces by TensorFlow's own (the link's seconds
 per byte); it then all-reduces the figures so every worker returns the same
-`gf_tf.plan.planner.Costs` (their mean). Each timing is the best of a few runs
+`gf_tf.plan.records.Costs` (their mean). Each timing is the best of a few runs
 of a traced `tf.function`, so Python and eager dispatch are not counted. It
 takes a few seconds; every worker issues the same collectives in the same order
 (the same code, no data-dependent branch).
@@ -18,9 +18,9 @@ from typing import Callable, Sequence
 import tensorflow as tf
 
 from gf_tf import collectives, ops, wire
-from gf_tf.plan.planner import Costs
+from gf_tf.plan.records import Costs
 
-_log = logging.getLogger("gf_tf.planner")
+_log = logging.getLogger(__name__)
 
 LOCAL_ELEMENTS = 1 << 20          # float32 elements of the local packing probe (4 MB)
 SMALL_ELEMENTS = 8                # a latency-bound all-reduce

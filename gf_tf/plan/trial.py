@@ -39,7 +39,7 @@ from typing import Callable, Optional, Sequence, Tuple
 import numpy as np
 
 from gf_tf import collectives
-from gf_tf.plan import planner
+from gf_tf.plan import records
 
 TF_OWN, GRADIENT_FLOW = 0, 1    # the candidates' indices
 UNTIMED = 1                      # untimed runs of each candidate
@@ -98,17 +98,17 @@ def measure(candidates: Sequence[Callable[[], object]],
     return decision
 
 
-def report(planned: Optional[planner.Planned], decision: Optional[Decision]
-           ) -> Optional[planner.PlanReport]:
+def report(planned: Optional[records.Planned], decision: Optional[Decision]
+           ) -> Optional[records.PlanReport]:
     """The PlanReport of `planned`: for a trial decided, the candidate kept (the GradientFlow
     wire, or TF's own float32 all-reduce) with the measured seconds."""
     if planned is None:
         return None
     plan, forecast = planned
     if not plan.trial or decision is None:
-        return planner.PlanReport(plan, forecast)
+        return records.PlanReport(plan, forecast)
     measured: Tuple[float, float] = (decision.tf_seconds, decision.gf_seconds)
     if decision.choice == GRADIENT_FLOW:
-        return planner.PlanReport(dataclasses.replace(plan, trial=False), forecast, measured)
-    return planner.PlanReport(planner.Plan(planner.TF_OWN, 0, collectives.tf_own().name),
-                              planner.Forecast(forecast.tf_seconds), measured)
+        return records.PlanReport(dataclasses.replace(plan, trial=False), forecast, measured)
+    return records.PlanReport(records.Plan(records.TF_OWN, 0, collectives.tf_own().name),
+                              records.Forecast(forecast.tf_seconds), measured)
