@@ -228,6 +228,21 @@ def test_many_tiny_tensors_travel_in_the_planned_packs():
             np.testing.assert_allclose(v.numpy(), want, atol=4e-3)
 
 
+def test_reduce_locally_runs_the_fp16_route_with_identity_collectives():
+    """One replica, every collective the identity: each tensor comes back as its FP16 wire
+    leaves it, scaled by the power of two of its own max |g| and unscaled (float64 reference)."""
+    gfar, strategy = make(1)
+    grads = [RNG.normal(size=s).astype(np.float32) * 1e-4 for s in ((7, 3), (1009,))]
+    variables = [tf.Variable(tf.zeros(g.shape)) for g in grads]
+    out = tf.function(lambda: gfar.reduce_locally(strategy, [tf.constant(g) for g in grads],
+                                                  variables))()
+    for got, g in zip(out, grads):
+        scale = gf_tf.wire.power_of_two_scale_np(np.abs(g).max())
+        want = np.float16(g.astype(np.float64) * scale).astype(np.float64) / scale
+        np.testing.assert_array_equal(got.numpy().astype(np.float64), want)
+    assert gfar.stats.result()["sent_bytes_per_step"] == 2 * 1030 + 4 * 2
+
+
 def test_bad_settings_raise_clear_errors():
     with pytest.raises(ValueError, match="compression must be"):
         gf_tf.GradientFlowAllReduce(compression="int8")

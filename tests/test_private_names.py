@@ -84,8 +84,9 @@ def test_no_file_outside_gf_tf_calls_a_private_name_of_gf_tf():
 
 
 def test_the_check_sees_a_private_method_called_from_outside(tmp_path):
-    """A call such as the benchmarks once made (`gradient_flow._run(...)`, the route with
-    identity collectives) is caught; the same text in a string or a comment is not."""
+    """A call of a private method such as `gradient_flow._run(...)` (the route with identity
+    collectives, whose public door is `reduce_locally`) is caught; the same text in a string or a
+    comment is not."""
     path = tmp_path / "worker.py"
     path.write_text("ops = gradient_flow._cross_ops()  # gradient_flow._orchestrator(None)\n"
                     "text = 'gradient_flow._orchestrator(None)'\n")

@@ -63,7 +63,7 @@ class SetPlan(NamedTuple):
     None for TF's own all-reduce) and its PackSpecs."""
     planned: Planned
     signature: Tuple
-    packs: Tuple[packing.PackSpec, ...]
+    pack_specs: Tuple[packing.PackSpec, ...]
 
 
 def plan_set(signature: Sequence, settings: Settings, reducer: Reducer, workers: int,
@@ -87,13 +87,13 @@ def plan_set(signature: Sequence, settings: Settings, reducer: Reducer, workers:
         planned = Planned(Plan(own_wire.method, size, algorithm), Forecast())
     plan = planned.plan
     if plan.method == TF_OWN:
-        signature, packs = [None] * len(signature), ()   # every gradient by TF's own all-reduce
+        signature, pack_specs = [None] * len(signature), ()   # every gradient by TF's own all-reduce
     else:
-        packs = packing.plan_packs(signature, plan.bytes_per_pack, plan.wire)
-    live = sum(1 for p in packs if p.num_elements)
+        pack_specs = packing.plan_packs(signature, plan.bytes_per_pack, plan.wire)
+    live = sum(1 for p in pack_specs if p.num_elements)
     if terms is None:
         plan = planner.with_pack_count(plan, live, settings.overlap)
     else:
         plan = dataclasses.replace(plan, groups=planner.choose_fixed_groups(
             live, terms, workers, costs, plan.algorithm, settings.overlap))
-    return SetPlan(Planned(plan, planned.forecast), tuple(signature), packs)
+    return SetPlan(Planned(plan, planned.forecast), tuple(signature), pack_specs)
