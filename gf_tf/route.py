@@ -7,7 +7,10 @@ handshake (`gf_tf.agreement`), the `Communicator` over the planned algorithm
 gradient or the packs through the reducer (`gf_tf.reducers`) with the rest
 (IndexedSlices, integers, float64, unknown shapes) through TensorFlow's own,
 stitched back in the caller's order. A trial plan (`gf_tf.plan.trial`) runs
-its two candidates here, eagerly, at the set's first trace.
+its two candidates here, eagerly, at the set's first trace. `run_merged` and
+`run_in_replica` build the `Call` of each replica path, `run_locally` one with
+the identity in place of every collective. TensorFlow's SUM is reached through
+one door, `gf_tf.collectives.ring.tf_batch_sum`, by the step and the trial alike.
 """
 
 import dataclasses
@@ -79,8 +82,9 @@ def run(orchestrator: Orchestrator, call: Call) -> List[List]:
     packable = [i for i, entry in enumerate(signature) if entry is not None]
     planned, signature, pack_specs = orchestrator.plan_set(signature)
     devices = list(call.strategy.extended.worker_devices)
+    reducer = orchestrator.reducer
     state = orchestrator.states.get(list(call.variables), signature, pack_specs,
-                                    lambda specs: orchestrator.reducer.create_states(specs, devices))
+                                    lambda specs: reducer.create_states(specs, devices))
     if state.planned != planned:
         state.planned = planned
         _log.info("gf_tf: variable set [%s] travels as %s", state.set_name,
@@ -142,8 +146,9 @@ def run_in_replica(orchestrator: Orchestrator, replica_ctx, grads, variables, re
                                                     options)]
 
     tf_sum = collectives.ring.tf_sum(orchestrator.cross_ops, options, int(replica_id))
-    return run(orchestrator, Call(replica_ctx.strategy, [list(grads)], (int(replica_id) % num_local,),
-                                  variables, reduce_op, tf_sum, others, options))[0]
+    served = (int(replica_id) % num_local,)
+    return run(orchestrator, Call(replica_ctx.strategy, [list(grads)], served, variables,
+                                  reduce_op, tf_sum, others, options))[0]
 
 
 def run_locally(orchestrator: Orchestrator, strategy, grads, variables, reduce_op) -> list:

@@ -40,7 +40,8 @@ class WireFormat:
         `gf_tf.ops.WIRE_DTYPES`.
       scaled: values must be scaled into the dtype's range (by a power of two chosen
         from an all-reduced bound, `power_of_two_scale`): the packs then need their
-        all-reduced bounds first, one control collective.
+        all-reduced bounds first, one control collective. Read per pack from the format it
+        travels on (`gf_tf.packing.PackSpec.wire`, `pack_format`).
       auto: compression="auto" may choose it (the planner weighs it against
         TensorFlow's own all-reduce).
     """

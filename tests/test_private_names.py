@@ -5,8 +5,8 @@ What counts: a call `<anything>._name(...)` where `_name` is private in gf_tf's 
 (a `def _name`, `class _Name`, module-level `_name =`, or a `self._name` attribute) and is neither
 TensorFlow's or Keras's (a private name of a class gf_tf subclasses, such as tf.Module's
 `_restore_from_tensors`; `strategy.extended._cross_device_ops`) nor an attribute or method the
-calling file defines on its own objects. Modules whose own name is private (gf_tf/ops/_library.py, _build.py) are the
-op library's loader and build, tested white-box by name; they are not counted.
+calling file defines on its own objects. Modules whose own name is private (gf_tf/ops/_library.py,
+_build.py) are the op library's loader and build, tested white-box by name; they are not counted.
 """
 
 import importlib
