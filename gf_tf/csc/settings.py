@@ -9,8 +9,9 @@ algorithm of one step is described in `gf_tf.csc` (package doc).
 import math
 from typing import Optional, Tuple, Union
 
+from gf_tf.csc import policies
+from gf_tf.csc.auto import AUTO
 from gf_tf.csc.reducer import CSCReducer
-from gf_tf.csc.selection import POLICIES, selected_chunk_count
 
 # DEFAULT_CHUNK_SIZE: the chunk norms add 4 bytes per chunk_size float32 elements (1/1024 of
 # the dense bytes at 1024), a small share of what a sparse FP16 step sends, and smaller chunks
@@ -23,12 +24,8 @@ DEFAULT_CHUNK_SIZE = 1024
 DEFAULT_DENSITY = 0.01
 """`ChunkSparsity(density=)`: fraction of each pack's chunks sent per step."""
 
-# density="auto" (see ChunkSparsity): the densities it may choose (static k per pack per
-# rung, so every rung's wire shape is static), its default floor and communication budget.
-AUTO = "auto"
-AUTO_LADDER = (0.25, 0.1, 0.03, 0.01, 0.003, 0.001)
-"""The densities density="auto" chooses from (those above `min_density`, then `min_density`)."""
-# The rule prices rungs by bytes only and knows nothing of convergence, so the floor is the
+# density="auto" (see ChunkSparsity; its densities AUTO_LADDER are in gf_tf.csc.auto): its
+# default floor and communication budget. The rule prices rungs by bytes only and knows nothing of convergence, so the floor is the
 # convergence bound: the fixed default, the sparsest density that trains at models.train's
 # defaults. Top-k with error feedback sends a chunk once its residual is among the k largest,
 # so at density d every chunk can be sent within ceil(C / k) <= 1/d steps; a floor whose 1/d
@@ -39,7 +36,7 @@ DEFAULT_AUTO_BUDGET = 0.05
 """`ChunkSparsity(auto_budget=)`: communication seconds density="auto" allows per compute second."""
 
 WARMUP_MODES = ("dense", "exponential")
-SELECTIONS = tuple(POLICIES)     # "per_pack", "global", "ahead"
+SELECTIONS = policies.BUILT_IN   # the built-in policies; policies.POLICIES holds all
 # selection="ahead": what scores a chunk for the next step (`gf_tf.csc.ahead`).
 SCORINGS = ("error_feedback", "paper")
 
@@ -181,20 +178,9 @@ class ChunkSparsity:
             raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
         if warmup not in WARMUP_MODES:
             raise ValueError(f"warmup must be one of {WARMUP_MODES}, got {warmup!r}")
-        if selection not in SELECTIONS:
-            raise ValueError(f"selection must be one of {SELECTIONS} (top-k per pack, over "
-                             f"the whole model, or per pack chosen one step ahead), got {selection!r}")
-        if selection == "ahead" and density == AUTO:
-            raise ValueError("selection=\"ahead\" needs a numeric density: density=\"auto\" "
-                             "decides each step from that step's timing, which only "
-                             "selection=\"per_pack\" or \"global\" carry; use one of those "
-                             "with density=\"auto\", or a fixed density with \"ahead\"")
+        self.policy = policies.policy(selection)
         if scoring not in SCORINGS:
             raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
-        if scoring != SCORINGS[0] and selection != "ahead":
-            raise ValueError(f"scoring={scoring!r} scores chunks for the next step, which only "
-                             f"selection=\"ahead\" does; got selection={selection!r}. Pass "
-                             f"selection=\"ahead\", or leave scoring at its default")
         if isinstance(min_density, bool) or not (isinstance(min_density, (int, float))
                                                  and 0.0 < min_density <= 1.0):
             raise ValueError(f"min_density must be a fraction in (0, 1] (the floor of "
@@ -203,7 +189,9 @@ class ChunkSparsity:
                                                  and 0.0 < auto_budget < math.inf):
             raise ValueError(f"auto_budget must be a number > 0 (communication seconds per "
                              f"compute second), got {auto_budget!r}")
-        self.density = AUTO if density == AUTO else float(density)
+        self.density_rule = policies.density_rule(density, min_density, auto_budget)
+        policies.check(self.policy, self.density_rule, scoring, SCORINGS[0])
+        self.density = self.density_rule.value
         self.chunk_size = chunk_size
         self.warmup_steps = warmup_steps
         self.momentum = float(momentum)
@@ -215,15 +203,16 @@ class ChunkSparsity:
 
     @property
     def auto(self) -> bool:
-        """True for density="auto"."""
-        return self.density == AUTO
+        """True for density="auto" (a density rule that times each step)."""
+        return self.density_rule.measures
 
     @property
     def overlaps(self) -> bool:
         """Whether groups of packs may each select and send on their own (overlap with
-        backprop): per-pack selection (or "ahead") at a fixed density. selection="global"
-        needs every pack's norms and density="auto" the whole step's timing: one barrier."""
-        return self.selection in ("per_pack", "ahead") and not self.auto
+        backprop): both the policy and the density rule allow it (`groupable`): per-pack
+        selection (or "ahead") at a fixed density. selection="global" needs every pack's
+        norms and density="auto" the whole step's timing: one barrier."""
+        return self.policy.groupable and self.density_rule.groupable
 
     def rungs(self) -> Tuple[float, ...]:
         """The densities density="auto" chooses from, largest first.
@@ -231,17 +220,10 @@ class ChunkSparsity:
         AUTO_LADDER's entries above `min_density`, then `min_density` (the
         floor, always the last rung). For a numeric density: (density,).
         """
-        if not self.auto:
-            return (self.density,)
-        return tuple(d for d in AUTO_LADDER if d > self.min_density) + (self.min_density,)
+        return self.density_rule.rungs()
 
     def __repr__(self):
-        auto = (f", min_density={self.min_density}, auto_budget={self.auto_budget}"
-                if self.auto else "")
-        scoring = f", scoring={self.scoring!r}" if self.selection == "ahead" else ""
-        return (f"ChunkSparsity(density={self.density!r}, chunk_size={self.chunk_size}, "
-                f"warmup_steps={self.warmup_steps}, momentum={self.momentum}, "
-                f"warmup={self.warmup!r}, selection={self.selection!r}{scoring}{auto})")
+        return f"ChunkSparsity({', '.join(f'{key}={value!r}' for key, value in self.get_config().items())})"
 
     # -- schedule ----------------------------------------------------------
 
@@ -260,7 +242,7 @@ class ChunkSparsity:
         """
         if self.warmup_steps == 0:
             return ((0, self.density),)
-        target = self.min_density if self.auto else self.density
+        target = self.density_rule.floor
         if self.warmup == "dense":
             ramp = [1.0] if target < 1.0 else []
         else:
@@ -287,20 +269,17 @@ class ChunkSparsity:
         """The densities a step may run at, as ((first_step or None, density), ...):
         the numeric stages of `schedule()`, then (density="auto") every rung with
         first_step None."""
-        stages = [(s, d) for s, d in self.schedule() if d != AUTO]
-        return tuple(stages + ([(None, d) for d in self.rungs()] if self.auto else []))
+        stages = tuple((s, d) for s, d in self.schedule() if d != AUTO)
+        return stages + self.density_rule.candidates()
 
     def step_bytes(self, elements: int) -> Tuple[int, ...]:
         """Bytes per worker of each collective of one sparse step over `elements` gradient
         elements in one pack, at the final density (density="auto": its floor), on FP16, for
-        the planner (`CSCReducer.cost`): (chunk norms, selected chunks), or with
-        selection="ahead" (selected chunks + the next step's scores and bound,)."""
+        the planner (`CSCReducer.cost`): the policy's `step_bytes`, e.g. (chunk norms,
+        selected chunks), or with selection="ahead" (selected chunks + the next step's scores
+        and bound,)."""
         chunks = math.ceil(elements / self.chunk_size)
-        density = self.min_density if self.auto else self.density
-        selected = 2 * self.chunk_size * selected_chunk_count(chunks, density)
-        if self.selection == "ahead":
-            return (selected + 2 * (chunks + 1),)
-        return 4 * chunks, selected
+        return self.policy.step_bytes(chunks, self.chunk_size, self.density_rule.floor, 2)
 
     def reducer(self) -> CSCReducer:
         """The reducer GradientFlowAllReduce runs each variable set's packs through."""
@@ -308,11 +287,7 @@ class ChunkSparsity:
 
     def get_config(self) -> dict:
         """The constructor arguments (also compared across workers by GradientFlowAllReduce)."""
-        config = {"density": self.density, "chunk_size": self.chunk_size,
-                  "warmup_steps": self.warmup_steps, "momentum": self.momentum,
-                  "warmup": self.warmup, "selection": self.selection}
-        if self.selection == "ahead":
-            config["scoring"] = self.scoring
-        if self.auto:
-            config.update(min_density=self.min_density, auto_budget=self.auto_budget)
-        return config
+        return {"density": self.density, "chunk_size": self.chunk_size,
+                "warmup_steps": self.warmup_steps, "momentum": self.momentum,
+                "warmup": self.warmup, "selection": self.selection,
+                **self.policy.config(self), **self.density_rule.config()}
