@@ -21,6 +21,14 @@ def test_an_old_module_warns_and_gives_the_same_objects(old, new, name):
     assert getattr(module, name) is getattr(importlib.import_module(new), name)
 
 
+@pytest.mark.parametrize("name", ["POLICIES", "PerPackSelection", "GlobalSelection", "AheadSelection"])
+def test_selection_policies_read_from_their_old_module_warn_and_are_the_registrys(name):
+    from gf_tf.csc import policies, selection  # pylint: disable=import-outside-toplevel
+    with pytest.warns(DeprecationWarning, match=r"gf_tf\.csc\.policies"):
+        value = getattr(selection, name)
+    assert value is getattr(policies, name) is getattr(gf_tf.csc, name)
+
+
 def test_old_modules_are_still_attributes_of_the_package():
     assert gf_tf.checkpoint.BackupAndRestore is gf_tf.keras.backup.BackupAndRestore
     assert gf_tf.ChunkSparsity is gf_tf.csc.ChunkSparsity
