@@ -21,12 +21,10 @@ def test_an_old_module_warns_and_gives_the_same_objects(old, new, name):
     assert getattr(module, name) is getattr(importlib.import_module(new), name)
 
 
-@pytest.mark.parametrize("name", ["POLICIES", "PerPackSelection", "GlobalSelection", "AheadSelection"])
-def test_selection_policies_read_from_their_old_module_warn_and_are_the_registrys(name):
-    from gf_tf.csc import policies, selection  # pylint: disable=import-outside-toplevel
-    with pytest.warns(DeprecationWarning, match=r"gf_tf\.csc\.policies"):
-        value = getattr(selection, name)
-    assert value is getattr(policies, name) is getattr(gf_tf.csc, name)
+def test_the_csc_reducers_old_selection_attribute_warns_and_is_its_policy():
+    reducer = gf_tf.ChunkSparsity(selection="global").reducer()
+    with pytest.warns(DeprecationWarning, match=r"CSCReducer\.policy"):
+        assert reducer.selection is reducer.policy is gf_tf.csc.POLICIES["global"]
 
 
 def test_old_modules_are_still_attributes_of_the_package():

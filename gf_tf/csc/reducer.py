@@ -1,6 +1,7 @@
 """The CSC step: the reducer of `gf_tf.reducers` for `ChunkSparsity` (algorithm: `gf_tf.csc`)."""
 
 import dataclasses
+import warnings
 import zlib
 from typing import Any, List, NamedTuple, Optional, Tuple
 
@@ -94,6 +95,13 @@ class CSCReducer(Reducer):
         self.policy = sparsity.policy
         self.density_rule = sparsity.density_rule
         self.clock = auto.timestamp
+
+    @property
+    def selection(self):
+        """Deprecated name of `policy`."""
+        warnings.warn("CSCReducer.selection is deprecated: use CSCReducer.policy",
+                      DeprecationWarning, stacklevel=2)
+        return self.policy
 
     def create_states(self, packs, devices):
         if not packs:

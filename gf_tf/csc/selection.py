@@ -8,7 +8,6 @@ chunks the step sends. Wire shapes are static, so every plan is Python numbers.
 
 import dataclasses
 import math
-import warnings
 from typing import List, Optional, Sequence, Tuple
 
 import tensorflow as tf
@@ -214,15 +213,3 @@ def group_shares(counts: Sequence[int], norms: Sequence[Sequence[tf.Tensor]], k:
     per_replica = comm.map(shares, *norms)
     return [[replica[m] for replica in per_replica] for m in range(len(counts))]
 
-
-# Names that moved to gf_tf.csc.policies (gf_tf.csc still exports them).
-_MOVED = ("POLICIES", "PerPackSelection", "GlobalSelection", "AheadSelection")
-
-
-def __getattr__(name):
-    if name in _MOVED:
-        warnings.warn(f"gf_tf.csc.selection.{name} is deprecated: import it from gf_tf.csc.policies "
-                      f"(or gf_tf.csc)", DeprecationWarning, stacklevel=2)
-        from gf_tf.csc import policies   # pylint: disable=import-outside-toplevel
-        return getattr(policies, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -99,6 +99,7 @@ class ChunkSparsity:
           norms of its dense all-reduced gradient). Needs a numeric density.
           See `gf_tf.csc.ahead` for the FP16 wire's scale and its float32
           retry.
+        - the name of a policy registered with `gf_tf.csc.policies.register`.
       min_density (float): density="auto" only: the floor, in (0, 1]
         (default DEFAULT_DENSITY, 0.01: auto never sends less than the fixed
         default and only goes denser when the link affords it). It bounds how
@@ -123,31 +124,16 @@ class ChunkSparsity:
         message names it), selection="ahead" is given with density="auto", or a
         scoring other than "error_feedback" is given without selection="ahead".
 
-    density="auto": after the warm-up, each step picks one rung of
-    `rungs()` (AUTO_LADDER = 0.25, 0.1, 0.03, 0.01, 0.003, 0.001 above
-    `min_density`, then `min_density`); every rung has its own static k per
-    pack, so wire shapes stay static and the rungs are branches of one
-    `tf.switch_case`. Each step measures, per replica, with `tf.timestamp()`:
-    t_c, the compute seconds (gradients ready minus the end of the previous
-    step's communication) and t_m, the seconds of the chunk all-reduce (the
-    local chunk path, which costs the same at every rung, is left out), with
-    b, the bytes that step sent. The figures ride in the step's control
-    all-reduce (3 float32 more, no extra collective), so every replica on
-    every worker decides from the same sums with the same float32
-    arithmetic and picks the same rung (`choose_rung`): predicting
-    t(d) = t_m * bytes(d) / b, the largest d with t(d) <= auto_budget * t_c,
-    else the floor; the floor when nothing has been measured yet (the first
-    step; dense warm-up steps measure too, so the first sparse step after a
-    warm-up already decides on a measurement). CSC's collectives run after
-    the last gradient of the step is ready (the norms decide which chunks to
-    send), so they cannot hide behind backprop: "hides behind compute" is
-    implemented as "costs at most auto_budget of the compute time", which
-    keeps throughput within a factor 1 / (1 + auto_budget) of a step without
-    communication, hence of the fastest fixed density, while sending the
-    most chunks the link affords. The decision follows the previous step's
-    figures; a slow step (an evaluation between epochs) may give one step at
-    a higher density. The chosen density is `GradientFlowStats`'
-    `gf_density`.
+    density="auto": after the warm-up, each step picks one rung of `rungs()` (static k per
+    pack per rung, so the rungs are branches of one `tf.switch_case`): the largest density
+    whose predicted chunk all-reduce costs at most `auto_budget` of the compute time, from
+    the previous step's timing, which rides in the step's control all-reduce so every
+    replica picks the same rung (`choose_rung`, `gf_tf.csc.auto.AutoDensity`). The model,
+    what is measured and why the floor bounds convergence: docs/csc.md, section
+    "density="auto"". The chosen density is `GradientFlowStats`' `gf_density`.
+
+    Selection and density are objects (`policy`, `density_rule`): `selection` names one of
+    `gf_tf.csc.policies.POLICIES` (docs/csc.md, "Adding a selection policy").
 
     State: this object holds settings only. The state (`CSCState`:
     residuals, velocities, step counters) belongs to the variables whose
