@@ -37,9 +37,7 @@ class NumpyCSC:
         acc = self.residual + u
         norms = sum(self.chunk_norms(a) for a in acc)
         finite = np.all(np.isfinite(norms))
-        norms = np.where(np.isnan(norms), np.inf, norms)
-        order = np.lexsort((np.arange(self.c), -norms))  # largest first, ties: lower index
-        idx = np.sort(order[:k])
+        idx = self.choose(np.where(np.isnan(norms), np.inf, norms), k)
         mask = np.zeros(self.n, bool)
         for i in idx:
             mask[i * self.cs:(i + 1) * self.cs] = True
@@ -48,6 +46,13 @@ class NumpyCSC:
             self.residual = np.where(mask, 0.0, acc)
             self.velocity = np.where(mask, 0.0, u) if self.m else self.velocity
         return out, idx
+
+
+    def choose(self, norms, k):
+        """The chunks a sparse step sends (selection="per_pack"): the k largest of the summed
+        `norms` (NaN already +inf), ties to the lower index, ascending."""
+        order = np.lexsort((np.arange(self.c), -norms))  # largest first, ties: lower index
+        return np.sort(order[:k])
 
 
 class NumpyGlobalCSC:

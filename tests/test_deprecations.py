@@ -21,6 +21,12 @@ def test_an_old_module_warns_and_gives_the_same_objects(old, new, name):
     assert getattr(module, name) is getattr(importlib.import_module(new), name)
 
 
+def test_the_csc_reducers_old_selection_attribute_warns_and_is_its_policy():
+    reducer = gf_tf.ChunkSparsity(selection="global").reducer()
+    with pytest.warns(DeprecationWarning, match=r"CSCReducer\.policy"):
+        assert reducer.selection is reducer.policy is gf_tf.csc.POLICIES["global"]
+
+
 def test_old_modules_are_still_attributes_of_the_package():
     assert gf_tf.checkpoint.BackupAndRestore is gf_tf.keras.backup.BackupAndRestore
     assert gf_tf.ChunkSparsity is gf_tf.csc.ChunkSparsity

@@ -44,23 +44,28 @@ a sparse step is one collective (`gf_tf.csc.ahead`).
 State (`CSCSetState` per variable set, `CSCState` per pack) is owned by
 GradientFlowAllReduce's state for that variable set, never by the settings.
 
-Modules: `settings` (ChunkSparsity, defaults, schedule, rungs), `selection`
-(chunk counts, top-k, the per-pack, global and ahead policies, the plan of a step),
-`auto` (the density="auto" clock, rule and timing state), `state`, `reducer`
-(the step), `ahead` (the sparse step of selection="ahead"), `buffers` (tensor helpers).
+Modules: `settings` (ChunkSparsity, defaults, schedule), `policies` (the registry of
+selection policies by name, and the density rules), `selection` (chunk counts, top-k, the
+`SelectionPolicy` interface, the plan of a step), one module per selection policy
+(`per_pack`, `global_top_k`, `ahead`: with its one-collective sparse step), the density
+rules (`density`: fixed; `auto`: density="auto"'s rule, clock and timing state), `state`,
+`reducer` (the step, which asks the policy and the rule and tests neither), `buffers`
+(tensor helpers).
 """
 
-from gf_tf.csc.auto import TIMING_FIGURES, choose_rung
+from gf_tf.csc.auto import AUTO, AUTO_LADDER, TIMING_FIGURES, AutoDensity, choose_rung
+from gf_tf.csc.density import FixedDensity
+from gf_tf.csc.policies import POLICIES, AheadSelection, GlobalSelection, PerPackSelection
 from gf_tf.csc.reducer import CSCReducer
-from gf_tf.csc.selection import (POLICIES, AheadSelection, GlobalSelection, PerPackSelection,
-                                 StepPlan, select_chunks, selected_chunk_count)
-from gf_tf.csc.settings import (AUTO, AUTO_LADDER, DEFAULT_AUTO_BUDGET, DEFAULT_CHUNK_SIZE,
-                                DEFAULT_DENSITY, DEFAULT_MIN_DENSITY, SCORINGS, SELECTIONS,
-                                WARMUP_MODES, ChunkSparsity)
+from gf_tf.csc.selection import SelectionPolicy, StepPlan, select_chunks, selected_chunk_count
+from gf_tf.csc.settings import (DEFAULT_AUTO_BUDGET, DEFAULT_CHUNK_SIZE, DEFAULT_DENSITY,
+                                DEFAULT_MIN_DENSITY, SCORINGS, SELECTIONS, WARMUP_MODES,
+                                ChunkSparsity)
 from gf_tf.csc.state import CSCSetState, CSCState
 
-__all__ = ["AUTO", "AUTO_LADDER", "AheadSelection", "CSCReducer", "CSCSetState", "CSCState", "ChunkSparsity",
-           "DEFAULT_AUTO_BUDGET", "DEFAULT_CHUNK_SIZE", "DEFAULT_DENSITY", "DEFAULT_MIN_DENSITY",
-           "GlobalSelection", "POLICIES", "PerPackSelection", "SCORINGS", "SELECTIONS", "StepPlan",
+__all__ = ["AUTO", "AUTO_LADDER", "AheadSelection", "AutoDensity", "CSCReducer", "CSCSetState",
+           "CSCState", "ChunkSparsity", "DEFAULT_AUTO_BUDGET", "DEFAULT_CHUNK_SIZE",
+           "DEFAULT_DENSITY", "DEFAULT_MIN_DENSITY", "FixedDensity", "GlobalSelection", "POLICIES",
+           "PerPackSelection", "SCORINGS", "SELECTIONS", "SelectionPolicy", "StepPlan",
            "TIMING_FIGURES", "WARMUP_MODES", "choose_rung", "select_chunks",
            "selected_chunk_count"]

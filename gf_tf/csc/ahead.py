@@ -47,11 +47,64 @@ import tensorflow as tf
 
 from gf_tf import ops, wire
 from gf_tf.csc import buffers, selection
-from gf_tf.reducers import Communicator, StepInput
+from gf_tf.csc.per_pack import PerPackSelection
+from gf_tf.csc.state import CSCState
+from gf_tf.reducers import Communicator, StepInput, fuse_controls
 
 # The FP16 scale's headroom over the previous step's bound: the sum may grow 2**4 = 16x in
 # one step (MARGIN times the 2x of power_of_two_scale's target) before a float32 retry.
 MARGIN = 8.0
+
+
+class AheadSelection(PerPackSelection):
+    """selection="ahead": each pack sends its own top k of its C_p chunks, chosen at the
+    previous step from all-reduced scores, so a sparse step needs no norm all-reduce before
+    its chunk all-reduce: the next step's scores travel in the same buffer (`sparse_step`).
+    Its dense (warm-up) steps run as per-pack steps and score every chunk for the next."""
+    name = "ahead"
+    scorings = ("error_feedback", "paper")
+    carries_control = False
+
+    def create_state(self, name, num_elements, num_chunks, devices, momentum, steps):
+        """One pack's `CSCState`, with its scores (float32 [C]) and bound per replica."""
+        return CSCState(name, num_elements, devices, momentum, steps, num_chunks)
+
+    def controls(self, comm, timing, accumulated):
+        """(timing, None): the norms are all-reduced on dense steps only, in their branch."""
+        del comm, accumulated
+        return timing, None
+
+    def step(self, reducer, step, counts, accumulated, norms, plan):
+        """A sparse step (`sparse_step`, one collective per wire group), or a dense one that
+        all-reduces its norms first."""
+        if plan.density < 1.0:
+            outputs, residual_l1 = sparse_step(reducer.sparsity, step, counts, accumulated, plan)
+            return outputs, residual_l1, [], []
+        norms = fuse_controls(step.comm, [a.norms for a in accumulated])
+        return reducer.chunk_step(step, counts, accumulated, norms, plan)
+
+    def dense_updates(self, state, replica, values, postscale, norms, comm, chunk_size):
+        """A dense step chooses the next step's chunks: (scores, `dense_scores`) and (bound,
+        the largest all-reduced chunk norm)."""
+        return ((state.scores[replica], dense_scores(values, postscale, comm, chunk_size)),
+                (state.bounds[replica], tf.reduce_max(norms)))
+
+    def group_wire(self, counts, length, density, wire_bytes):
+        """A sparse step's buffer carries its chunks, then the next scores (C) and bound (1)
+        per pack, all on the wire: no separate norms."""
+        if density >= 1.0:
+            return super().group_wire(counts, length, density, wire_bytes)
+        length += sum(count + 1 for count in counts)
+        return length, length * wire_bytes
+
+    def step_bytes(self, chunks, chunk_size, density, wire_bytes):
+        """(selected chunks + the next step's scores and bound,): one collective."""
+        selected = wire_bytes * chunk_size * selection.selected_chunk_count(chunks, density)
+        return (selected + wire_bytes * (chunks + 1),)
+
+    def config(self, sparsity):
+        """{"scoring": sparsity.scoring}."""
+        return {"scoring": sparsity.scoring}
 
 
 class _Send:

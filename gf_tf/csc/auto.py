@@ -1,4 +1,4 @@
-"""density="auto": the clock, the rung rule and their state per variable set.
+"""density="auto": the rule (`AutoDensity`), its clock, the rung choice and its state.
 
 Each step measures, per replica, the compute seconds t_c, the seconds t_m of
 the previous step's chunk all-reduce and the bytes b it sent (see
@@ -11,7 +11,11 @@ from typing import List, Sequence
 import tensorflow as tf
 
 from gf_tf import tf_internal
+from gf_tf.csc.density import FixedDensity
 
+AUTO = "auto"
+AUTO_LADDER = (0.25, 0.1, 0.03, 0.01, 0.003, 0.001)
+"""The densities density="auto" chooses from (those above `min_density`, then `min_density`)."""
 # The figures each replica adds to the step's control all-reduce.
 TIMING_FIGURES = ("compute_seconds", "comm_seconds", "comm_bytes")
 
@@ -138,3 +142,55 @@ def record(state: AutoState, comm, started, done, sent_bytes) -> None:
         state.started[r].assign(t0)
         state.done[r].assign(t1)
         state.sent[r].assign(tf.cast(sent_bytes, tf.float32))
+
+
+class AutoDensity(FixedDensity):
+    """density="auto": each sparse step takes one of `rungs()`, chosen by `choose_rung` from
+    the previous step's timing, which rides in the step's control all-reduce (model:
+    docs/csc.md, "density="auto"").
+
+    Args:
+      min_density (float): the floor, in (0, 1].
+      budget (float): communication seconds allowed per compute second, > 0.
+    """
+    measures = True
+    groupable = False   # the rule needs the whole step's timing: one barrier
+
+    def __init__(self, min_density: float, budget: float):
+        super().__init__(min_density)
+        self.value, self.code, self.budget = AUTO, -1.0, budget
+
+    def rungs(self):
+        """AUTO_LADDER's entries above the floor, then the floor."""
+        return tuple(d for d in AUTO_LADDER if d > self.floor) + (self.floor,)
+
+    def candidates(self):
+        """Every rung, with first_step None."""
+        return tuple((None, d) for d in self.rungs())
+
+    def config(self):
+        """{"min_density": the floor, "auto_budget": the budget}."""
+        return {"min_density": self.floor, "auto_budget": self.budget}
+
+    def figures(self, shared, clock, grads, comm):
+        """`figures` of the set's `AutoState`."""
+        return figures(shared.auto, clock, grads, comm)
+
+    def index(self, stage, current, plans, timing, num_replicas, warmup_steps):
+        """The warm-up's `stage`, then len(staged plans) + this step's `rung`."""
+        staged = sum(plan.first_step is not None for plan in plans)
+        chosen = rung(timing, num_replicas,
+                      [plan.sent_bytes for plan in plans if plan.first_step is None], self.budget)
+        return tf.where(current >= warmup_steps, staged + chosen, stage)
+
+    def clocked(self, buffers, clock, comm):
+        """`clocked`: the buffers wait for the "send" clock."""
+        return clocked(buffers, clock, comm)
+
+    def done_clocks(self, reduced, clock, comm):
+        """`done_clocks`."""
+        return done_clocks(reduced, clock, comm)
+
+    def record(self, shared, comm, branch):
+        """`record`s the branch's clocks and bytes in the set's `AutoState`."""
+        record(shared.auto, comm, branch.started, branch.done, branch.sent_bytes)

@@ -1,6 +1,7 @@
 """The CSC step: the reducer of `gf_tf.reducers` for `ChunkSparsity` (algorithm: `gf_tf.csc`)."""
 
 import dataclasses
+import warnings
 import zlib
 from typing import Any, List, NamedTuple, Optional, Tuple
 
@@ -8,10 +9,10 @@ import tensorflow as tf
 
 from gf_tf import ops
 from gf_tf.agreement import hex_text
-from gf_tf.csc import ahead, auto, buffers, selection
-from gf_tf.csc.state import CSCSetState, CSCState
+from gf_tf.csc import auto, buffers, selection
+from gf_tf.csc.state import CSCSetState
 from gf_tf.reducers import (Communicator, CostTerms, PackStep, Reducer, Sent, StepInput,
-                            for_each_group, fuse_controls, no_control, wire_scales)
+                            for_each_group, wire_scales)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +79,9 @@ class GroupResult(NamedTuple):
 class CSCReducer(Reducer):
     """Top-k chunks of residual + gradient, all packs of a set in one collective per wire dtype.
 
+    The choices are the settings' objects: `policy` (the selection policy, a
+    `gf_tf.csc.selection.SelectionPolicy`) and `density_rule` (`gf_tf.csc.density`).
+
     clock: density="auto"'s clock, clock(replica, event) -> float64 scalar
       seconds, event "ready" (the replica's gradients are ready), "send" (its
       chunk all-reduce can start) or "done" (it ended); tf.timestamp() by default.
@@ -88,29 +92,33 @@ class CSCReducer(Reducer):
 
     def __init__(self, sparsity):
         self.sparsity = sparsity
-        self.selection = selection.POLICIES[sparsity.selection]
+        self.policy = sparsity.policy
+        self.density_rule = sparsity.density_rule
         self.clock = auto.timestamp
 
     @property
-    def _ahead(self) -> bool:
-        return self.sparsity.selection == "ahead"
+    def selection(self):
+        """Deprecated name of `policy`."""
+        warnings.warn("CSCReducer.selection is deprecated: use CSCReducer.policy",
+                      DeprecationWarning, stacklevel=2)
+        return self.policy
 
     def create_states(self, packs, devices):
         if not packs:
             return None, []
-        shared = CSCSetState(packs[0].key.replace("/", "_"), len(devices), self.sparsity.auto)
-        return shared, [CSCState(pack.key.replace("/", "_"), pack.num_elements, devices,
-                                 self.sparsity.momentum > 0.0, shared.steps,
-                                 ops.num_chunks(pack.num_elements, self.sparsity.chunk_size)
-                                 if self._ahead else None) for pack in packs]
+        shared = CSCSetState(packs[0].key.replace("/", "_"), len(devices),
+                             self.density_rule.measures)
+        return shared, [self.policy.create_state(
+            pack.key.replace("/", "_"), pack.num_elements,
+            ops.num_chunks(pack.num_elements, self.sparsity.chunk_size), devices,
+            self.sparsity.momentum > 0.0, shared.steps) for pack in packs]
 
     default_method = "fp16"   # compression="auto" with CSC: FP16 chunks
 
     def settings(self):
         """The density (-1 for "auto") and a CRC32 of every ChunkSparsity setting."""
         config = (type(self.sparsity).__name__, sorted(self.sparsity.get_config().items()))
-        density = self.sparsity.density
-        return [("sparsity density", -1.0 if density == "auto" else float(density), density_text),
+        return [("sparsity density", self.density_rule.code, density_text),
                 ("sparsity settings (CRC32)", zlib.crc32(repr(config).encode()), hex_text)]
 
     def cost(self, elements, wire_format):
@@ -147,9 +155,7 @@ class CSCReducer(Reducer):
                                 index)
             for r in comm.replicas:
                 step.shared.steps[r].assign_add(1)
-            if self.sparsity.auto:
-                auto.record(step.shared.auto, comm, parts[0].result.started, parts[0].result.done,
-                            parts[0].result.sent_bytes)
+            self.density_rule.record(step.shared, comm, parts[0].result)
         sent = Sent(dense_bytes=4 * sum(pack.spec.num_elements for pack in step.packs),
                     sent_bytes=tf.add_n([part.result.sent_bytes for part in parts]),
                     selected_chunks=tf.add_n([part.result.selected_chunks for part in parts]),
@@ -167,15 +173,12 @@ class CSCReducer(Reducer):
         comm, cs = step.comm, self.sparsity.chunk_size
         specs = [pack.spec for pack in packs]
         counts = [ops.num_chunks(spec.num_elements, cs) for spec in specs]
-        timing = (auto.figures(step.shared.auto, self.clock, [p.grads for p in packs], comm)
-                  if self.sparsity.auto else no_control(comm))
+        timing = self.density_rule.figures(step.shared, self.clock, [p.grads for p in packs], comm)
         accumulated = [self._accumulate(pack, comm) for pack in packs]
-        norms = None
-        if not self._ahead:   # "ahead" all-reduces norms on its dense steps only (in their branch)
-            timing, *norms = fuse_controls(comm, [timing] + [a.norms for a in accumulated])
+        timing, norms = self.policy.controls(comm, timing, accumulated)
         groups = selection.wire_groups(specs)
         control_bytes = 4 * int(timing[0].shape[0])
-        plans = [selection.plan_step(specs, counts, groups, cs, self.selection, first, density,
+        plans = [selection.plan_step(specs, counts, groups, cs, self.policy, first, density,
                                      control_bytes)
                  for first, density in self.sparsity.candidates()]
         if index is None:
@@ -185,12 +188,13 @@ class CSCReducer(Reducer):
         group_step = dataclasses.replace(step, packs=tuple(packs))
 
         def branch(plan):
-            if not self._ahead:
-                return lambda: self._step(group_step, counts, accumulated, norms, plan)
-            if plan.density < 1.0:
-                return lambda: self._ahead_step(group_step, counts, accumulated, plan)
-            return lambda: self._step(group_step, counts, accumulated,
-                                      fuse_controls(comm, [a.norms for a in accumulated]), plan)
+            def run():
+                outputs, residual_l1, started, done = self.policy.step(
+                    self, group_step, counts, accumulated, norms, plan)
+                return Branch(outputs, tf.constant(plan.sent_bytes, tf.int64),
+                              tf.constant(plan.selected_chunks, tf.int64), residual_l1, started,
+                              done)
+            return run
 
         if len(branches) == 1:
             result = branch(plans[0])()
@@ -208,12 +212,8 @@ class CSCReducer(Reducer):
         with tf.device("/cpu:0"):
             current = step.shared.steps[step.comm.replicas[0]].read_value()
             stage = tf.reduce_sum(tf.cast(current >= tf.constant(staged, tf.int64), tf.int32)) - 1
-            if not self.sparsity.auto:
-                return stage
-            rung = auto.rung(timing[0], step.comm.num_replicas,
-                             [plan.sent_bytes for plan in plans if plan.first_step is None],
-                             self.sparsity.auto_budget)
-            return tf.where(current >= self.sparsity.warmup_steps, len(staged) + rung, stage)
+            return self.density_rule.index(stage, current, plans, timing[0],
+                                           step.comm.num_replicas, self.sparsity.warmup_steps)
 
     def _accumulate(self, pack: PackStep, comm: Communicator) -> Accumulated:
         state = pack.state
@@ -226,9 +226,17 @@ class CSCReducer(Reducer):
         accs, norms, new_us = zip(*comm.map(accumulate, pack.grads))
         return Accumulated(list(accs), list(norms), list(new_us))
 
-    def _step(self, step: StepInput, counts, accumulated, norms, plan) -> Branch:
-        """One step at `plan`: every pack sends its k chunks (None: all, a dense step), or
-        its share of its wire group's top K (`selection.group_shares`)."""
+    def chunk_step(self, step: StepInput, counts, accumulated, norms, plan):
+        """One step of a group of packs at `plan` (a `selection.StepPlan`) from the
+        all-reduced chunk `norms` (per pack, per served replica float32 [C]): every pack
+        sends its k chunks (the policy's `select`; None: all, a dense step), or its share of
+        its wire group's top K (`selection.group_shares`).
+
+        Returns:
+          (outputs: the reduced tensors, pack by pack, served replica by replica;
+          residual_l1: float32 scalar; started, done: per served replica the density rule's
+          clocks, or []).
+        """
         comm = step.comm
         picks = [None] * len(step.packs)
         for group in plan.groups:
@@ -245,14 +253,7 @@ class CSCReducer(Reducer):
         for pack, send, parts, k in zip(step.packs, sends, received, plan.ks):
             outputs.extend(self._scatter(pack, send, parts, k, comm))
             residual_l1 += send.residual_l1
-        return Branch(outputs, tf.constant(plan.sent_bytes, tf.int64),
-                      tf.constant(plan.selected_chunks, tf.int64), residual_l1, started, done)
-
-    def _ahead_step(self, step: StepInput, counts, accumulated, plan) -> Branch:
-        """A sparse step of selection="ahead": one collective per wire group (`gf_tf.csc.ahead`)."""
-        outputs, residual_l1 = ahead.sparse_step(self.sparsity, step, counts, accumulated, plan)
-        return Branch(outputs, tf.constant(plan.sent_bytes, tf.int64),
-                      tf.constant(plan.selected_chunks, tf.int64), residual_l1, [], [])
+        return outputs, residual_l1, started, done
 
     def _exchange(self, plan, sends: List[PackSend], comm: Communicator):
         """The chunk all-reduce of each wire group: (per pack, per served replica its
@@ -263,8 +264,8 @@ class CSCReducer(Reducer):
             wire_buffers = [buffers.pad_to(tf.concat([sends[j].replicas[i].buffer
                                                       for j in group.members], 0), group.length)
                             for i in range(len(comm.replicas))]
-            if self.sparsity.auto and not started:   # the start of this step's chunk all-reduce
-                wire_buffers, started = auto.clocked(wire_buffers, self.clock, comm)
+            if not started:   # the start of this step's chunk all-reduce
+                wire_buffers, started = self.density_rule.clocked(wire_buffers, self.clock, comm)
             fused = comm.all_reduce_sum(wire_buffers)
             for i, buffer in enumerate(fused):
                 reduced[i].append(buffer)
@@ -272,7 +273,7 @@ class CSCReducer(Reducer):
                     sizes = [sends[j].replicas[i].size for j in group.members]
                     for j, part in zip(group.members, tf.split(buffer, sizes + [-1])):
                         received[j][i] = part
-        done = auto.done_clocks(reduced, self.clock, comm) if self.sparsity.auto else []
+        done = self.density_rule.done_clocks(reduced, self.clock, comm)
         return received, started, done
 
     def _gather(self, pack: PackStep, accumulated: Accumulated, norms, k, picks,
@@ -290,7 +291,7 @@ class CSCReducer(Reducer):
             elif k is None:
                 idx = tf.range(ops.num_chunks(spec.num_elements, cs), dtype=tf.int32)
             else:
-                idx = selection.select_chunks(norm, k)
+                idx = self.policy.select(norm, k)
             prescale, postscale = wire_scales(spec.wire, comm,
                                                        lambda: tf.gather(norm, idx))
             selected, new_residual, masked_u = ops.gather_chunks(
@@ -320,11 +321,8 @@ class CSCReducer(Reducer):
                  else buffers.selected_length(spec.num_elements, cs, sent.idx))
             out = ops.scatter_chunks(part[:m], sent.idx, cs, spec.shapes, spec.dtypes,
                                      sent.postscale)
-            updates = sent.updates
-            if pack.state.scores is not None:   # "ahead": a dense step chooses the next chunks
-                updates += ((pack.state.scores[r], ahead.dense_scores(part[:m], sent.postscale,
-                                                                      comm, cs)),
-                            (pack.state.bounds[r], tf.reduce_max(sent.norm)))
+            updates = sent.updates + self.policy.dense_updates(pack.state, r, part[:m],
+                                                               sent.postscale, sent.norm, comm, cs)
             buffers.assign_if(sent.finite, updates)
             return out
 

@@ -1,4 +1,4 @@
-"""CSC selection: chunk counts, top-k, the selection policies and the plan of one step.
+"""CSC selection: chunk counts, top-k, the selection policy interface and the plan of one step.
 
 A `StepPlan` is computed once per candidate density of a trace (a schedule
 stage or an auto rung): per pack its k, per wire group (the packs of one wire
@@ -12,7 +12,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
+from gf_tf.csc.state import CSCState
 from gf_tf.packing import PackSpec
+from gf_tf.reducers import fuse_controls
 
 
 def selected_chunk_count(num_chunks: int, density: float) -> int:
@@ -45,45 +47,81 @@ def select_chunks(norms: tf.Tensor, k: int) -> tf.Tensor:
     return tf.sort(indices)
 
 
-class PerPackSelection:
-    """selection="per_pack": each pack sends its own top k of its C_p chunks."""
-    name = "per_pack"
+class SelectionPolicy:
+    """A selection policy (`ChunkSparsity(selection=name)`): which chunks compete for the k
+    places of a step, how they are chosen, what a step sends and the state it keeps.
 
-    @staticmethod
-    def competing(counts: Sequence[int], members: Sequence[int]) -> List[int]:
-        """Per member pack, the chunks its k is taken over: its own."""
-        return [counts[j] for j in members]
+    The built-in ones (`gf_tf.csc.per_pack`, `gf_tf.csc.global_top_k`, `gf_tf.csc.ahead`) and
+    yours are registered in `gf_tf.csc.policies`. `CSCReducer` runs a step through these
+    methods only; a policy that only changes which chunks of a pack are sent subclasses
+    `PerPackSelection` and overrides `select`.
 
-    @staticmethod
-    def group_top_k(ks, members) -> Optional[int]:
-        """The K of one top K over the group's chunks: none here (each pack its own)."""
-        return None
+    Attributes:
+      name (str): its `selection=` name.
+      scorings (tuple of str): the `scoring=` values it accepts (none: only the default).
+      carries_control (bool): every step all-reduces the chunk norms (a float32 control
+        vector) before its chunks, so density="auto"'s timing can ride along.
+      groupable (bool): groups of packs may each select and send on their own (overlap).
+    """
+    name = ""
+    scorings: Tuple[str, ...] = ()
+    carries_control = True
+    groupable = True
 
+    def competing(self, counts: Sequence[int], members: Sequence[int]) -> List[int]:
+        """Per member pack of a wire group, the chunk count its k is taken over."""
+        raise NotImplementedError
 
-class GlobalSelection:
-    """selection="global": one top K over the chunks of all packs of one wire group."""
-    name = "global"
+    def group_top_k(self, ks, members) -> Optional[int]:
+        """The K of one top K over the group's chunks, or None (each pack its own k)."""
+        raise NotImplementedError
 
-    @staticmethod
-    def competing(counts, members):
-        total = sum(counts[j] for j in members)
-        return [total] * len(members)
+    def select(self, norms: tf.Tensor, k: int) -> tf.Tensor:
+        """int32 [k], ascending: the chunks one pack sends, from its all-reduced chunk norms
+        (float32 [C], the same on every replica); `select_chunks` (the top k)."""
+        return select_chunks(norms, k)
 
-    @staticmethod
-    def group_top_k(ks, members):
-        """The group's K (each member's k is it), or None when K covers the group whole."""
-        return ks[members[0]]
+    def create_state(self, name: str, num_elements: int, num_chunks: int, devices,
+                     momentum: bool, steps) -> CSCState:
+        """One pack's `CSCState` (residuals, and velocities with momentum)."""
+        del num_chunks
+        return CSCState(name, num_elements, devices, momentum, steps)
 
+    def controls(self, comm, timing, accumulated):
+        """(the all-reduced timing, per pack its all-reduced chunk norms): one fused float32
+        all-reduce of the step's control vectors before any branch runs."""
+        timing, *norms = fuse_controls(comm, [timing] + [a.norms for a in accumulated])
+        return timing, norms
 
-class AheadSelection(PerPackSelection):
-    """selection="ahead": each pack sends its own top k of its C_p chunks, chosen at the
-    previous step from all-reduced scores (`gf_tf.csc.ahead`), so a sparse step needs no norm
-    all-reduce before its chunk all-reduce: the next step's scores travel in the same buffer."""
-    name = "ahead"
+    def step(self, reducer, step, counts, accumulated, norms, plan):
+        """One group's step at `plan` (a StepPlan): `reducer.chunk_step`'s
+        (outputs, residual_l1, started, done)."""
+        return reducer.chunk_step(step, counts, accumulated, norms, plan)
 
+    def dense_updates(self, state: CSCState, replica: int, values, postscale, norms, comm,
+                      chunk_size: int) -> tuple:
+        """(variable, value) pairs a chunk step commits beyond residual and velocity: none."""
+        del state, replica, values, postscale, norms, comm, chunk_size
+        return ()
 
-POLICIES = {policy.name: policy
-            for policy in (PerPackSelection(), GlobalSelection(), AheadSelection())}
+    def group_wire(self, counts: Sequence[int], length: int, density: float,
+                   wire_bytes: int) -> Tuple[int, int]:
+        """(elements of the group's chunk buffer, bytes one replica sends for the group) for a
+        chunk buffer of `length` elements: the float32 norms of its `counts` chunks, then it."""
+        del density
+        return length, 4 * sum(counts) + length * wire_bytes
+
+    def step_bytes(self, chunks: int, chunk_size: int, density: float,
+                   wire_bytes: int) -> Tuple[int, ...]:
+        """Bytes per worker of each collective of one sparse step over one pack of `chunks`
+        chunks at `density`, `wire_bytes` bytes per wire element, for the planner: (chunk
+        norms, selected chunks)."""
+        return 4 * chunks, wire_bytes * chunk_size * selected_chunk_count(chunks, density)
+
+    def config(self, sparsity) -> dict:
+        """The settings of `sparsity` this policy adds to `get_config` (none)."""
+        del sparsity
+        return {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,14 +166,13 @@ def wire_groups(specs: Sequence[PackSpec]) -> Tuple[Tuple[int, ...], ...]:
 def plan_step(specs: Sequence[PackSpec], counts: Sequence[int], groups, chunk_size: int,
               policy, first_step: Optional[int], density: float, control_bytes: int) -> StepPlan:
     """The StepPlan of `density`. counts: per pack its chunks; groups: `wire_groups(specs)`;
-    policy: one of POLICIES; control_bytes: the step's own control vector, in bytes."""
+    policy: a SelectionPolicy; control_bytes: the step's own control vector, in bytes."""
     ks: List[Optional[int]] = [None] * len(specs)
     for members in groups:
         for j, competing in zip(members, policy.competing(counts, members)):
             k = selected_chunk_count(competing, density)
             ks[j] = None if k >= competing else k
     plans, sent, selected = [], control_bytes, 0
-    ahead = policy.name == AheadSelection.name and density < 1.0
     for members in groups:
         top_k = policy.group_top_k(ks, members)
         if top_k is not None:
@@ -144,12 +181,9 @@ def plan_step(specs: Sequence[PackSpec], counts: Sequence[int], groups, chunk_si
             length = sum(specs[j].num_elements if ks[j] is None else ks[j] * chunk_size
                          for j in members)
             chunks = sum(counts[j] if ks[j] is None else ks[j] for j in members)
-        size = specs[members[0]].wire_dtype.size
-        if ahead:   # the next step's scores and bound ride in the chunks' buffer
-            length += sum(counts[j] + 1 for j in members)
-            sent += length * size
-        else:
-            sent += 4 * sum(counts[j] for j in members) + length * size
+        length, group_bytes = policy.group_wire([counts[j] for j in members], length, density,
+                                                specs[members[0]].wire_dtype.size)
+        sent += group_bytes
         selected += chunks
         plans.append(GroupPlan(members, top_k, length))
     return StepPlan(first_step, density, tuple(ks), tuple(plans), sent, selected)
@@ -178,3 +212,4 @@ def group_shares(counts: Sequence[int], norms: Sequence[Sequence[tf.Tensor]], k:
 
     per_replica = comm.map(shares, *norms)
     return [[replica[m] for replica in per_replica] for m in range(len(counts))]
+

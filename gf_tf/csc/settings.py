@@ -9,8 +9,9 @@ algorithm of one step is described in `gf_tf.csc` (package doc).
 import math
 from typing import Optional, Tuple, Union
 
+from gf_tf.csc import policies
+from gf_tf.csc.auto import AUTO
 from gf_tf.csc.reducer import CSCReducer
-from gf_tf.csc.selection import POLICIES, selected_chunk_count
 
 # DEFAULT_CHUNK_SIZE: the chunk norms add 4 bytes per chunk_size float32 elements (1/1024 of
 # the dense bytes at 1024), a small share of what a sparse FP16 step sends, and smaller chunks
@@ -23,12 +24,8 @@ DEFAULT_CHUNK_SIZE = 1024
 DEFAULT_DENSITY = 0.01
 """`ChunkSparsity(density=)`: fraction of each pack's chunks sent per step."""
 
-# density="auto" (see ChunkSparsity): the densities it may choose (static k per pack per
-# rung, so every rung's wire shape is static), its default floor and communication budget.
-AUTO = "auto"
-AUTO_LADDER = (0.25, 0.1, 0.03, 0.01, 0.003, 0.001)
-"""The densities density="auto" chooses from (those above `min_density`, then `min_density`)."""
-# The rule prices rungs by bytes only and knows nothing of convergence, so the floor is the
+# density="auto" (see ChunkSparsity; its densities AUTO_LADDER are in gf_tf.csc.auto): its
+# default floor and communication budget. The rule prices rungs by bytes only and knows nothing of convergence, so the floor is the
 # convergence bound: the fixed default, the sparsest density that trains at models.train's
 # defaults. Top-k with error feedback sends a chunk once its residual is among the k largest,
 # so at density d every chunk can be sent within ceil(C / k) <= 1/d steps; a floor whose 1/d
@@ -39,7 +36,7 @@ DEFAULT_AUTO_BUDGET = 0.05
 """`ChunkSparsity(auto_budget=)`: communication seconds density="auto" allows per compute second."""
 
 WARMUP_MODES = ("dense", "exponential")
-SELECTIONS = tuple(POLICIES)     # "per_pack", "global", "ahead"
+SELECTIONS = policies.BUILT_IN   # the built-in policies; policies.POLICIES holds all
 # selection="ahead": what scores a chunk for the next step (`gf_tf.csc.ahead`).
 SCORINGS = ("error_feedback", "paper")
 
@@ -102,6 +99,7 @@ class ChunkSparsity:
           norms of its dense all-reduced gradient). Needs a numeric density.
           See `gf_tf.csc.ahead` for the FP16 wire's scale and its float32
           retry.
+        - the name of a policy registered with `gf_tf.csc.policies.register`.
       min_density (float): density="auto" only: the floor, in (0, 1]
         (default DEFAULT_DENSITY, 0.01: auto never sends less than the fixed
         default and only goes denser when the link affords it). It bounds how
@@ -126,31 +124,16 @@ class ChunkSparsity:
         message names it), selection="ahead" is given with density="auto", or a
         scoring other than "error_feedback" is given without selection="ahead".
 
-    density="auto": after the warm-up, each step picks one rung of
-    `rungs()` (AUTO_LADDER = 0.25, 0.1, 0.03, 0.01, 0.003, 0.001 above
-    `min_density`, then `min_density`); every rung has its own static k per
-    pack, so wire shapes stay static and the rungs are branches of one
-    `tf.switch_case`. Each step measures, per replica, with `tf.timestamp()`:
-    t_c, the compute seconds (gradients ready minus the end of the previous
-    step's communication) and t_m, the seconds of the chunk all-reduce (the
-    local chunk path, which costs the same at every rung, is left out), with
-    b, the bytes that step sent. The figures ride in the step's control
-    all-reduce (3 float32 more, no extra collective), so every replica on
-    every worker decides from the same sums with the same float32
-    arithmetic and picks the same rung (`choose_rung`): predicting
-    t(d) = t_m * bytes(d) / b, the largest d with t(d) <= auto_budget * t_c,
-    else the floor; the floor when nothing has been measured yet (the first
-    step; dense warm-up steps measure too, so the first sparse step after a
-    warm-up already decides on a measurement). CSC's collectives run after
-    the last gradient of the step is ready (the norms decide which chunks to
-    send), so they cannot hide behind backprop: "hides behind compute" is
-    implemented as "costs at most auto_budget of the compute time", which
-    keeps throughput within a factor 1 / (1 + auto_budget) of a step without
-    communication, hence of the fastest fixed density, while sending the
-    most chunks the link affords. The decision follows the previous step's
-    figures; a slow step (an evaluation between epochs) may give one step at
-    a higher density. The chosen density is `GradientFlowStats`'
-    `gf_density`.
+    density="auto": after the warm-up, each step picks one rung of `rungs()` (static k per
+    pack per rung, so the rungs are branches of one `tf.switch_case`): the largest density
+    whose predicted chunk all-reduce costs at most `auto_budget` of the compute time, from
+    the previous step's timing, which rides in the step's control all-reduce so every
+    replica picks the same rung (`choose_rung`, `gf_tf.csc.auto.AutoDensity`). The model,
+    what is measured and why the floor bounds convergence: docs/csc.md, section
+    "density="auto"". The chosen density is `GradientFlowStats`' `gf_density`.
+
+    Selection and density are objects (`policy`, `density_rule`): `selection` names one of
+    `gf_tf.csc.policies.POLICIES` (docs/csc.md, "Adding a selection policy").
 
     State: this object holds settings only. The state (`CSCState`:
     residuals, velocities, step counters) belongs to the variables whose
@@ -181,20 +164,9 @@ class ChunkSparsity:
             raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
         if warmup not in WARMUP_MODES:
             raise ValueError(f"warmup must be one of {WARMUP_MODES}, got {warmup!r}")
-        if selection not in SELECTIONS:
-            raise ValueError(f"selection must be one of {SELECTIONS} (top-k per pack, over "
-                             f"the whole model, or per pack chosen one step ahead), got {selection!r}")
-        if selection == "ahead" and density == AUTO:
-            raise ValueError("selection=\"ahead\" needs a numeric density: density=\"auto\" "
-                             "decides each step from that step's timing, which only "
-                             "selection=\"per_pack\" or \"global\" carry; use one of those "
-                             "with density=\"auto\", or a fixed density with \"ahead\"")
+        self.policy = policies.policy(selection)
         if scoring not in SCORINGS:
             raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
-        if scoring != SCORINGS[0] and selection != "ahead":
-            raise ValueError(f"scoring={scoring!r} scores chunks for the next step, which only "
-                             f"selection=\"ahead\" does; got selection={selection!r}. Pass "
-                             f"selection=\"ahead\", or leave scoring at its default")
         if isinstance(min_density, bool) or not (isinstance(min_density, (int, float))
                                                  and 0.0 < min_density <= 1.0):
             raise ValueError(f"min_density must be a fraction in (0, 1] (the floor of "
@@ -203,7 +175,9 @@ class ChunkSparsity:
                                                  and 0.0 < auto_budget < math.inf):
             raise ValueError(f"auto_budget must be a number > 0 (communication seconds per "
                              f"compute second), got {auto_budget!r}")
-        self.density = AUTO if density == AUTO else float(density)
+        self.density_rule = policies.density_rule(density, min_density, auto_budget)
+        policies.check(self.policy, self.density_rule, scoring, SCORINGS[0])
+        self.density = self.density_rule.value
         self.chunk_size = chunk_size
         self.warmup_steps = warmup_steps
         self.momentum = float(momentum)
@@ -215,15 +189,16 @@ class ChunkSparsity:
 
     @property
     def auto(self) -> bool:
-        """True for density="auto"."""
-        return self.density == AUTO
+        """True for density="auto" (a density rule that times each step)."""
+        return self.density_rule.measures
 
     @property
     def overlaps(self) -> bool:
         """Whether groups of packs may each select and send on their own (overlap with
-        backprop): per-pack selection (or "ahead") at a fixed density. selection="global"
-        needs every pack's norms and density="auto" the whole step's timing: one barrier."""
-        return self.selection in ("per_pack", "ahead") and not self.auto
+        backprop): both the policy and the density rule allow it (`groupable`): per-pack
+        selection (or "ahead") at a fixed density. selection="global" needs every pack's
+        norms and density="auto" the whole step's timing: one barrier."""
+        return self.policy.groupable and self.density_rule.groupable
 
     def rungs(self) -> Tuple[float, ...]:
         """The densities density="auto" chooses from, largest first.
@@ -231,17 +206,10 @@ class ChunkSparsity:
         AUTO_LADDER's entries above `min_density`, then `min_density` (the
         floor, always the last rung). For a numeric density: (density,).
         """
-        if not self.auto:
-            return (self.density,)
-        return tuple(d for d in AUTO_LADDER if d > self.min_density) + (self.min_density,)
+        return self.density_rule.rungs()
 
     def __repr__(self):
-        auto = (f", min_density={self.min_density}, auto_budget={self.auto_budget}"
-                if self.auto else "")
-        scoring = f", scoring={self.scoring!r}" if self.selection == "ahead" else ""
-        return (f"ChunkSparsity(density={self.density!r}, chunk_size={self.chunk_size}, "
-                f"warmup_steps={self.warmup_steps}, momentum={self.momentum}, "
-                f"warmup={self.warmup!r}, selection={self.selection!r}{scoring}{auto})")
+        return f"ChunkSparsity({', '.join(f'{key}={value!r}' for key, value in self.get_config().items())})"
 
     # -- schedule ----------------------------------------------------------
 
@@ -260,7 +228,7 @@ class ChunkSparsity:
         """
         if self.warmup_steps == 0:
             return ((0, self.density),)
-        target = self.min_density if self.auto else self.density
+        target = self.density_rule.floor
         if self.warmup == "dense":
             ramp = [1.0] if target < 1.0 else []
         else:
@@ -287,21 +255,17 @@ class ChunkSparsity:
         """The densities a step may run at, as ((first_step or None, density), ...):
         the numeric stages of `schedule()`, then (density="auto") every rung with
         first_step None."""
-        stages = [(s, d) for s, d in self.schedule() if d != AUTO]
-        return tuple(stages + ([(None, d) for d in self.rungs()] if self.auto else []))
+        stages = tuple((s, d) for s, d in self.schedule() if d != AUTO)
+        return stages + self.density_rule.candidates()
 
     def step_bytes(self, elements: int, wire_bytes: int = 2) -> Tuple[int, ...]:
         """Bytes per worker of each collective of one sparse step over `elements` gradient
         elements in one pack, at the final density (density="auto": its floor), on a wire of
-        `wire_bytes` bytes per element (FP16: 2), for
-        the planner (`CSCReducer.cost`): (chunk norms, selected chunks), or with
-        selection="ahead" (selected chunks + the next step's scores and bound,)."""
+        `wire_bytes` bytes per element (FP16: 2), for the planner (`CSCReducer.cost`): the
+        policy's `step_bytes`, e.g. (chunk norms, selected chunks), or with selection="ahead"
+        (selected chunks + the next step's scores and bound,)."""
         chunks = math.ceil(elements / self.chunk_size)
-        density = self.min_density if self.auto else self.density
-        selected = wire_bytes * self.chunk_size * selected_chunk_count(chunks, density)
-        if self.selection == "ahead":
-            return (selected + wire_bytes * (chunks + 1),)
-        return 4 * chunks, selected
+        return self.policy.step_bytes(chunks, self.chunk_size, self.density_rule.floor, wire_bytes)
 
     def reducer(self) -> CSCReducer:
         """The reducer GradientFlowAllReduce runs each variable set's packs through."""
@@ -309,11 +273,7 @@ class ChunkSparsity:
 
     def get_config(self) -> dict:
         """The constructor arguments (also compared across workers by GradientFlowAllReduce)."""
-        config = {"density": self.density, "chunk_size": self.chunk_size,
-                  "warmup_steps": self.warmup_steps, "momentum": self.momentum,
-                  "warmup": self.warmup, "selection": self.selection}
-        if self.selection == "ahead":
-            config["scoring"] = self.scoring
-        if self.auto:
-            config.update(min_density=self.min_density, auto_budget=self.auto_budget)
-        return config
+        return {"density": self.density, "chunk_size": self.chunk_size,
+                "warmup_steps": self.warmup_steps, "momentum": self.momentum,
+                "warmup": self.warmup, "selection": self.selection,
+                **self.policy.config(self), **self.density_rule.config()}
