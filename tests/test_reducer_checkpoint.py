@@ -1,0 +1,259 @@
+"""Any reducer's state through the checkpoint: a reducer defined here, outside gf_tf/, is saved
+and restored by gf_tf.keras.backup.BackupAndRestore from its own state objects' declaration.
+
+In-process, 2 replicas of a MirroredStrategy over logical CPUs (as tests/test_checkpoint.py).
+"""
+
+import logging
+import pathlib
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import gf_tf
+from gf_tf import reducers, tf_internal
+from gf_tf.keras import checkpoint_format
+from gf_tf.keras.backup import BackupAndRestore
+from gf_tf.keras.checkpoint import of
+from gf_tf.keras.checkpoint_checks import CheckpointMismatchError
+
+DEVICES = [d.name for d in tf.config.list_logical_devices("CPU")]
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "gf_tf"
+
+
+class FeedbackState(tf.Module):
+    """One pack's state: per local replica its rounding residual (float32 [n]) and steps (int64)."""
+
+    def __init__(self, num_elements, devices):
+        super().__init__(name=None)
+        self.residuals = [tf_internal.local_variable(tf.zeros([num_elements]), d, f"residual_r{r}")
+                          for r, d in enumerate(devices)]
+        self.steps = [tf_internal.local_variable(tf.constant(0, tf.int64), d, f"steps_r{r}")
+                      for r, d in enumerate(devices)]
+
+    def _variables(self):
+        return {**{f"residual_r{r}": v for r, v in enumerate(self.residuals)},
+                **{f"steps_r{r}": v for r, v in enumerate(self.steps)}}
+
+    def to_arrays(self):
+        return {key: v.numpy() for key, v in self._variables().items()}
+
+    def to_tensors(self):
+        return {key: v.read_value() for key, v in self._variables().items()}
+
+    def assign_arrays(self, arrays):
+        for key, v in self._variables().items():
+            v.assign(arrays[key])
+
+
+class RoundingWithFeedback(reducers.Reducer):
+    """Each replica sends its gradient plus its residual rounded to multiples of 2**-bits, keeps
+    what rounding dropped as its residual (error feedback), and counts its steps."""
+
+    def __init__(self, bits=6):
+        self.bits = bits
+
+    def create_states(self, packs, devices):
+        return None, [FeedbackState(pack.num_elements, devices) for pack in packs]
+
+    def settings(self):
+        return [("rounding bits", self.bits, str)]
+
+    def cost(self, elements):
+        return reducers.CostTerms((4 * elements,))
+
+    def reduce(self, step):
+        comm, outputs, sent = step.comm, [], reducers.Sent()
+        scale = float(2 ** self.bits)
+        for pack in step.packs:
+            def rounded(r, grads, state=pack.state):
+                wanted = tf.concat([tf.reshape(g, [-1]) for g in grads], 0) + state.residuals[r]
+                sent_values = tf.round(wanted * scale) / scale
+                state.residuals[r].assign(wanted - sent_values)
+                state.steps[r].assign_add(1)
+                return sent_values
+            summed = comm.all_reduce_sum(comm.map(rounded, pack.grads))
+            sizes = [int(np.prod(shape)) for shape in pack.spec.shapes]
+            outputs.append(comm.map(lambda r, s, spec=pack.spec: [
+                tf.reshape(part, shape) * comm.postscale
+                for part, shape in zip(tf.split(s, sizes), spec.shapes)], summed))
+            sent = sent + reducers.Sent(4 * pack.spec.num_elements, 4 * pack.spec.num_elements)
+        return outputs, sent
+
+
+def _setup(reducer=None, sparsity=None, seed=0):
+    gfar = gf_tf.GradientFlowAllReduce(reducer=reducer, sparsity=sparsity,
+                                       cross_device_ops=tf.distribute.ReductionToOneDevice())
+    strategy = tf.distribute.MirroredStrategy(DEVICES[:2], cross_device_ops=gfar)
+    with strategy.scope():
+        keras.utils.set_random_seed(seed)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dense(3)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    return gfar, model
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8)).astype(np.float32)
+    return x, (x @ rng.normal(size=(8, 3))).astype(np.float32)
+
+
+def _arrays(gfar):
+    (variable_set,) = gfar.states().values()
+    return variable_set.to_arrays()
+
+
+class _Interrupt(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 1:
+            raise RuntimeError("simulated preemption")
+
+
+class _Recorder:
+    """A state listener registered after the checkpoint's: sees the state as restored."""
+
+    def __init__(self):
+        self.arrays = None
+
+    def record(self, state):
+        self.arrays = state.to_arrays()
+
+
+def test_backup_and_restore_restores_a_reducer_of_our_own(tmp_path):
+    """fit with our reducer, preempted after epoch 1 under BackupAndRestore; the restarted job
+    gets the residuals and step counters back array for array, and ends with the weights of an
+    uninterrupted run, bitwise (the residuals change every later step's rounding)."""
+    x, y = _data()
+    gfar_a, model_a = _setup(RoundingWithFeedback())
+    model_a.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+
+    backup = str(tmp_path / "backup")
+    gfar_b, model_b = _setup(RoundingWithFeedback())
+    with pytest.raises(RuntimeError, match="simulated preemption"):
+        model_b.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0,
+                    callbacks=[BackupAndRestore(backup), _Interrupt()])
+    saved = _arrays(gfar_b)   # the backup was written at the end of epoch 1
+    assert saved["p0_steps_r0"] == saved["p0_steps_r1"] == 8
+    assert np.any(saved["p0_residual_r1"]) and np.any(saved["p0_residual_r1"] != saved["p0_residual_r0"])
+
+    gfar_c, model_c = _setup(RoundingWithFeedback(), seed=5)
+    model_c.optimizer.build(model_c.trainable_variables)   # attaches the checkpoint's listener
+    recorder = _Recorder()
+    gfar_c.state_registry.add_listener(recorder.record)
+    history = model_c.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0,
+                          callbacks=[BackupAndRestore(backup)])
+    assert history.epoch == [2]
+    assert sorted(recorder.arrays) == sorted(saved)
+    for key, value in saved.items():
+        np.testing.assert_array_equal(recorder.arrays[key], value, err_msg=key)
+    for a, c in zip(model_a.get_weights(), model_c.get_weights()):
+        np.testing.assert_array_equal(a, c)
+    for key, value in _arrays(gfar_a).items():
+        np.testing.assert_array_equal(_arrays(gfar_c)[key], value, err_msg=key)
+
+
+def _saved(tmp_path, reducer=None, sparsity=None):
+    gfar, model = _setup(reducer, sparsity)
+    x, y = _data()
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    path = str(tmp_path / "a.weights.h5")
+    model.save_weights(path)
+    return gfar, model, path
+
+
+def _refused(path, **kw):
+    gfar, model = _setup(**kw)
+    model.optimizer.build(model.trainable_variables)
+    with pytest.raises(CheckpointMismatchError) as error:
+        model.load_weights(path)
+    assert gfar.states() == {}   # reported before any step
+    return str(error.value)
+
+
+def test_the_meta_records_the_reducer_class_and_settings(tmp_path):
+    gfar, model, _ = _saved(tmp_path, RoundingWithFeedback(bits=5))
+    meta, _ = of(model.optimizer).state_arrays()
+    assert meta["format"] == 2 and "momentum" not in meta
+    assert meta["reducer"] == {"class": f"{__name__}.RoundingWithFeedback",
+                               "settings": [["rounding bits", 5]]}
+
+
+def test_other_reducer_settings_are_refused_naming_both(tmp_path):
+    _, _, path = _saved(tmp_path, RoundingWithFeedback(bits=6))
+    message = _refused(path, reducer=RoundingWithFeedback(bits=4))
+    assert message.startswith(
+        f"gf_tf: cannot restore the checkpoint's reducer state: it was saved by the reducer "
+        f"{__name__}.RoundingWithFeedback(rounding bits 6) and this run's is "
+        f"{__name__}.RoundingWithFeedback(rounding bits 4). Resume with the same reducer and "
+        f"settings."), message
+
+
+def test_another_reducer_class_is_refused_naming_both(tmp_path):
+    _, _, path = _saved(tmp_path, RoundingWithFeedback())
+    message = _refused(path, sparsity=gf_tf.ChunkSparsity(density=0.1, chunk_size=8))
+    assert (f"it was saved by the reducer {__name__}.RoundingWithFeedback(rounding bits 6) and "
+            f"this run's is gf_tf.csc.reducer.CSCReducer(sparsity density 0.1, ") in message
+
+
+def test_state_into_a_reducer_without_state_is_ignored_with_a_warning(tmp_path, caplog):
+    _, _, path = _saved(tmp_path, RoundingWithFeedback())
+    gfar, model = _setup()
+    model.optimizer.build(model.trainable_variables)
+    with caplog.at_level(logging.WARNING, logger="gf_tf.checkpoint"):
+        model.load_weights(path)
+    assert (f"holds the state of the reducer {__name__}.RoundingWithFeedback but this "
+            f"GradientFlowAllReduce's reducer gf_tf.reducers.dense.DenseReducer keeps none: the "
+            f"state is ignored.") in caplog.text
+
+
+def _as_format_1(meta, momentum):
+    """The meta gf_tf wrote before it recorded the reducer: format 1, CSC's momentum flag."""
+    old = {key: value for key, value in meta.items() if key != "reducer"}
+    return dict(old, format=1, momentum=momentum)
+
+
+@pytest.mark.parametrize("momentum", [0.5, 0.0])
+def test_a_format_1_checkpoint_restores_csc_state(momentum, tmp_path):
+    csc = gf_tf.ChunkSparsity(density=0.1, chunk_size=8, warmup_steps=2, momentum=momentum)
+    gfar, model, _ = _saved(tmp_path, sparsity=csc)
+    meta, arrays = of(model.optimizer).state_arrays()
+    data = checkpoint_format.to_npz(_as_format_1(meta, momentum > 0), arrays)
+
+    gfar_c, model_c = _setup(sparsity=gf_tf.ChunkSparsity(density=0.1, chunk_size=8,
+                                                          warmup_steps=2, momentum=momentum))
+    model_c.optimizer.build(model_c.trainable_variables)
+    x, y = _data()
+    model_c.fit(x[:16], y[:16], batch_size=16, epochs=1, verbose=0)   # the state exists
+    of(model_c.optimizer).restore_bytes(data)
+    restored = _arrays(gfar_c)
+    assert sorted(restored) == sorted(_arrays(gfar))
+    for key, value in _arrays(gfar).items():
+        np.testing.assert_array_equal(restored[key], value, err_msg=key)
+
+
+def test_a_format_1_checkpoint_with_momentum_into_a_run_without_is_refused(tmp_path):
+    csc = gf_tf.ChunkSparsity(density=0.1, chunk_size=8, warmup_steps=2, momentum=0.5)
+    _, model, _ = _saved(tmp_path, sparsity=csc)
+    meta, arrays = of(model.optimizer).state_arrays()
+    data = checkpoint_format.to_npz(_as_format_1(meta, True), arrays)
+    _, model_c = _setup(sparsity=gf_tf.ChunkSparsity(density=0.1, chunk_size=8, warmup_steps=2,
+                                                     momentum=0.0))
+    model_c.optimizer.build(model_c.trainable_variables)
+    x, y = _data()
+    model_c.fit(x[:16], y[:16], batch_size=16, epochs=1, verbose=0)
+    with pytest.raises(CheckpointMismatchError, match=r"extra \['p0_velocity_r0', 'p0_velocity_r1'\]"):
+        of(model_c.optimizer).restore_bytes(data)
+
+
+def test_no_file_in_gf_tf_keras_reads_sparsity():
+    for path in (PACKAGE / "keras").rglob("*.py"):
+        assert "sparsity" not in path.read_text(), path
+
+
+def test_no_file_in_gf_tf_names_the_reducer_of_this_test():
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text()
+        assert "RoundingWithFeedback" not in text and "FeedbackState" not in text, path
