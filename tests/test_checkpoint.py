@@ -20,10 +20,11 @@ DEVICES = [d.name for d in tf.config.list_logical_devices("CPU")]
 
 
 def _setup(seed=0, momentum=0.5, sparsity=True, devices=2, bytes_per_pack=4 << 20, hidden=16,
-           compression="fp16"):
+           compression="fp16", reducer=None):
     csc = gf_tf.ChunkSparsity(density=0.1, chunk_size=8, warmup_steps=2,
-                              momentum=momentum) if sparsity else None
+                              momentum=momentum) if sparsity and reducer is None else None
     gfar = gf_tf.GradientFlowAllReduce(sparsity=csc, bytes_per_pack=bytes_per_pack, compression=compression,
+                                       reducer=reducer,
                                        cross_device_ops=tf.distribute.ReductionToOneDevice())
     strategy = tf.distribute.MirroredStrategy(DEVICES[:devices], cross_device_ops=gfar)
     with strategy.scope():

@@ -1,7 +1,7 @@
 """Any reducer's state through the checkpoint: a reducer defined here, outside gf_tf/, is saved
 and restored by gf_tf.keras.backup.BackupAndRestore from its own state objects' declaration.
 
-In-process, 2 replicas of a MirroredStrategy over logical CPUs (as tests/test_checkpoint.py).
+In-process, 2 replicas of a MirroredStrategy over logical CPUs (tests/test_checkpoint.py's model and data).
 """
 
 import logging
@@ -12,14 +12,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import gf_tf
 from gf_tf import reducers, tf_internal
 from gf_tf.keras import checkpoint_format
 from gf_tf.keras.backup import BackupAndRestore
 from gf_tf.keras.checkpoint import of
 from gf_tf.keras.checkpoint_checks import CheckpointMismatchError
+from test_checkpoint import _Interrupt, _data, _refused_at_load, _setup, _trained
 
-DEVICES = [d.name for d in tf.config.list_logical_devices("CPU")]
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "gf_tf"
 
 
@@ -83,33 +82,9 @@ class RoundingWithFeedback(reducers.Reducer):
         return outputs, sent
 
 
-def _setup(reducer=None, sparsity=None, seed=0):
-    gfar = gf_tf.GradientFlowAllReduce(reducer=reducer, sparsity=sparsity,
-                                       cross_device_ops=tf.distribute.ReductionToOneDevice())
-    strategy = tf.distribute.MirroredStrategy(DEVICES[:2], cross_device_ops=gfar)
-    with strategy.scope():
-        keras.utils.set_random_seed(seed)
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                                  keras.layers.Dense(3)])
-        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
-    return gfar, model
-
-
-def _data():
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(64, 8)).astype(np.float32)
-    return x, (x @ rng.normal(size=(8, 3))).astype(np.float32)
-
-
 def _arrays(gfar):
     (variable_set,) = gfar.states().values()
     return variable_set.to_arrays()
-
-
-class _Interrupt(keras.callbacks.Callback):
-    def on_epoch_end(self, epoch, logs=None):
-        if epoch == 1:
-            raise RuntimeError("simulated preemption")
 
 
 class _Recorder:
@@ -127,19 +102,19 @@ def test_backup_and_restore_restores_a_reducer_of_our_own(tmp_path):
     gets the residuals and step counters back array for array, and ends with the weights of an
     uninterrupted run, bitwise (the residuals change every later step's rounding)."""
     x, y = _data()
-    gfar_a, model_a = _setup(RoundingWithFeedback())
+    gfar_a, model_a = _setup(reducer=RoundingWithFeedback())
     model_a.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
 
     backup = str(tmp_path / "backup")
-    gfar_b, model_b = _setup(RoundingWithFeedback())
+    gfar_b, model_b = _setup(reducer=RoundingWithFeedback())
     with pytest.raises(RuntimeError, match="simulated preemption"):
         model_b.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0,
-                    callbacks=[BackupAndRestore(backup), _Interrupt()])
+                    callbacks=[BackupAndRestore(backup), _Interrupt(epoch=1)])
     saved = _arrays(gfar_b)   # the backup was written at the end of epoch 1
     assert saved["p0_steps_r0"] == saved["p0_steps_r1"] == 8
     assert np.any(saved["p0_residual_r1"]) and np.any(saved["p0_residual_r1"] != saved["p0_residual_r0"])
 
-    gfar_c, model_c = _setup(RoundingWithFeedback(), seed=5)
+    gfar_c, model_c = _setup(reducer=RoundingWithFeedback(), seed=5)
     model_c.optimizer.build(model_c.trainable_variables)   # attaches the checkpoint's listener
     recorder = _Recorder()
     gfar_c.state_registry.add_listener(recorder.record)
@@ -155,26 +130,8 @@ def test_backup_and_restore_restores_a_reducer_of_our_own(tmp_path):
         np.testing.assert_array_equal(_arrays(gfar_c)[key], value, err_msg=key)
 
 
-def _saved(tmp_path, reducer=None, sparsity=None):
-    gfar, model = _setup(reducer, sparsity)
-    x, y = _data()
-    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
-    path = str(tmp_path / "a.weights.h5")
-    model.save_weights(path)
-    return gfar, model, path
-
-
-def _refused(path, **kw):
-    gfar, model = _setup(**kw)
-    model.optimizer.build(model.trainable_variables)
-    with pytest.raises(CheckpointMismatchError) as error:
-        model.load_weights(path)
-    assert gfar.states() == {}   # reported before any step
-    return str(error.value)
-
-
 def test_the_meta_records_the_reducer_class_and_settings(tmp_path):
-    gfar, model, _ = _saved(tmp_path, RoundingWithFeedback(bits=5))
+    gfar, model, _ = _trained(tmp_path, reducer=RoundingWithFeedback(bits=5))
     meta, _ = of(model.optimizer).state_arrays()
     assert meta["format"] == 2 and "momentum" not in meta
     assert meta["reducer"] == {"class": f"{__name__}.RoundingWithFeedback",
@@ -182,8 +139,8 @@ def test_the_meta_records_the_reducer_class_and_settings(tmp_path):
 
 
 def test_other_reducer_settings_are_refused_naming_both(tmp_path):
-    _, _, path = _saved(tmp_path, RoundingWithFeedback(bits=6))
-    message = _refused(path, reducer=RoundingWithFeedback(bits=4))
+    _, _, path = _trained(tmp_path, reducer=RoundingWithFeedback(bits=6))
+    message = _refused_at_load(path, reducer=RoundingWithFeedback(bits=4))
     assert message.startswith(
         f"gf_tf: cannot restore the checkpoint's reducer state: it was saved by the reducer "
         f"{__name__}.RoundingWithFeedback(rounding bits 6) and this run's is "
@@ -192,15 +149,15 @@ def test_other_reducer_settings_are_refused_naming_both(tmp_path):
 
 
 def test_another_reducer_class_is_refused_naming_both(tmp_path):
-    _, _, path = _saved(tmp_path, RoundingWithFeedback())
-    message = _refused(path, sparsity=gf_tf.ChunkSparsity(density=0.1, chunk_size=8))
+    _, _, path = _trained(tmp_path, reducer=RoundingWithFeedback())
+    message = _refused_at_load(path)   # CSC (test_checkpoint._setup's)
     assert (f"it was saved by the reducer {__name__}.RoundingWithFeedback(rounding bits 6) and "
             f"this run's is gf_tf.csc.reducer.CSCReducer(sparsity density 0.1, ") in message
 
 
 def test_state_into_a_reducer_without_state_is_ignored_with_a_warning(tmp_path, caplog):
-    _, _, path = _saved(tmp_path, RoundingWithFeedback())
-    gfar, model = _setup()
+    _, _, path = _trained(tmp_path, reducer=RoundingWithFeedback())
+    gfar, model = _setup(sparsity=False)
     model.optimizer.build(model.trainable_variables)
     with caplog.at_level(logging.WARNING, logger="gf_tf.checkpoint"):
         model.load_weights(path)
@@ -217,13 +174,11 @@ def _as_format_1(meta, momentum):
 
 @pytest.mark.parametrize("momentum", [0.5, 0.0])
 def test_a_format_1_checkpoint_restores_csc_state(momentum, tmp_path):
-    csc = gf_tf.ChunkSparsity(density=0.1, chunk_size=8, warmup_steps=2, momentum=momentum)
-    gfar, model, _ = _saved(tmp_path, sparsity=csc)
+    gfar, model, _ = _trained(tmp_path, momentum=momentum)
     meta, arrays = of(model.optimizer).state_arrays()
     data = checkpoint_format.to_npz(_as_format_1(meta, momentum > 0), arrays)
 
-    gfar_c, model_c = _setup(sparsity=gf_tf.ChunkSparsity(density=0.1, chunk_size=8,
-                                                          warmup_steps=2, momentum=momentum))
+    gfar_c, model_c = _setup(momentum=momentum)
     model_c.optimizer.build(model_c.trainable_variables)
     x, y = _data()
     model_c.fit(x[:16], y[:16], batch_size=16, epochs=1, verbose=0)   # the state exists
@@ -234,13 +189,11 @@ def test_a_format_1_checkpoint_restores_csc_state(momentum, tmp_path):
         np.testing.assert_array_equal(restored[key], value, err_msg=key)
 
 
-def test_a_format_1_checkpoint_with_momentum_into_a_run_without_is_refused(tmp_path):
-    csc = gf_tf.ChunkSparsity(density=0.1, chunk_size=8, warmup_steps=2, momentum=0.5)
-    _, model, _ = _saved(tmp_path, sparsity=csc)
+def test_a_format_1_checkpoint_with_momentum_into_a_run_without_is_refused_at_load(tmp_path):
+    _, model, _ = _trained(tmp_path, momentum=0.5)
     meta, arrays = of(model.optimizer).state_arrays()
     data = checkpoint_format.to_npz(_as_format_1(meta, True), arrays)
-    _, model_c = _setup(sparsity=gf_tf.ChunkSparsity(density=0.1, chunk_size=8, warmup_steps=2,
-                                                     momentum=0.0))
+    _, model_c = _setup(momentum=0.0)
     model_c.optimizer.build(model_c.trainable_variables)
     x, y = _data()
     model_c.fit(x[:16], y[:16], batch_size=16, epochs=1, verbose=0)
