@@ -128,7 +128,7 @@ def check_sets(meta: dict, variables: Sequence, gradient_flow) -> None:
 def another_set_message(saved_sets: Sequence[dict], set_name: str, positions) -> str:
     """The first-step mismatch of a checkpoint without signatures: no saved set has these variables."""
     saved = "; ".join(f"[{x['name']}] (optimizer positions {x['variables']})" for x in saved_sets)
-    return (f"gf_tf: cannot restore CSC state: the checkpoint holds it for {saved}, but this "
+    return (f"gf_tf: cannot restore the reducer state: the checkpoint holds it for {saved}, but this "
             f"step all-reduces [{set_name}] (optimizer positions {positions}). Restore into the "
             f"same model with the same trainable variables, or start without the checkpoint's "
             f"optimizer state.")
