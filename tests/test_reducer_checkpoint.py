@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import gf_tf
 from gf_tf import reducers, tf_internal
 from gf_tf.keras import checkpoint_format
 from gf_tf.keras.backup import BackupAndRestore
 from gf_tf.keras.checkpoint import of
 from gf_tf.keras.checkpoint_checks import CheckpointMismatchError
+from gf_tf.stats import CommStats
 from test_checkpoint import _Interrupt, _data, _refused_at_load, _setup, _trained
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "gf_tf"
@@ -49,7 +51,8 @@ class FeedbackState(tf.Module):
 
 class RoundingWithFeedback(reducers.Reducer):
     """Each replica sends its gradient plus its residual rounded to multiples of 2**-bits, keeps
-    what rounding dropped as its residual (error feedback), and counts its steps."""
+    what rounding dropped as its residual (error feedback), and counts its steps. Its own
+    figures: the elements it rounded, and the L1 norm of the first served replica's residuals."""
 
     def __init__(self, bits=6):
         self.bits = bits
@@ -78,7 +81,10 @@ class RoundingWithFeedback(reducers.Reducer):
             outputs.append(comm.map(lambda r, s, spec=pack.spec: [
                 tf.reshape(part, shape) * comm.postscale
                 for part, shape in zip(tf.split(s, sizes), spec.shapes)], summed))
-            sent = sent + reducers.Sent(4 * pack.spec.num_elements, 4 * pack.spec.num_elements)
+            residual_l1 = tf.reduce_sum(tf.abs(pack.state.residuals[comm.replicas[0]]))
+            sent = sent + reducers.Sent(4 * pack.spec.num_elements, 4 * pack.spec.num_elements,
+                                        figures={"rounded_elements": pack.spec.num_elements,
+                                                 "residual_l1": residual_l1})
         return outputs, sent
 
 
@@ -128,6 +134,33 @@ def test_backup_and_restore_restores_a_reducer_of_our_own(tmp_path):
         np.testing.assert_array_equal(a, c)
     for key, value in _arrays(gfar_a).items():
         np.testing.assert_array_equal(_arrays(gfar_c)[key], value, err_msg=key)
+    # The CommStats totals, the reducer's own figures among them, came back with the backup.
+    assert gfar_c.stats.totals() == gfar_a.stats.totals()
+    assert gfar_a.stats.totals()["figure_rounded_elements"] == 12 * 195
+
+
+def test_gradient_flow_stats_logs_the_reducers_own_figures():
+    """195 = the model's parameters, rounded every step; the residual's L1 norm per step is
+    the mean of the values the reducer gave (read back from its state after each step)."""
+    gfar, model = _setup(reducer=RoundingWithFeedback())
+    x, y = _data()
+    norms = []
+    record = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: norms.append(
+        sum(float(np.abs(v).sum(dtype=np.float32)) for k, v in _arrays(gfar).items()
+            if k.endswith("residual_r0"))))
+    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                        callbacks=[record, gf_tf.GradientFlowStats(gfar)])
+    assert history.history["gf_rounded_elements_per_step"] == [195.0, 195.0]
+    np.testing.assert_allclose(history.history["gf_residual_l1_per_step"],
+                               [np.mean(norms[:4]), np.mean(norms[4:])], rtol=1e-5)
+    assert gfar.stats.totals()["figure_rounded_elements"] == 8 * 195
+    assert gfar.stats.result()["rounded_elements_per_step"] == 195.0
+
+
+@pytest.mark.parametrize("name", ["Rounded", "sent_bytes", "a-b"])
+def test_a_figure_name_that_cannot_be_a_log_key_is_refused(name):
+    with pytest.raises(ValueError, match=f"figure name must be .* got '{name}'"):
+        CommStats().update(4, 4, figures={name: 1})
 
 
 def test_the_meta_records_the_reducer_class_and_settings(tmp_path):
