@@ -1,15 +1,19 @@
-"""Communication statistics of a GradientFlowAllReduce (bytes, chunks, residual).
+"""Communication statistics of a GradientFlowAllReduce (bytes, chunks, residual, a reducer's figures).
 
 `CommStats` holds running totals as tf.Variables updated inside the traced
-step; `GradientFlowStats`, the Keras callback that turns them into per-step
+step, with a total per figure a reducer declares (`gf_tf.reducers.Sent.figures`);
+`GradientFlowStats`, the Keras callback that turns them into per-step
 figures in the `fit` logs (hence `History` and TensorBoard), is in the Keras
 wing (`gf_tf.keras.callbacks`, exported as `gf_tf.GradientFlowStats`).
 """
 
+import re
 import warnings
 from typing import Dict, Optional
 
 import tensorflow as tf
+
+from gf_tf import tf_internal
 
 
 # Per-step figures reported by CommStats.result and GradientFlowStats.
@@ -27,6 +31,8 @@ _TOTALS = (("steps", tf.int64),
            ("densities", tf.float64),
            ("residual_norm", tf.float32))
 _COUNTS = [key for key, _ in _TOTALS[:-1]]
+FIGURE_PREFIX = "figure_"   # totals() key of a reducer's figure: "figure_<name>"
+_FIGURE_NAME = re.compile(r"[a-z][a-z0-9_]*\Z")
 
 
 class CommStats:
@@ -36,6 +42,8 @@ class CommStats:
     the host CPU. `update` is called once per all-reduce step from inside the
     traced step function; `totals` and `result` read them eagerly.
     Figures are those of this worker (every worker sends the same amount).
+    A reducer's own figures (`Sent.figures`) get a float64 total each when first
+    given (`figures`: name -> variable).
     """
 
     def __init__(self):
@@ -43,9 +51,27 @@ class CommStats:
             self.counts = tf.Variable(tf.zeros([len(_COUNTS)], tf.float64), trainable=False,
                                       name="gf_comm_counts")
             self.residual_norm = tf.Variable(0.0, trainable=False, name="gf_residual_norm")
+        self.figures: Dict[str, tf.Variable] = {}
+
+    def _figure(self, name: str) -> tf.Variable:
+        """The total of the reducer's figure `name`, created (eagerly, on the host) on first use.
+
+        Raises:
+          ValueError: `name` is not lower case letters, digits and "_" (it names log keys), or
+            "<name>_per_step" is one of FIGURES.
+        """
+        if name not in self.figures:
+            if not _FIGURE_NAME.match(str(name)) or f"{name}_per_step" in FIGURES:
+                raise ValueError(f"gf_tf: a reducer's figure name must be lower case letters, "
+                                 f"digits and '_', starting with a letter, and not one of "
+                                 f"CommStats's own figures {FIGURES}, got {name!r}")
+            with tf.init_scope():   # first given inside the traced step
+                self.figures[name] = tf_internal.local_variable(
+                    tf.constant(0.0, tf.float64), "/cpu:0", f"gf_figure_{name}")
+        return self.figures[name]
 
     def update(self, dense_bytes, sent_bytes, selected_chunks=0, total_chunks=0,
-               residual_norm=None, density=None):
+               residual_norm=None, density=None, figures=None):
         """Adds one step. Byte counts are per worker replica, in bytes.
 
         Arguments may be Python numbers or scalar tensors.
@@ -65,6 +91,8 @@ class CommStats:
           density (float | tf.Tensor | None): the step's CSC density (1.0 on dense
             steps; with density="auto" the one chosen); None counts as 1.0 (a dense
             all-reduce sends everything).
+          figures (dict | None): the reducer's own figures of the step by name
+            (`gf_tf.reducers.Sent.figures`), each added to its total.
         """
         added = [1, dense_bytes, sent_bytes, selected_chunks, total_chunks,
                  1.0 if density is None else density]
@@ -75,6 +103,8 @@ class CommStats:
                 self.counts.assign_add(tf.constant(added, tf.float64))
             if residual_norm is not None:
                 self.residual_norm.assign(tf.cast(residual_norm, tf.float32))
+            for name, value in (figures or {}).items():
+                self._figure(name).assign_add(tf.cast(value, tf.float64))
 
     def __getattr__(self, name):
         """The per-figure variables of earlier versions (`stats.sent_bytes`, ...), read from
@@ -88,10 +118,12 @@ class CommStats:
 
     def totals(self) -> Dict[str, float]:
         """The running totals since creation (eager): steps, bytes, chunks, last residual norm,
-        sum of the steps' densities."""
+        sum of the steps' densities, and "figure_<name>" per reducer's figure."""
         values = dict(zip(_COUNTS, self.counts.numpy().tolist()))
         values["residual_norm"] = float(self.residual_norm.numpy())
-        return {key: (int if dtype.is_integer else float)(values[key]) for key, dtype in _TOTALS}
+        totals = {key: (int if dtype.is_integer else float)(values[key]) for key, dtype in _TOTALS}
+        totals.update({FIGURE_PREFIX + name: float(v.numpy()) for name, v in self.figures.items()})
+        return totals
 
     def to_tensors(self) -> Dict[str, tf.Tensor]:
         """The running totals as tensors read from their variables (eagerly, or when a
@@ -99,6 +131,7 @@ class CommStats:
         counts = self.counts.read_value()
         tensors = {key: tf.cast(counts[i], dtype) for i, (key, dtype) in enumerate(_TOTALS[:-1])}
         tensors["residual_norm"] = self.residual_norm.read_value()
+        tensors.update({FIGURE_PREFIX + name: v.read_value() for name, v in self.figures.items()})
         return tensors
 
     def assign_totals(self, totals: Dict[str, float]) -> None:
@@ -108,7 +141,8 @@ class CommStats:
         Raises:
           ValueError: a key of `totals` is not a total (the message names it).
         """
-        unknown = sorted(set(totals) - {key for key, _ in _TOTALS})
+        unknown = sorted(key for key in set(totals) - {key for key, _ in _TOTALS}
+                         if not key.startswith(FIGURE_PREFIX))
         if unknown:
             raise ValueError(f"gf_tf: CommStats has no totals {unknown}")
         counts = self.counts.numpy()
@@ -119,6 +153,9 @@ class CommStats:
             self.counts.assign(counts)
             if "residual_norm" in totals:
                 self.residual_norm.assign(tf.cast(totals["residual_norm"], tf.float32))
+            for key, value in totals.items():
+                if key.startswith(FIGURE_PREFIX):
+                    self._figure(key[len(FIGURE_PREFIX):]).assign(tf.cast(value, tf.float64))
 
     def result(self, since: Optional[Dict[str, float]] = None) -> dict:
         """Per-step means since creation, or since an earlier `totals()` snapshot.
@@ -131,11 +168,12 @@ class CommStats:
           sent_bytes_per_step (bytes), compression_ratio (dense / sent; 0 if
           nothing was sent), selected_chunks_per_step, total_chunks_per_step,
           residual_norm (the latest value, not a mean), density (the mean CSC
-          density per step: with density="auto", what it chose; 1.0 when dense).
+          density per step: with density="auto", what it chose; 1.0 when dense);
+          then per reducer's figure "<name>_per_step", its mean per step.
         """
         now = self.totals()
         if since:
-            now = {k: (v if k == "residual_norm" else v - since[k]) for k, v in now.items()}
+            now = {k: (v if k == "residual_norm" else v - since.get(k, 0.0)) for k, v in now.items()}
         steps = max(now["steps"], 1)
         dense = now["dense_bytes"] / steps
         sent = now["sent_bytes"] / steps
@@ -148,4 +186,6 @@ class CommStats:
             "total_chunks_per_step": now["total_chunks"] / steps,
             "residual_norm": now["residual_norm"],
             "density": now["densities"] / steps if now["steps"] else 0.0,
+            **{f"{key[len(FIGURE_PREFIX):]}_per_step": value / steps
+               for key, value in now.items() if key.startswith(FIGURE_PREFIX)},
         }

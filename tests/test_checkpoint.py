@@ -20,10 +20,11 @@ DEVICES = [d.name for d in tf.config.list_logical_devices("CPU")]
 
 
 def _setup(seed=0, momentum=0.5, sparsity=True, devices=2, bytes_per_pack=4 << 20, hidden=16,
-           compression="fp16"):
+           compression="fp16", reducer=None):
     csc = gf_tf.ChunkSparsity(density=0.1, chunk_size=8, warmup_steps=2,
-                              momentum=momentum) if sparsity else None
+                              momentum=momentum) if sparsity and reducer is None else None
     gfar = gf_tf.GradientFlowAllReduce(sparsity=csc, bytes_per_pack=bytes_per_pack, compression=compression,
+                                       reducer=reducer,
                                        cross_device_ops=tf.distribute.ReductionToOneDevice())
     strategy = tf.distribute.MirroredStrategy(DEVICES[:devices], cross_device_ops=gfar)
     with strategy.scope():
@@ -145,7 +146,7 @@ def test_another_pack_plan_is_refused_at_load_weights_naming_the_setting(tmp_pat
     now_plan = gf_tf.packing.plan_packs(variable_set.signature, now.bytes_per_pack,
                                         now.compression)
     assert message.startswith(
-        f"gf_tf: cannot restore the checkpoint's CSC state: it was saved with other "
+        f"gf_tf: cannot restore the checkpoint's reducer state: it was saved with other "
         f"GradientFlowAllReduce settings ({then}): its pack plan "
         f"{[[p.key, p.num_elements] for p in variable_set.pack_specs]} differs from this run's "
         f"{[[p.key, p.num_elements] for p in now_plan]}. Use the same settings.\n\n(Keras: 1 "
@@ -153,13 +154,23 @@ def test_another_pack_plan_is_refused_at_load_weights_naming_the_setting(tmp_pat
         ), message
 
 
-def test_momentum_switched_off_is_refused(tmp_path):
-    _, _, path = _trained(tmp_path)
-    with pytest.raises(ValueError, match="momentum correction was on when it was saved and is off"):
+def _shown(gfar):
+    """The reducer as a mismatch names it: qualified class (settings as the handshake prints them)."""
+    reducer = gfar.reducer
+    settings = ", ".join(f"{name} {text(number)}" for name, number, text in reducer.settings())
+    return f"{type(reducer).__module__}.{type(reducer).__qualname__}({settings})"
+
+
+def test_momentum_switched_off_is_refused_naming_both_reducers_settings(tmp_path):
+    gfar, _, path = _trained(tmp_path)
+    now = _setup(momentum=0.0)[0]
+    assert _shown(gfar) != _shown(now)   # the settings' CRC32 covers momentum
+    with pytest.raises(ValueError, match="it was saved by the reducer gf_tf.csc.reducer.CSCReducer"):
         _load_into(path, momentum=0.0)
     assert _refused_at_load(path, momentum=0.0).startswith(
-        "gf_tf: cannot restore the checkpoint's CSC state: momentum correction was on when it "
-        "was saved and is off now.\n\n(Keras: 1 object(s)")
+        f"gf_tf: cannot restore the checkpoint's reducer state: it was saved by the reducer "
+        f"{_shown(gfar)} and this run's is {_shown(now)}. Resume with the same reducer and "
+        f"settings.\n\n(Keras: 1 object(s)")
 
 
 def test_another_variable_list_is_refused_at_load_weights(tmp_path):
@@ -174,7 +185,7 @@ def test_another_variable_list_is_refused_at_load_weights(tmp_path):
     with pytest.raises(checkpoint.CheckpointMismatchError) as error:
         model.load_weights(path)   # reported here, before any step
     assert str(error.value).startswith(
-        f"gf_tf: cannot restore the checkpoint's CSC state: it holds the state of [{saved}] "
+        f"gf_tf: cannot restore the checkpoint's reducer state: it holds the state of [{saved}] "
         f"(optimizer positions [0, 1, 2, 3], shapes [(8, 16), (16,), (16, 3), (3,)]), but this "
         f"optimizer's trainable variables are [{gf_tf.state.describe(now)}] (shapes [(16, 3), "
         f"(3,)]). Restore into the same model with the same trainable variables, or start "
@@ -216,13 +227,13 @@ def test_the_chiefs_file_on_another_worker_is_refused_with_the_recipe(tmp_path):
     with pytest.raises(checkpoint.CheckpointMismatchError) as error:
         model.load_weights(path)
     assert str(error.value).startswith(
-        "gf_tf: cannot restore the checkpoint's CSC state: it holds worker 0's state and this is "
+        "gf_tf: cannot restore the checkpoint's reducer state: it holds worker 0's state and this is "
         "worker 1. Each worker must load the file it saved itself (or use "
         "gf_tf.keras.backup.BackupAndRestore); to load a file only the chief saved (TF's "
         "multi-worker guide: ModelCheckpoint on the chief) on every worker, call "
         "gf_tf.keras.backup.load_weights_from_chief(model, path) instead of "
-        "model.load_weights(path): the chief's weights and optimizer, this worker's CSC "
-        "residuals and momentum from zero (warned).\n\n(Keras: 1 object(s)"), str(error.value)
+        "model.load_weights(path): the chief's weights and optimizer, this worker's "
+        "reducer state (CSC: residuals and momentum) from zero (warned).\n\n(Keras: 1 object(s)"), str(error.value)
     assert gfar.states() == {}
 
 
@@ -232,7 +243,7 @@ def test_load_weights_from_chief_resets_csc_state_with_a_warning(tmp_path, caplo
     gfar, model = _worker_1()   # optimizer not built: load_weights_from_chief builds it
     with caplog.at_level(logging.WARNING, logger="gf_tf.checkpoint"):
         checkpoint.load_weights_from_chief(model, path)
-    assert (f"gf_tf: worker 1 loaded the chief's {path}: its residuals and momentum start from "
+    assert (f"gf_tf: worker 1 loaded the chief's {path}: its reducer state (CSC: residuals and momentum) starts from "
             f"zero (step counters follow the chief's).") in caplog.text
     for a, b in zip(chief.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
@@ -255,7 +266,7 @@ def test_checkpoint_without_csc_state_gives_a_warned_reset(tmp_path, caplog):
     model.save_weights(path)
     with caplog.at_level(logging.WARNING, logger="gf_tf.checkpoint"):
         gfar = _load_into(path)
-    assert "holds no CSC state" in caplog.text
+    assert "holds no reducer state" in caplog.text
     assert _snapshot(_state(gfar))["steps"] == [1, 1]
 
 
@@ -263,7 +274,9 @@ def test_csc_state_into_a_run_without_csc_is_ignored_with_a_warning(tmp_path, ca
     _, _, path = _trained(tmp_path)
     with caplog.at_level(logging.WARNING, logger="gf_tf.checkpoint"):
         _load_into(path, sparsity=False)
-    assert "this GradientFlowAllReduce has no sparsity: the state is ignored" in caplog.text
+    assert ("holds the state of the reducer gf_tf.csc.reducer.CSCReducer but this "
+            "GradientFlowAllReduce's reducer gf_tf.reducers.dense.DenseReducer keeps none: the "
+            "state is ignored") in caplog.text
 
 
 def test_plain_keras_model_loads_a_gf_tf_checkpoint(tmp_path):

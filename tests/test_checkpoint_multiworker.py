@@ -82,13 +82,13 @@ def test_every_worker_loads_the_chiefs_file_with_load_weights_from_chief(tmp_pat
     chief, other = (r.result for r in results)
     assert str(chief["plain_error"]) == "" and str(chief["warnings"]) == ""
     assert str(other["plain_error"]).startswith(
-        "gf_tf: cannot restore the checkpoint's CSC state: it holds worker 0's state and this is "
+        "gf_tf: cannot restore the checkpoint's reducer state: it holds worker 0's state and this is "
         "worker 1. Each worker must load the file it saved itself (or use "
         "gf_tf.keras.backup.BackupAndRestore); to load a file only the chief saved"), other["plain_error"]
     assert "gf_tf.keras.backup.load_weights_from_chief(model, path)" in str(other["plain_error"])
     assert str(other["warnings"]) == (
-        f"gf_tf: worker 1 loaded the chief's {tmp_path / 'chief.weights.h5'}: its residuals and "
-        f"momentum start from zero (step counters follow the chief's).")
+        f"gf_tf: worker 1 loaded the chief's {tmp_path / 'chief.weights.h5'}: its reducer state (CSC: "
+        f"residuals and momentum) starts from zero (step counters follow the chief's).")
     for i in range(4):
         np.testing.assert_array_equal(other[f"loaded{i}"], chief[f"saved{i}"])
         np.testing.assert_array_equal(chief[f"loaded{i}"], chief[f"saved{i}"])

@@ -5,8 +5,10 @@
   trainer_patches, optimizer_patches  the wrappers that table installs (fit and the step loop;
               gradients, loss scaling, accumulation, checkpoints)
   multi_step  Keras's step loop rebuilt so no step is counted past the data's end (trainer_patches uses it)
-  checkpoint  CSC state in Keras checkpoints (checkpoint_checks: does it fit this run?)
-  backup      restoring every worker from the chief's files: BackupAndRestore, load_weights_from_chief
+  checkpoint  any reducer's state in Keras checkpoints (checkpoint_checks: does it fit this run?;
+              checkpoint_format: its bytes)
+  backup      restoring every worker from the chief's files: BackupAndRestore, load_weights_from_chief,
+              the other workers' side files
   callbacks   GradientFlowStats, the Keras callback of a GradientFlowAllReduce's CommStats
 
 gf_tf/__init__.py registers `install` with gf_tf.integrations, which GradientFlowAllReduce runs.

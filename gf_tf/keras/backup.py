@@ -1,22 +1,81 @@
 """Restoring a GradientFlow job on every worker: gf_tf's BackupAndRestore and load_weights_from_chief.
 
-CSC residuals are each worker's own (gf_tf.keras.checkpoint), while Keras's and TensorFlow's
-multi-worker recipes write one set of files, on the chief:
-- `BackupAndRestore` (preemption): the chief writes Keras's backup with its CSC state, every
-  other worker its own CSC state next to it; on restart every worker restores the chief's
-  weights and epoch and its own CSC state.
+A reducer's state (CSC's residuals) is each worker's own (gf_tf.keras.checkpoint), while Keras's
+and TensorFlow's multi-worker recipes write one set of files, on the chief:
+- `BackupAndRestore` (preemption): the chief writes Keras's backup with its reducer state, every
+  other worker its own state next to it (a side file, `save_side_file`); on restart every worker
+  restores the chief's weights and epoch and its own state (`restore_side_file`).
 - `load_weights_from_chief` (TF's multi-worker guide: `ModelCheckpoint` on the chief, every
-  worker loads that file): the chief's weights and optimizer, the other workers' CSC residuals
-  from zero, warned.
+  worker loads that file): the chief's weights and optimizer, the other workers' reducer state
+  from zero, warned (`restore_chief_reset`).
+
+The integer arrays of a reducer's state are its counters (CSC: the step counters), equal on
+every worker: a side file from another step than the chief's backup is not used, and a reset
+keeps the chief's counters (every worker keeps the same schedule); every other array is zeroed.
 """
 
+import logging
 import os
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from gf_tf import tf_internal
-from gf_tf.keras.checkpoint import of
+from gf_tf.keras import checkpoint_format
+from gf_tf.keras.checkpoint import STATS_PREFIX, of
+
+_log = logging.getLogger("gf_tf.checkpoint")   # the checkpoint's logger: one name to filter
+
+
+def _is_counter(key: str, value) -> bool:
+    """A reducer state's counter (an integer array; not a CommStats total)."""
+    return not key.startswith(STATS_PREFIX) and np.issubdtype(np.asarray(value).dtype, np.integer)
+
+
+def save_side_file(checkpoint, path: str) -> None:
+    """Writes `checkpoint`'s state (a GradientFlowCheckpoint, this worker's) to `path` (.npz),
+    atomically (write, then rename)."""
+    tmp = f"{path}.tmp"
+    with tf.io.gfile.GFile(tmp, "wb") as f:
+        f.write(checkpoint.to_bytes())
+    tf.io.gfile.rename(tmp, path, overwrite=True)
+
+
+def restore_side_file(checkpoint, path: str) -> None:
+    """Restores this worker's state from `path`, checked against the chief's backup that the
+    last restore held (`GradientFlowCheckpoint.take_chief_state`; nothing to do without one).
+
+    A missing file, or one saved at another step than the chief's backup (other counters),
+    gives a warned reset (`restore_chief_reset`).
+    """
+    chief = checkpoint.take_chief_state()
+    if chief is None:
+        return
+    meta = arrays = None
+    if tf.io.gfile.exists(path):
+        with tf.io.gfile.GFile(path, "rb") as f:
+            meta, arrays = checkpoint_format.parse(f.read())
+    counters = {k: v for k, v in chief[1].items() if _is_counter(k, v)}
+    if meta is None or any(k not in arrays or int(arrays[k]) != int(v) for k, v in counters.items()):
+        restore_chief_reset(checkpoint, chief, f"worker {checkpoint.rank}'s backup {path} is "
+                            f"{'missing next to' if meta is None else 'from another step than'}"
+                            f" the chief's backup")
+        return
+    checkpoint.restore(meta, arrays)
+
+
+def restore_chief_reset(checkpoint, chief, why: str) -> None:
+    """Restores the chief's state `chief` ((meta, arrays), as `take_chief_state` gives it; None:
+    nothing) on this worker, with its counters and CommStats totals and every other array zero;
+    warns "gf_tf: WHY: its reducer state starts from zero ...". """
+    if chief is None:
+        return
+    _log.warning("gf_tf: %s: its reducer state (CSC: residuals and momentum) starts from zero "
+                 "(step counters follow the chief's).", why)
+    arrays = {k: (v if _is_counter(k, v) or k.startswith(STATS_PREFIX) else np.zeros_like(v))
+              for k, v in chief[1].items()}
+    checkpoint.restore(dict(chief[0], worker=checkpoint.rank), arrays)
 
 
 def load_weights_from_chief(model, filepath, **kwargs) -> None:
@@ -24,10 +83,11 @@ def load_weights_from_chief(model, filepath, **kwargs) -> None:
 
     TF's multi-worker guide saves with `ModelCheckpoint` on the chief and loads that file on
     every worker (Horovod: rank 0 saves, every rank loads). Weights and optimizer variables are
-    the chief's, as on every worker anyway. CSC residuals and velocities are each worker's own:
-    on every other worker they start from zero, with a warning, and its step counters follow the
-    chief's (the same schedule everywhere; no second warm-up). On the chief, or without CSC,
-    this is `model.load_weights`. To resume every worker's own residuals, use BackupAndRestore.
+    the chief's, as on every worker anyway. The reducer's state (CSC: residuals and velocities)
+    is each worker's own: on every other worker it starts from zero, with a warning, and its
+    counters follow the chief's (the same schedule everywhere; no second warm-up). On the chief,
+    or with a reducer that keeps no state, this is `model.load_weights`. To resume every
+    worker's own state, use BackupAndRestore.
 
     Args:
       model (keras.Model): a compiled Keras model of a GradientFlow strategy; its optimizer
@@ -38,7 +98,7 @@ def load_weights_from_chief(model, filepath, **kwargs) -> None:
     Raises:
       CheckpointMismatchError: (a ValueError, `gf_tf.keras.checkpoint_checks`) as
         `load_weights` raises it: another worker count, replica count per worker,
-        variable list, pack plan or momentum correction.
+        variable list, pack plan, reducer or reducer settings.
     """
     optimizer = model.optimizer
     if optimizer is not None and not optimizer.built:
@@ -47,13 +107,10 @@ def load_weights_from_chief(model, filepath, **kwargs) -> None:
     if checkpoint is None:
         model.load_weights(filepath, **kwargs)
         return
-    checkpoint._self_held.expect_side_file = True  # pylint: disable=protected-access
-    try:
+    with checkpoint.loading_chief_file():
         model.load_weights(filepath, **kwargs)
-    finally:
-        checkpoint._self_held.expect_side_file = False  # pylint: disable=protected-access
-    checkpoint.restore_chief_reset(f"worker {checkpoint._worker()[0]} loaded the chief's "  # pylint: disable=protected-access
-                                   f"{filepath}")
+    restore_chief_reset(checkpoint, checkpoint.take_chief_state(),
+                        f"worker {checkpoint.rank} loaded the chief's {filepath}")
 
 
 class BackupAndRestore(keras.callbacks.BackupAndRestore):
@@ -61,12 +118,13 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
     Keras 3.15's callback has no multi-worker logic: every worker would write
     the same files. Here the chief (worker 0) writes the backup as Keras does
-    (`latest.weights.h5`, `training_metadata.json`; with the chief's CSC
-    state), every other worker writes only its own CSC state,
+    (`latest.weights.h5`, `training_metadata.json`; with the chief's reducer
+    state), every other worker writes only its own reducer state,
     `gf_tf_state.worker<rank>.npz`, in the same `backup_dir` (which must be
     visible to every worker: one host or shared storage). On restart every
     worker restores the chief's weights, optimizer and epoch (so all resume
-    identically) and its own CSC state. Arguments as for
+    identically) and its own reducer state (any reducer's: its state objects
+    serialize themselves, `gf_tf.reducers.Reducer.create_states`). Arguments as for
     `keras.callbacks.BackupAndRestore`.
     """
 
@@ -75,7 +133,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
         With GradientFlow, its worker list; otherwise 0 on the worker TensorFlow
         checkpoints from (`strategy.extended.should_checkpoint`), 1 elsewhere (such
-        workers have no CSC state to write and only restore)."""
+        workers have no reducer state to write and only restore)."""
         strategy = self.model.distribute_strategy
         workers = getattr(tf_internal.strategy_cross_device_ops(strategy), "workers", None)
         if workers is not None:
@@ -92,11 +150,11 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         if optimizer is not None and not optimizer.built:
             optimizer.build(self.model.trainable_variables)
         checkpoint = of(optimizer)
-        if checkpoint is not None:
-            checkpoint._self_held.expect_side_file = True  # pylint: disable=protected-access
-        super().on_train_begin(logs)
-        if checkpoint is not None:
-            checkpoint.restore_side_file(self._side_path())
+        if checkpoint is None:
+            return super().on_train_begin(logs)
+        with checkpoint.loading_chief_file():
+            super().on_train_begin(logs)
+        return restore_side_file(checkpoint, self._side_path())
 
     def _save_model(self):
         # Every worker may create backup_dir at once: Keras checks, then os.makedirs
@@ -106,7 +164,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             return super()._save_model()
         checkpoint = of(self.model.optimizer)
         if checkpoint is not None:
-            checkpoint.save_side_file(self._side_path())
+            save_side_file(checkpoint, self._side_path())
 
     def on_train_end(self, logs=None):
         if self._rank() == 0:

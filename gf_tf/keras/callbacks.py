@@ -64,7 +64,9 @@ class GradientFlowStats(callback_base()):
     `gf_compression_ratio`, `gf_selected_chunks_per_step`,
     `gf_total_chunks_per_step`, `gf_residual_norm` (L1 norm of the CSC
     residual at the end of the epoch) and `gf_density` (mean CSC density per
-    step; with ChunkSparsity(density="auto") what it chose) to the epoch logs. `History`
+    step; with ChunkSparsity(density="auto") what it chose), and per figure the
+    reducer declares (`gf_tf.reducers.Sent.figures`) `gf_<name>_per_step`, to the
+    epoch logs. `History`
     (model.fit's return value) records them; a `keras.callbacks.TensorBoard`
     listed AFTER this callback writes them as epoch scalars. After the first
     epoch it prints how each variable set travels (the planner's
@@ -123,7 +125,8 @@ class GradientFlowStats(callback_base()):
         if logs is None:
             return
         figures = self.stats.result(since=self._epoch_start)
-        for name in FIGURES:
+        for name in [*FIGURES, *(key for key in figures if key.endswith("_per_step")
+                                 and key not in FIGURES)]:
             logs[self.prefix + name] = figures[name]
         if self._plans is not None:
             for name, plan in self._plans().items():

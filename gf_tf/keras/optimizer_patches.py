@@ -1,7 +1,7 @@
 """The bodies of the optimizer and saving patches of gf_tf.keras.patches.
 
 The gradient hooks (gf_tf.all_reduce_gradients under a GradientFlowAllReduce), loss scaling
-that all replicas agree on, gradient accumulation under Mirrored strategies, the CSC state in
+that all replicas agree on, gradient accumulation under Mirrored strategies, the reducer state in
 the optimizer's checkpoint and load_weights' error. Each `patched_*(original)` returns the
 wrapper that gf_tf.keras.patches.PATCHES installs in place of `original`; the table says which
 Keras function each one replaces, for which Keras versions and why. Every wrapper runs Keras's

@@ -45,8 +45,8 @@ GradientFlowAllReduce, and Keras's own code otherwise:
 - tf-keras: `Optimizer.aggregate_gradients` and `OptimizerV2._aggregate_gradients`, which
   otherwise call `optimizer_utils.all_reduce_sum_gradients` (`all_reduce(SUM)` or
   `batch_reduce_to(SUM, grads_and_vars)`); its LossScaleOptimizers delegate to them.
-Three more Keras 3 patches: `TFOptimizer.build` (CSC state in the optimizer's checkpoint,
-gf_tf.keras.checkpoint.attach), `saving_lib._raise_loading_failure` (a CSC state mismatch
+Three more Keras 3 patches: `TFOptimizer.build` (reducer state in the optimizer's checkpoint,
+gf_tf.keras.checkpoint.attach), `saving_lib._raise_loading_failure` (a reducer state mismatch
 is explained first) and `LossScaleOptimizer._tf_apply` (replicas skip non-finite steps together).
 """
 
@@ -166,7 +166,7 @@ PATCHES = (
           optimizer.patched_all_reduce_sum_gradients, "the gradient hook: gf_tf.all_reduce_gradients"),
     _ACCUMULATION_PATCH,
     Patch(_TF_OPTIMIZER, "TFOptimizer.build", (KERAS3,), optimizer.patched_build,
-          "CSC state in the optimizer's checkpoint (reads TFOptimizer._distribution_strategy)"),
+          "reducer state in the optimizer's checkpoint (reads TFOptimizer._distribution_strategy)"),
     Patch("keras.src.saving.saving_lib", "_raise_loading_failure", (KERAS3,),
           optimizer.patched_loading_failure,
           "load_weights: a gf_tf checkpoint mismatch's explanation first, then Keras's summary"),
@@ -186,5 +186,5 @@ OVERRIDES = (
     Override("keras.src.saving.keras_saveable", "KerasSaveable._obj_type", "GradientFlowCheckpoint",
              "'Loss', a type saving_lib.get_attr_skipset accepts and whose skip list hides nothing"),
     Override("keras.callbacks", "BackupAndRestore._save_model", "BackupAndRestore",
-             "the chief writes Keras's backup, every other worker only its CSC state"),
+             "the chief writes Keras's backup, every other worker only its reducer state"),
 )

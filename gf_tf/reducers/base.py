@@ -41,7 +41,7 @@ communicator that keeps the replica axis out of the algorithm.
 """
 
 import dataclasses
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -131,6 +131,10 @@ class Sent:
     Attributes:
       dense_bytes: float32 dense all-reduce equivalent, in bytes (4 bytes x elements).
       sent_bytes: bytes put into collectives (wire buffers plus control vectors).
+      figures: the reducer's own figures of the step by name (lower case letters, digits
+        and "_"; Python numbers or scalar tensors), summed over packs by `+`. CommStats
+        totals each as "figure_<name>" and reports its mean per step as "<name>_per_step",
+        which GradientFlowStats logs, without knowing the reducer.
       selected_chunks: CSC chunks sent (0 for dense).
       total_chunks: CSC chunks existing (0 for dense).
       residual_norm: L1 norm of the first served replica's CSC residual, or None.
@@ -143,14 +147,18 @@ class Sent:
     total_chunks: Any = 0
     residual_norm: Any = None
     density: Any = None
+    figures: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __add__(self, other: "Sent") -> "Sent":
         norms = [n for n in (self.residual_norm, other.residual_norm) if n is not None]
+        figures = dict(self.figures)
+        for name, value in other.figures.items():
+            figures[name] = figures[name] + value if name in figures else value
         return Sent(self.dense_bytes + other.dense_bytes, self.sent_bytes + other.sent_bytes,
                     self.selected_chunks + other.selected_chunks,
                     self.total_chunks + other.total_chunks,
                     sum(norms[1:], norms[0]) if norms else None,
-                    self.density if self.density is not None else other.density)
+                    self.density if self.density is not None else other.density, figures)
 
 
 # Per pack, per served replica, the reduced tensors of the pack (in pack order).
