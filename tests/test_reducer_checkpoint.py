@@ -63,7 +63,7 @@ class RoundingWithFeedback(reducers.Reducer):
     def settings(self):
         return [("rounding bits", self.bits, str)]
 
-    def cost(self, elements):
+    def cost(self, elements, wire_format):
         return reducers.CostTerms((4 * elements,))
 
     def reduce(self, step):
