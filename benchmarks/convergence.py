@@ -174,11 +174,13 @@ def summarize(runs: List[Dict]) -> List[Dict]:
     return out
 
 
-def _train_argv(run: Run, model_dir: str) -> List[str]:
+def train_argv(run: Run, model_dir: str, extra: Sequence[str] = ()) -> List[str]:
+    """The `python -m models.train` command of a run: its task, seed and method's flags, then
+    `extra` (later flags win)."""
     task, _, _, method, seed = run
     return [sys.executable, "-m", "models.train", "--dataset", task, "--seed", str(seed), "--curve",
             "--model_dir", model_dir, "--collective_timeout", "600", "--heartbeat_timeout", "120",
-            *METHODS[method]]
+            *METHODS[method], *extra]
 
 
 def _launcher() -> str:
@@ -201,13 +203,14 @@ def _outcome(run: Run, model_dir: str, error: Optional[str]) -> Dict:
             "dense_bytes_per_step": result["dense_bytes_per_step"], "curve": result["curve"]}
 
 
-def run_local(run: Run, workdir: str, timeout: float) -> Dict:
-    """One unshaped run: `gf-tf-run -n N` on this machine (no root needed)."""
+def run_local(run: Run, workdir: str, timeout: float, extra: Sequence[str] = ()) -> Dict:
+    """One unshaped run: `gf-tf-run -n N` on this machine (no root needed); `extra`: more
+    models.train flags."""
     model_dir = os.path.join(workdir, "_".join(map(str, run)).replace(".", "p"))
     env = dict(os.environ, PYTHONPATH=netem.REPO_ROOT, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("TF_CONFIG", None)
     try:
-        proc = subprocess.run([_launcher(), "-n", str(run[1]), "--", *_train_argv(run, model_dir)],
+        proc = subprocess.run([_launcher(), "-n", str(run[1]), "--", *train_argv(run, model_dir, extra)],
                               cwd=netem.REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         error = None if proc.returncode == 0 else f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}"
     except subprocess.TimeoutExpired:
@@ -221,7 +224,7 @@ def run_emulated(cluster: netem.EmulatedCluster, run: Run, port: int, workdir: s
     TF_CONFIG names; benchmarks.workers.train_job prints the chief's results.json as its RESULT."""
     model_dir = os.path.join(workdir, "_".join(map(str, run)).replace(".", "p"))
     argv = [sys.executable, "-m", "benchmarks.workers.train_job", model_dir, _launcher(), "--",
-            *_train_argv(run, model_dir)]
+            *train_argv(run, model_dir)]
     job = cluster.run_job([argv] * run[1], port, timeout=timeout, log_dir=log_dir,
                           tag="_".join(map(str, run)).replace(".", "p"))
     return _outcome(run, model_dir, job["error"])
