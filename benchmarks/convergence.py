@@ -368,8 +368,12 @@ def main(argv=None) -> int:
     report.write_json(out, payload)
     print(f"JSON: {out}")
     if args.plots:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
         from benchmarks import plots
-        plots.main(["--convergence", out])
+        for path in plots.convergence_figures([out], plots.DEFAULT_OUT_DIR, plt):
+            print(f"figure: {path}")
     failed = [r for r in results if "error" in r]
     return 1 if failed else 0
 

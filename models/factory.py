@@ -16,26 +16,26 @@ from models import datasets, networks
 # name -> (builder(input_shape, num_classes), default input shape (used by --dataset synthetic))
 MODELS: Dict[str, Tuple[Callable[..., keras.Model], Tuple[int, ...]]] = {
     "digits_cnn": (networks.digits_cnn, (8, 8, 1)),
-    "mnist1d_cnn": (networks.mnist1d_cnn, (40, 1)),
-    "wide_mlp": (networks.wide_mlp, (40, 1)),
     "resnet20": (lambda s, n: networks.resnet_cifar(20, s, n), (32, 32, 3)),
     "resnet32": (lambda s, n: networks.resnet_cifar(32, s, n), (32, 32, 3)),
     "resnet56": (lambda s, n: networks.resnet_cifar(56, s, n), (32, 32, 3)),
     "resnet50": (networks.resnet50, (224, 224, 3)),
     "alexnet": (networks.alexnet, (224, 224, 3)),
+    "mnist1d_cnn": (networks.mnist1d_cnn, (40, 1)),
+    "wide_mlp": (networks.wide_mlp, (40, 1)),
 }
 
 # name -> loader(data_dir, model_input_shape, seed) -> datasets.Source
 DATASETS: Dict[str, Callable[[str, Tuple[int, int, int], int], datasets.Source]] = {
     "digits": lambda data_dir, shape, seed: datasets.load_digits(seed),
-    "mnist1d": lambda data_dir, shape, seed: datasets.load_mnist1d(seed),
-    "mnist1d_wide": lambda data_dir, shape, seed: datasets.load_mnist1d(seed),
     "mnist": lambda data_dir, shape, seed: datasets.load_mnist(seed),
     "cifar10": lambda data_dir, shape, seed: datasets.load_cifar10(seed),
     "imagenet": lambda data_dir, shape, seed: datasets.load_imagenet(data_dir, seed),
     "tfrecord": lambda data_dir, shape, seed: datasets.load_tfrecord(data_dir, seed),
     "synthetic": lambda data_dir, shape, seed: datasets.load_synthetic(
         shape, 1000 if shape[0] >= 128 else 10, seed=seed),
+    "mnist1d": lambda data_dir, shape, seed: datasets.load_mnist1d(seed),
+    "mnist1d_wide": lambda data_dir, shape, seed: datasets.load_mnist1d(seed),
 }
 
 # dataset -> the model --model "" (its default) trains on it; "mnist1d_wide" is mnist1d's data
