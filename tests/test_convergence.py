@@ -121,22 +121,41 @@ def test_every_method_is_the_reducer_its_name_says():
 
 @pytest.mark.slow
 def test_a_tiny_two_worker_cell_records_a_curve_and_the_bytes():
-    """digits, 2 workers over loopback (unshaped), tf_fp32 and csc_1, 2 epochs of 4 steps each."""
+    """digits, 2 workers over loopback (unshaped), tf_fp32, tf_fp16 and csc_1, 2 epochs of 4 steps each."""
     digits_params = sum(int(w.shape.num_elements()) for w in
                         factory.build_model("digits_cnn", (8, 8, 1), 10).trainable_weights)
     extra = ["--epochs", "2", "--steps_per_epoch", "4", "--warmup_steps", "2"]
     with tempfile.TemporaryDirectory() as workdir:
-        runs = [convergence.run_local(("digits", 2, None, m, 0), workdir, 600, extra) for m in ("tf_fp32", "csc_1")]
+        runs = [convergence.run_local(("digits", 2, None, m, 0), workdir, 600, extra) for m in ("tf_fp32", "tf_fp16", "csc_1")]
     for r in runs:
         assert "error" not in r, r.get("error")
         assert [p["epoch"] for p in r["curve"]] == [1, 2]
         assert 0 < r["curve"][0]["seconds"] < r["curve"][1]["seconds"]
         assert r["curve"][-1]["test_accuracy"] == r["final_accuracy"] and 0 <= r["final_accuracy"] <= 1
-    dense, csc = runs
-    # TensorFlow's float32 all-reduce: 4 bytes per gradient element per step.
+    dense, half, csc = runs
+    # TensorFlow's all-reduce: 4 bytes per gradient element per step in float32, 2 in float16.
     assert [p["bytes_sent"] for p in dense["curve"]] == [4.0 * digits_params * 4, 4.0 * digits_params * 8]
+    assert [p["bytes_sent"] for p in half["curve"]] == [2.0 * digits_params * 4, 2.0 * digits_params * 8]
     # CSC: 2 dense FP16 steps, then 1% of the chunks: less than a quarter of float32 over 8 steps.
     assert csc["curve"][-1]["bytes_sent"] < 0.25 * dense["curve"][-1]["bytes_sent"]
     assert csc["curve"][-1]["bytes_sent"] == pytest.approx(8 * csc["sent_bytes_per_step"])
     cells = {c["method"]: c for c in convergence.summarize(runs)}
     assert cells["csc_1"]["target"] == pytest.approx(dense["final_accuracy"] - 0.01)
+
+
+def test_the_trainer_and_the_benchmark_use_only_gf_tfs_public_api():
+    """No private attribute (`._name`) is read in models/ or the convergence benchmark, except a
+    dataclass's own field (Source._make) and os._exit."""
+    import re
+    allowed = {"self._make", "os._exit"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    files = [os.path.join(root, "models", f) for f in os.listdir(os.path.join(root, "models")) if f.endswith(".py")]
+    files += [os.path.join(root, "benchmarks", "convergence.py"), os.path.join(root, "benchmarks", "workers", "train_job.py")]
+    hits = []
+    for path in files:
+        with open(path) as f:
+            for number, line in enumerate(f, 1):
+                for access in re.findall(r"[\w\])]+\._[a-z]\w*", line):
+                    if access not in allowed:
+                        hits.append(f"{os.path.relpath(path, root)}:{number}: {access}")
+    assert not hits, hits
