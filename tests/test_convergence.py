@@ -159,3 +159,10 @@ def test_the_trainer_and_the_benchmark_use_only_gf_tfs_public_api():
                     if access not in allowed:
                         hits.append(f"{os.path.relpath(path, root)}:{number}: {access}")
     assert not hits, hits
+
+
+@pytest.mark.parametrize("task", list(convergence.TASKS))
+def test_each_tasks_parameter_count_is_its_models(task):
+    name = factory.model_for("", task)
+    model = factory.build_model(name, factory.default_input_shape(name), 10)
+    assert convergence.TASKS[task].params == sum(int(w.shape.num_elements()) for w in model.trainable_weights)
