@@ -111,8 +111,8 @@ def payload_bytes_per_step(task: str, method: str) -> float:
     params = TASKS[task].params
     if method == "tf_fp32":
         return 4.0 * params
-    if method.startswith("csc_"):
-        return 2.0 * params * 0.25   # csc_auto's largest density; 1% methods send far less
+    if method.startswith("csc_"):   # FP16 chunks at 1%, or csc_auto's largest density (0.25)
+        return 2.0 * params * (0.25 if method == "csc_auto" else 0.01)
     return 2.0 * params
 
 
