@@ -1,132 +1,383 @@
-r"""Convergence of CSC on real data: test accuracy and bytes per step vs dense all-reduce.
+r"""Time to accuracy: tasks x methods x seeds x N x link, each run a real `gf-tf-run` job of `models.train`.
 
-  PYTHONPATH=. python benchmarks/convergence.py [--epochs 10] [--densities 0.1,0.01,0.001,auto]
-      [--selections per_pack,global] [--bytes_per_pack 1] [--no_baselines]
+    python -m benchmarks.convergence --dry-run                 # the matrix and its time estimate
+    sudo python -m benchmarks.convergence --quick              # mnist1d_wide, tf_fp32 and csc_1, seed 0, N=2, 100 Mbit/s
+    sudo python -m benchmarks.convergence --report             # the whole matrix, dated report in benchmarks/results/
+    python -m benchmarks.convergence --tasks digits --methods tf_fp32,default --seeds 0 --workers 2 --links none
 
-Trains the digits CNN (models.networks.digits_cnn, 0.54M parameters) on
-scikit-learn's handwritten digits (1437 train / 360 test images) with
-`python -m models.train` on 2 local workers (gf-tf-run, 127.0.0.1), the same
-epochs, seeds, batch size and learning-rate schedule for every row:
-  dense FP32  TF's own float32 all-reduce, SGD with momentum 0.9
-  dense FP16  GradientFlowAllReduce(compression="fp16"), SGD with momentum 0.9
-  CSC d       FP16 wire + ChunkSparsity(density=d, momentum=0.9 correction) after
-              --warmup_steps dense steps, plain SGD (momentum lives in CSC);
-              d = auto: ChunkSparsity(density="auto"), the density chosen each step
-              from the measured compute and all-reduce time (the density column
-              shows its mean over the last epoch)
-  CSC d cold  the same without warm-up (sparse from the first step), to show
-              what the warm-up contributes
-  CSC d cold m0  plain error feedback and plain SGD (no momentum anywhere), no warm-up
-  CSC d global   the CSC d row with ChunkSparsity(selection="global") (one top-K over
-              all packs; rows per --selections; with one pack, the default
-              --bytes_per_pack for this model, both selections are the same)
-and prints one row per run: test accuracy (whole test set), its difference to
-dense FP32 in points, bytes sent per step and replica after warm-up, and the
-compression ratio against float32 dense bytes.
+Every run trains `python -m models.train --dataset TASK --curve` (the dataset's model,
+the trainer's defaults: 10 epochs, batch 64, SGD lr 0.05 cosine, momentum 0.9, CSC
+after 20 dense warm-up steps) on N workers launched by `gf-tf-run`, with the flags of
+its method (METHODS). On an emulated link (a rate in Mbit/s, root) each worker runs in
+its own network namespace behind a token bucket, as in benchmarks.fit
+(benchmarks.netem.EmulatedCluster, `gf-tf-run` given the task TF_CONFIG names);
+an unshaped link without root runs `gf-tf-run -n N` on this machine's loopback.
+
+After every epoch the chief records its test accuracy (the whole test split), the
+training seconds since its first step began (evaluation excluded) and the bytes it
+has put into gradient all-reduces (gf_tf's CommStats; for TensorFlow's own
+all-reduce the gradients' bytes in float32 or float16 per step).
+
+Per cell (task, N, link, method), over the seeds:
+  final acc    median final test accuracy, and its range (min-max) over the seeds
+  vs fp32      the median's difference to tf_fp32's, in points
+  time to tgt  median seconds until the accuracy first reaches the target: tf_fp32's
+               median final accuracy in that (task, N, link) minus 1 point; "not reached"
+               when fewer than half the seeds reach it within the run
+  bytes/step   mean bytes a worker put into gradient all-reduces per step (warm-up included)
+The 1-minute load average of the machine (min-max over the cell's runs) goes beside each
+table: the runs are CPU-bound on 2 cores and other jobs slow them.
+
+Output: JSON (--out), the tables on stdout, with --report a dated Markdown report in
+benchmarks/results/, and with --plots the figures of benchmarks.plots
+(accuracy against seconds and against bytes, per task and link) in docs/img/.
 """
 
 import argparse
+import dataclasses
+import datetime
+import itertools
 import json
 import os
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from typing import Dict, List, Optional, Sequence, Tuple
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks import netem, report
+from benchmarks.allreduce import parse_list, parse_rates
+
+BASE_PORT = 25000
+TARGET_MARGIN = 0.01   # the target: tf_fp32's median final accuracy minus 1 point
+
+# method -> models.train flags (later flags win). A new reducer is one line here.
+METHODS: Dict[str, List[str]] = {
+    "tf_fp32": ["--compression", "none", "--density", "1"],
+    "tf_fp16": ["--compression", "none", "--density", "1", "--tf_all_reduce_dtype", "float16"],
+    "gf_fp16": ["--compression", "fp16", "--density", "1"],
+    "default": ["--compression", "auto", "--bytes_per_pack", "auto", "--algorithm", "auto",
+                "--overlap", "false", "--density", "1"],   # GradientFlowAllReduce() with no argument
+    "csc_1": ["--compression", "fp16", "--density", "0.01", "--selection", "per_pack"],
+    "csc_1_ahead": ["--compression", "fp16", "--density", "0.01", "--selection", "ahead"],
+    "csc_auto": ["--compression", "fp16", "--density", "auto", "--selection", "per_pack"],
+}
+BASELINE = "tf_fp32"
 
 
-def row_name(density: str, suffix: str = "") -> str:
-    """'CSC 0.01', 'CSC auto', ... for a --densities entry."""
-    label = "auto" if density.strip().lower() == "auto" else f"{float(density):g}"
-    return f"CSC {label}{suffix}"
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """A models.train dataset and what the time estimate needs: trainable parameters of its
+    model, steps per epoch at batch 64, and the seconds per step of 2 workers on 2 cores over
+    loopback (rounded up from this machine's runs: about 0.04-0.05 s under a load average of 4)."""
+    params: int
+    steps_per_epoch: int
+    compute_s_per_step: float
 
 
-def run(name, flags, args, workdir):
-    model_dir = os.path.join(workdir, name.replace(" ", "_"))
-    cmd = [sys.executable, "-m", "gf_tf.launch", "-n", str(args.workers), "--",
-           sys.executable, "-m", "models.train", "--model_dir", model_dir,
-           "--epochs", str(args.epochs), "--seed", str(args.seed),
-           "--batch_size", str(args.batch_size), "--learning_rate", str(args.learning_rate),
-           "--warmup_steps", str(args.warmup_steps), "--chunk_size", str(args.chunk_size),
-           *([] if args.bytes_per_pack is None else ["--bytes_per_pack", str(args.bytes_per_pack)]),
-           "--collective_timeout", "120", *flags]  # later flags win (absl)
-    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
-    start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=args.timeout)
-    seconds = time.monotonic() - start
-    if proc.returncode != 0:
-        raise RuntimeError(f"{name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}"
-                           f"\n{proc.stderr[-3000:]}")
-    with open(os.path.join(model_dir, "results.json")) as f:
+TASKS: Dict[str, Task] = {
+    "digits": Task(params=544_618, steps_per_epoch=22, compute_s_per_step=0.06),
+    "mnist1d": Task(params=7_785, steps_per_epoch=62, compute_s_per_step=0.05),
+    "mnist1d_wide": Task(params=1_101_834, steps_per_epoch=62, compute_s_per_step=0.06),
+}
+EPOCHS = 10            # models.train's default
+START_SECONDS = 25.0   # per run: start-up, tracing, the data, 10 evaluations
+
+Run = Tuple[str, int, Optional[float], str, int]   # (task, N, rate_mbit or None, method, seed)
+
+
+def matrix(tasks: Sequence[str], methods: Sequence[str], seeds: Sequence[int], workers: Sequence[int],
+           links: Sequence[Optional[float]]) -> List[Run]:
+    """Every run, grouped by (N, link) so that each emulated cluster is set up once; tf_fp32 first
+    in each group (the target comes from it)."""
+    ordered = sorted(methods, key=lambda m: m != BASELINE)
+    return [(t, n, r, m, s) for n, r in itertools.product(workers, links)
+            for t in tasks for s in seeds for m in ordered]
+
+
+def preset(name: str, root: bool) -> Dict[str, list]:
+    """The presets' axes: quick (one task, two methods, one seed) and full (the issue's matrix)."""
+    if name == "quick":
+        return {"tasks": ["mnist1d_wide"], "methods": ["tf_fp32", "csc_1"], "seeds": [0], "workers": [2],
+                "links": [100.0 if root else None]}
+    return {"tasks": list(TASKS), "methods": list(METHODS), "seeds": [0, 1, 2], "workers": [2, 4],
+            "links": [100.0, None]}
+
+
+def payload_bytes_per_step(task: str, method: str) -> float:
+    """Bytes a worker puts into gradient all-reduces per step, at most (for time estimates)."""
+    params = TASKS[task].params
+    if method == "tf_fp32":
+        return 4.0 * params
+    if method.startswith("csc_"):   # FP16 chunks at 1%, or csc_auto's largest density (0.25)
+        return 2.0 * params * (0.25 if method == "csc_auto" else 0.01)
+    return 2.0 * params
+
+
+def estimate_run_seconds(run: Run) -> float:
+    """A rough run time: start-up + steps x (compute with N workers on 2 cores + the ring's link time)."""
+    task, n, rate, method, _ = run
+    t = TASKS[task]
+    link = 0.0 if rate is None else 2 * (n - 1) / n * payload_bytes_per_step(task, method) * 8 / (rate * 0.95e6)
+    compute = t.compute_s_per_step * max(1.0, n / 2)
+    return START_SECONDS + 1.5 * n + EPOCHS * t.steps_per_epoch * (compute + link)
+
+
+def time_to_target(curve: Sequence[Dict], target: float) -> Optional[float]:
+    """Seconds of the first curve point whose test accuracy is >= target, or None if none is.
+
+    curve: points {"seconds": float, "test_accuracy": float} in training order.
+    """
+    for point in curve:
+        if point["test_accuracy"] is not None and point["test_accuracy"] >= target:
+            return float(point["seconds"])
+    return None
+
+
+def median_time_to_target(times: Sequence[Optional[float]]) -> Optional[float]:
+    """Median over seeds with "not reached" (None) counted as later than any time; None if that
+    median is "not reached" (fewer than half the seeds reached the target)."""
+    if not times:
+        return None
+    ordered = sorted(times, key=lambda t: (t is None, t or 0.0))
+    middle = ordered[(len(ordered) - 1) // 2: len(ordered) // 2 + 1]
+    return None if None in middle else statistics.mean(middle)
+
+
+def summarize(runs: List[Dict]) -> List[Dict]:
+    """Per cell (task, N, link, method) over its seeds' runs: final accuracy median and range, its
+    difference to tf_fp32, the target, the median time to target, bytes per step, load average."""
+    cells: Dict[tuple, List[Dict]] = {}
+    for r in runs:
+        if "error" not in r:
+            cells.setdefault((r["task"], r["workers"], r["rate_mbit"], r["method"]), []).append(r)
+    base = {k[:3]: statistics.median(x["final_accuracy"] for x in v)
+            for k, v in cells.items() if k[3] == BASELINE}
+    out = []
+    for (task, n, rate, method), rs in cells.items():
+        accuracies = [r["final_accuracy"] for r in rs]
+        reference = base.get((task, n, rate))
+        target = None if reference is None else reference - TARGET_MARGIN
+        times = [time_to_target(r["curve"], target) for r in rs] if target is not None else []
+        out.append({"task": task, "workers": n, "rate_mbit": rate, "method": method, "seeds": len(rs),
+                    "final_accuracy_median": statistics.median(accuracies),
+                    "final_accuracy_min": min(accuracies), "final_accuracy_max": max(accuracies),
+                    "vs_tf_fp32_points": None if reference is None
+                    else 100 * (statistics.median(accuracies) - reference),
+                    "target": target, "times_to_target_s": times,
+                    "time_to_target_s": median_time_to_target(times),
+                    "bytes_per_step": statistics.median(r["sent_bytes_per_step"] for r in rs),
+                    "seconds_median": statistics.median(r["curve"][-1]["seconds"] for r in rs),
+                    "load_average_1min": [min(r["load_average_1min"] for r in rs),
+                                          max(r["load_average_1min"] for r in rs)]})
+    return out
+
+
+def train_argv(run: Run, model_dir: str, extra: Sequence[str] = ()) -> List[str]:
+    """The `python -m models.train` command of a run: its task, seed and method's flags, then
+    `extra` (later flags win)."""
+    task, _, _, method, seed = run
+    return [sys.executable, "-m", "models.train", "--dataset", task, "--seed", str(seed), "--curve",
+            "--model_dir", model_dir, "--collective_timeout", "600", "--heartbeat_timeout", "120",
+            *METHODS[method], *extra]
+
+
+def _launcher() -> str:
+    return shutil.which("gf-tf-run") or os.path.join(os.path.dirname(sys.executable), "gf-tf-run")
+
+
+def _outcome(run: Run, model_dir: str, error: Optional[str]) -> Dict:
+    task, n, rate, method, seed = run
+    out = {"task": task, "workers": n, "rate_mbit": rate, "method": method, "seed": seed,
+           "load_average_1min": os.getloadavg()[0]}
+    path = os.path.join(model_dir, "results.json")
+    if error is None and not os.path.exists(path):
+        error = "no results.json"
+    if error is not None:
+        return {**out, "error": error}
+    with open(path) as f:
         result = json.load(f)
-    result["seconds"] = seconds
-    return result
+    return {**out, "model": result["model"], "final_accuracy": result["test_accuracy"],
+            "sent_bytes_per_step": result["sent_bytes_per_step"],
+            "dense_bytes_per_step": result["dense_bytes_per_step"], "curve": result["curve"]}
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--densities", default="0.1,0.01,0.001")
-    parser.add_argument("--cold_densities", default="0.01",
-                        help="densities also run without warm-up ('' = none)")
-    parser.add_argument("--warmup_steps", type=int, default=50)
-    parser.add_argument("--selections", default="per_pack",
-                        help="CSC top-k per pack and/or over the whole model: comma-separated "
-                             "per_pack, global (one row each per density)")
-    parser.add_argument("--bytes_per_pack", type=int, default=None,
-                        help="lazy all-reduce threshold in wire bytes (models.train's default if "
-                             "unset: one pack for the digits CNN; 1: one pack per tensor)")
-    parser.add_argument("--no_baselines", action="store_true",
-                        help="skip the dense FP32 / FP16 rows ('vs FP32' is then against the first row)")
-    parser.add_argument("--chunk_size", type=int, default=1024)
-    parser.add_argument("--batch_size", type=int, default=64)
-    parser.add_argument("--learning_rate", type=float, default=0.05)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
-    args = parser.parse_args()
+def run_local(run: Run, workdir: str, timeout: float, extra: Sequence[str] = ()) -> Dict:
+    """One unshaped run: `gf-tf-run -n N` on this machine (no root needed); `extra`: more
+    models.train flags."""
+    model_dir = os.path.join(workdir, "_".join(map(str, run)).replace(".", "p"))
+    env = dict(os.environ, PYTHONPATH=netem.REPO_ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_CONFIG", None)
+    try:
+        proc = subprocess.run([_launcher(), "-n", str(run[1]), "--", *train_argv(run, model_dir, extra)],
+                              cwd=netem.REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        error = None if proc.returncode == 0 else f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}"
+    except subprocess.TimeoutExpired:
+        error = f"not finished after {timeout:.0f} s"
+    return _outcome(run, model_dir, error)
 
-    runs = [] if args.no_baselines else [
-        ("dense FP32", ["--compression", "none", "--density", "1"]),
-        ("dense FP16", ["--compression", "fp16", "--density", "1"])]
-    selections = list(filter(None, args.selections.split(",")))
-    for d in filter(None, args.densities.split(",")):
-        for s in selections:
-            runs.append((row_name(d, "" if s == "per_pack" else f" {s}"),
-                         ["--compression", "fp16", "--density", d, "--selection", s]))
-    for d in filter(None, args.cold_densities.split(",")):
-        runs.append((row_name(d, " cold"), ["--compression", "fp16", "--density", d,
-                                                 "--warmup_steps", "0"]))
-        runs.append((row_name(d, " cold m0"), ["--compression", "fp16", "--density", d,
-                                                    "--warmup_steps", "0", "--momentum", "0"]))
 
-    print(f"digits_cnn on sklearn digits, {args.workers} workers, {args.epochs} epochs, "
-          f"batch {args.batch_size}, lr {args.learning_rate} cosine, seed {args.seed}; "
-          f"CSC: chunk_size {args.chunk_size}, {args.warmup_steps} dense warm-up steps, "
-          f"momentum correction 0.9; bytes_per_pack "
-          f"{'default' if args.bytes_per_pack is None else args.bytes_per_pack}", flush=True)
-    header = (f"{'run':<20} {'test acc':>8} {'vs FP32':>8} {'bytes/step':>12} "
-              f"{'ratio':>7} {'density':>8} {'mean bytes/step':>16} {'seconds':>8}")
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="gf_tf_convergence_") as workdir:
-        for name, flags in runs:
-            r = run(name, flags, args, workdir)
-            rows.append((name, r))
-            print(f"  done: {name}: accuracy {r['test_accuracy']:.4f}", flush=True)
-    base = rows[0][1]["test_accuracy"]
-    print("\n" + header)
-    for name, r in rows:
-        after = r["last_epoch_sent_bytes_per_step"]
-        print(f"{name:<20} {100 * r['test_accuracy']:>7.2f}% {100 * (r['test_accuracy'] - base):>+7.2f} "
-              f"{after:>12,.0f} {r['dense_bytes_per_step'] / after:>6.1f}x "
-              f"{r.get('last_epoch_density', 1.0):>8.4g} "
-              f"{r['sent_bytes_per_step']:>16,.0f} {r['seconds']:>8.0f}")
-    print("bytes/step, density: per replica and step in the last epoch (after warm-up); "
-          "mean bytes/step: over all steps, warm-up included; ratio: float32 dense bytes / bytes/step; "
-          "cold: no warm-up; m0: no momentum anywhere (plain SGD, plain error feedback)")
+def run_emulated(cluster: netem.EmulatedCluster, run: Run, port: int, workdir: str, timeout: float,
+                 log_dir: str) -> Dict:
+    """One run on the emulated cluster: worker i in namespace i, `gf-tf-run` running the task its
+    TF_CONFIG names; benchmarks.workers.train_job prints the chief's results.json as its RESULT."""
+    model_dir = os.path.join(workdir, "_".join(map(str, run)).replace(".", "p"))
+    argv = [sys.executable, "-m", "benchmarks.workers.train_job", model_dir, _launcher(), "--",
+            *train_argv(run, model_dir)]
+    job = cluster.run_job([argv] * run[1], port, timeout=timeout, log_dir=log_dir,
+                          tag="_".join(map(str, run)).replace(".", "p"))
+    return _outcome(run, model_dir, job["error"])
+
+
+def run_matrix(runs: List[Run], timeout: float, say=print) -> List[Dict]:
+    """Runs every run, unshaped ones locally without root, the others on an emulated cluster per N."""
+    results: List[Dict] = []
+    workdir = tempfile.mkdtemp(prefix="gf_tf_convergence_")
+    log_dir = os.path.join(workdir, "logs")
+    os.makedirs(log_dir)
+    emulate = os.geteuid() == 0 or any(r[2] is not None for r in runs)
+    port = BASE_PORT
+    for n in sorted({r[1] for r in runs}):
+        group = [r for r in runs if r[1] == n]
+        cluster = netem.EmulatedCluster(n) if emulate else None
+        if cluster is not None:
+            cluster.up()
+        try:
+            for rate in sorted({r[2] for r in group}, key=lambda x: (x is None, x or 0)):
+                if cluster is not None:
+                    cluster.set_rate(rate)
+                for run in [r for r in group if r[2] == rate]:
+                    began = time.time()
+                    port += 1
+                    result = (run_emulated(cluster, run, port, workdir, timeout, log_dir) if cluster
+                              else run_local(run, workdir, timeout))
+                    results.append(result)
+                    say(f"  {run[0]} N={n} {report.link_label(rate)} {run[3]} seed {run[4]}: "
+                        + (f"FAILED: {result['error']}" if "error" in result
+                           else f"accuracy {result['final_accuracy']:.4f}")
+                        + f"  [{time.time() - began:.0f} s, load {result['load_average_1min']:.1f}]")
+        finally:
+            if cluster is not None:
+                cluster.down()
+    return results
+
+
+def _time_cell(seconds: Optional[float], target: Optional[float]) -> str:
+    if target is None:
+        return "-"
+    return "not reached" if seconds is None else f"{seconds:.1f} s"
+
+
+def tables(cells: List[Dict]) -> str:
+    """One Markdown table per (task, N, link), methods in METHODS order, the load average above it."""
+    order = list(METHODS)
+    out = []
+    for key in sorted({(c["task"], c["workers"], c["rate_mbit"]) for c in cells},
+                      key=lambda k: (list(TASKS).index(k[0]) if k[0] in TASKS else 99, k[1], k[2] is None, k[2] or 0)):
+        rows = sorted([c for c in cells if (c["task"], c["workers"], c["rate_mbit"]) == key],
+                      key=lambda c: order.index(c["method"]) if c["method"] in order else 99)
+        loads = [x for c in rows for x in c["load_average_1min"]]
+        target = rows[0]["target"]
+        out.append(f"{key[0]}, N={key[1]}, {report.link_label(key[2])}: target "
+                   + ("-" if target is None else f"{100 * target:.2f}%")
+                   + f" (tf_fp32's median final accuracy - 1 point); 1-min load average "
+                   f"{min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores\n")
+        out.append(report.markdown_table(
+            ["method", "seeds", "final acc %", "range %", "vs fp32 pt", "time to target", "train s",
+             "bytes/step"],
+            [[c["method"], c["seeds"], 100 * c["final_accuracy_median"],
+              f"{100 * c['final_accuracy_min']:.2f}-{100 * c['final_accuracy_max']:.2f}",
+              None if c["vs_tf_fp32_points"] is None else f"{c['vs_tf_fp32_points']:+.2f}",
+              _time_cell(c["time_to_target_s"], c["target"]), c["seconds_median"],
+              f"{c['bytes_per_step']:,.0f}"] for c in rows]) + "\n")
+    return "\n".join(out)
+
+
+def describe(runs: List[Run]) -> str:
+    """The matrix's axes, size and estimated time (what --dry-run prints)."""
+    axes = [sorted({r[i] for r in runs}, key=lambda x: (x is None, str(x))) for i in range(5)]
+    seconds = sum(estimate_run_seconds(r) for r in runs)
+    return (f"tasks {axes[0]} x methods {[m for m in METHODS if m in axes[3]]} x seeds {axes[4]} x "
+            f"N {axes[1]} x links {[report.link_label(r) for r in axes[2]]}: {len(runs)} runs, "
+            f"estimated {seconds / 60:.0f} min ({seconds / 3600:.1f} h) on 2 cores")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="mnist1d_wide, tf_fp32 and csc_1, seed 0, N=2, 100 Mbit/s with root (~5 min)")
+    parser.add_argument("--dry-run", action="store_true", help="print the matrix and its time estimate, run nothing")
+    parser.add_argument("--tasks", help=f"comma-separated subset of {list(TASKS)}")
+    parser.add_argument("--methods", help=f"comma-separated subset of {list(METHODS)}")
+    parser.add_argument("--seeds", help="comma-separated seeds (default 0,1,2)")
+    parser.add_argument("--workers", help="comma-separated N (default 2,4)")
+    parser.add_argument("--links", help="comma-separated Mbit/s or 'none' for unshaped (default 100,none)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
+    parser.add_argument("--out", default=None, help="JSON path (default: a temporary file)")
+    parser.add_argument("--report", action="store_true",
+                        help="write benchmarks/results/<date>-convergence.{md,json} from this run")
+    parser.add_argument("--plots", action="store_true", help="draw the figures into docs/img/ (benchmarks.plots)")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    axes = preset("quick" if args.quick else "full", os.geteuid() == 0)
+    if args.tasks:
+        axes["tasks"] = parse_list(args.tasks, list(TASKS), "--tasks")
+    if args.methods:
+        axes["methods"] = parse_list(args.methods, list(METHODS), "--methods")
+    if args.seeds:
+        axes["seeds"] = [int(s) for s in args.seeds.split(",")]
+    if args.workers:
+        axes["workers"] = [int(n) for n in args.workers.split(",")]
+    if args.links:
+        axes["links"] = parse_rates(args.links)
+    runs = matrix(**axes)
+    print(describe(runs), flush=True)
+    if args.dry_run:
+        for run in runs:
+            print(f"  {run[0]:13s} N={run[1]} {report.link_label(run[2]):12s} {run[3]:12s} seed {run[4]}  "
+                  f"~{estimate_run_seconds(run):.0f} s")
+        return 0
+    if os.geteuid() == 0 or any(r[2] is not None for r in runs):
+        netem.require_root()
+    command = "python -m benchmarks.convergence " + " ".join(sys.argv[1:] if argv is None else argv)
+    meta = report.machine_description(command)
+    started = time.time()
+    results = run_matrix(runs, args.timeout, say=lambda s: print(s, flush=True))
+    meta["wall_seconds"] = time.time() - started
+    meta["load_average_at_end"] = os.getloadavg()
+    cells = summarize(results)
+    payload = {"meta": meta, "axes": axes, "runs": results, "cells": cells}
+    text = tables(cells)
+    print(f"\ntime to accuracy, {meta['date_utc']}, {meta['cpu']} x{meta['logical_cpus']}, TF {meta['tensorflow']}, "
+          f"wall {meta['wall_seconds'] / 60:.1f} min\n\n{text}")
+    out = args.out or os.path.join(tempfile.gettempdir(), "gf_tf_convergence.json")
+    if args.report:
+        stem = os.path.join(netem.REPO_ROOT, "benchmarks", "results",
+                            datetime.date.today().isoformat() + "-convergence")
+        out = args.out or stem + ".json"
+        with open(stem + ".md", "w") as f:
+            f.write(f"# Time to accuracy ({meta['date_utc']})\n\n`{command}` on {meta['cpu']} "
+                    f"x{meta['logical_cpus']}, TF {meta['tensorflow']}, commit {meta['git_commit']}, "
+                    f"wall {meta['wall_seconds'] / 60:.1f} min; load average at start "
+                    f"{meta['load_average_at_start'][0]:.1f}, at end {meta['load_average_at_end'][0]:.1f}.\n\n"
+                    f"{text}")
+        print(f"report: {stem}.md")
+    report.write_json(out, payload)
+    print(f"JSON: {out}")
+    if args.plots:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from benchmarks import plots
+        for path in plots.convergence_figures([out], plots.DEFAULT_OUT_DIR, plt):
+            print(f"figure: {path}")
+    failed = [r for r in results if "error" in r]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -23,6 +23,12 @@ files in benchmarks/results/ that docs/benchmarks.md shows):
   JSON file (`python -m benchmarks.projection --json F`), titled with the file's
   alpha and local-cost scale.
 
+- convergence-<task>-<link>.png (--convergence): benchmarks.convergence's runs, one
+  figure per task and link: test accuracy against training seconds (left) and against
+  the bytes a worker put into gradient all-reduces (right, log scale), one line per
+  run, coloured by method, line style by N. Reads the "runs" of benchmarks.convergence
+  JSON; nothing is drawn when no file is given.
+
 A JSON file whose "meta" holds a "source" (a table transcribed from a dated report,
 not a run's own output) is drawn the same way; the source goes into the figure's
 footnote. Failed cells (with "error") are skipped. Needs matplotlib
@@ -48,6 +54,9 @@ DEFAULT_PROJECTION = [os.path.join(RESULTS, f"2026-12-03-projection-{name}.json"
                       for name in ("fitted", "local-0.01", "alpha-10us")]
 DEFAULT_OUT_DIR = os.path.join(REPO_ROOT, "docs", "img")
 FIGURES = ("speed-vs-tf.png", "bytes-vs-density.png", "projection.png")
+DEFAULT_CONVERGENCE: List[str] = [os.path.join(RESULTS, "2026-12-03-convergence.json")]
+CONVERGENCE_METHODS = ("tf_fp32", "tf_fp16", "gf_fp16", "default", "csc_1", "csc_1_ahead", "csc_auto")
+N_STYLES = {2: "-", 3: "-.", 4: "--", 8: ":"}
 
 SET_LABELS = {"tiny": "tiny", "resnet20": "ResNet-20", "resnet50": "ResNet-50", "alexnet": "AlexNet",
               "digits_cnn": "digits CNN"}
@@ -229,12 +238,53 @@ def projection_figure(paths: Sequence[str], out: str, plt, link_gbit: float) -> 
     report.save_figure(fig, out, dpi=100, bottom=0.09)
 
 
+def convergence_name(task: str, rate_mbit: Optional[float]) -> str:
+    """The file name of one task's and link's convergence figure, e.g. convergence-mnist1d-100mbit.png."""
+    return f"convergence-{task}-{'unshaped' if rate_mbit is None else f'{rate_mbit:g}mbit'}.png"
+
+
+def convergence_figures(paths: Sequence[str], out_dir: str, plt) -> List[str]:
+    """Accuracy against seconds and against bytes, one figure per (task, link); returns the paths."""
+    docs = [load(p) for p in paths]
+    runs = [r for d in docs for r in d["runs"] if "error" not in r]
+    written = []
+    for task, rate in sorted({(r["task"], r["rate_mbit"]) for r in runs}, key=lambda k: (k[0], k[1] is None, k[1] or 0)):
+        fig, (by_time, by_bytes) = plt.subplots(1, 2, figsize=(10, 4.2))
+        shown = [r for r in runs if (r["task"], r["rate_mbit"]) == (task, rate)]
+        for r in shown:
+            style = dict(color=f"C{CONVERGENCE_METHODS.index(r['method']) % 10}"
+                         if r["method"] in CONVERGENCE_METHODS else "black",
+                         linestyle=N_STYLES.get(r["workers"], "-"), marker="o", markersize=3, linewidth=1.2)
+            accuracy = [100 * p["test_accuracy"] for p in r["curve"]]
+            by_time.plot([p["seconds"] for p in r["curve"]], accuracy, **style)
+            by_bytes.plot([max(p["bytes_sent"], 1.0) for p in r["curve"]], accuracy, **style)
+        by_time.set_xlabel("training seconds since the first step (evaluation excluded)")
+        by_bytes.set_xlabel("bytes a worker put into gradient all-reduces")
+        by_bytes.set_xscale("log")
+        for ax in (by_time, by_bytes):
+            ax.set_ylabel("test accuracy %")
+            ax.grid(True, alpha=0.3)
+        fig.suptitle(f"{task}, {report.link_label(rate)} links")
+        handles = [plt.Line2D([], [], color=f"C{i % 10}", marker="o", label=m)
+                   for i, m in enumerate(CONVERGENCE_METHODS) if any(r["method"] == m for r in shown)]
+        handles += [plt.Line2D([], [], color="gray", linestyle=N_STYLES.get(n, "-"), label=f"N={n}")
+                    for n in sorted({r["workers"] for r in shown})]
+        fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 5), fontsize=8, frameon=False)
+        fig.text(0.01, 0.005, _sources(docs, paths), fontsize=6.5, color="gray")
+        path = os.path.join(out_dir, convergence_name(task, rate))
+        report.save_figure(fig, path, dpi=100, bottom=0.14)
+        written.append(path)
+    return written
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--speed", nargs="+", default=DEFAULT_SPEED, help="benchmarks.allreduce JSON(s)")
     parser.add_argument("--bytes", nargs="+", default=DEFAULT_BYTES, help="JSON(s) with payload_bytes cells")
     parser.add_argument("--projection", nargs="+", default=DEFAULT_PROJECTION,
                         help="benchmarks.projection --json output(s), one column each")
+    parser.add_argument("--convergence", nargs="*", default=[p for p in DEFAULT_CONVERGENCE if os.path.exists(p)],
+                        help="benchmarks.convergence JSON(s): one figure per task and link")
     parser.add_argument("--link-gbit", type=float, default=56.0, help="the projection's link rate to draw")
     parser.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="where the PNGs go (default docs/img)")
     args = parser.parse_args(argv)
@@ -245,13 +295,15 @@ def main(argv=None) -> int:
     except ImportError:
         print("benchmarks.plots: matplotlib is not installed (pip install '.[plot]')", file=sys.stderr)
         return 2
-    for path in [*args.speed, *args.bytes, *args.projection]:
+    for path in [*args.speed, *args.bytes, *args.projection, *args.convergence]:
         if not os.path.exists(path):
             raise SystemExit(f"benchmarks.plots: no such file {path}")
     outputs = [os.path.join(args.out_dir, name) for name in FIGURES]
     speed_figure(args.speed, outputs[0], plt)
     bytes_figure(args.bytes, outputs[1], plt)
     projection_figure(args.projection, outputs[2], plt, args.link_gbit)
+    if args.convergence:
+        outputs += convergence_figures(args.convergence, args.out_dir, plt)
     plt.close("all")
     for path in outputs:
         print(path)

@@ -13,6 +13,8 @@ in a collective for another whose shard ran out early (uneven last batch).
 
 Sources:
   digits    the 1797 8x8 handwritten digits bundled with scikit-learn (offline); 1437 train / 360 test.
+  mnist1d   MNIST-1D (Greydanus 2020): 4000 train / 1000 test sequences of length 40, generated
+            offline by the mnist1d package (pip install gf_tf[tasks]); never downloaded.
   mnist     28x28 digits through keras.datasets (downloads once to ~/.keras/datasets).
   cifar10   32x32 colour images through keras.datasets (downloads once).
   imagenet  a TFRecord directory in the layout of TF's build_imagenet_data.py:
@@ -41,11 +43,12 @@ TRAIN, TEST = "train", "test"
 class Source:
     """A dataset: metadata plus a function making one shard of one split.
 
-    input_shape: (height, width, channels) of the float32 images.
+    input_shape: shape of one float32 example: (height, width, channels) for images,
+      (length, channels) for sequences (mnist1d).
     num_examples: examples per split ("train", "test") over all shards.
     """
     name: str
-    input_shape: Tuple[int, int, int]
+    input_shape: Tuple[int, ...]
     num_classes: int
     num_examples: Dict[str, int]
     _make: Callable[..., tf.data.Dataset]
@@ -125,13 +128,14 @@ def distributed_dataset(strategy: tf.distribute.Strategy, source: Source, split:
 
 def _from_arrays(name, arrays: Dict[str, Tuple[np.ndarray, np.ndarray]], num_classes,
                  preprocess: Optional[Callable] = None, augment: Optional[Callable] = None) -> Source:
-    """A Source over in-memory images (N, H, W, C) and integer labels (N,) per split.
+    """A Source over in-memory examples (N, ...) with a channel axis last, e.g. images
+    (N, H, W, C) or sequences (N, L, C), and integer labels (N,) per split.
 
     preprocess maps a stored image to float32 (e.g. uint8 -> [0, 1]) inside
     tf.data, so large sets stay uint8 in memory; augment runs on training data.
     """
     for split, (x, y) in arrays.items():
-        if x.ndim != 4 or len(x) != len(y):
+        if x.ndim < 3 or len(x) != len(y):
             raise ValueError(f"{name} {split}: images {x.shape} and labels {y.shape} do not match")
 
     def make(split, num_shards, shard_index, training, seed):
@@ -164,6 +168,36 @@ def load_digits(seed: int = 0) -> Source:
     x_train, x_test, y_train, y_test = train_test_split(
         x, data.target, test_size=0.2, random_state=0, stratify=data.target)
     return _from_arrays("digits", {TRAIN: (x_train, y_train), TEST: (x_test, y_test)}, 10)
+
+
+TASKS_EXTRA_HINT = "pip install 'gf_tf[tasks]' (or: pip install mnist1d scipy)"
+
+
+def load_mnist1d(seed: int = 0) -> Source:
+    """MNIST-1D (Greydanus 2020, arXiv 2011.14439): 10 classes of 1-D digit templates,
+    shifted, scaled, sheared and noised; float32 sequences (40, 1), int32 labels 0-9.
+
+    Generated offline by `mnist1d.data.make_dataset(mnist1d.data.get_dataset_args())`
+    (5000 examples, the package's seed 42, standardised to mean 0 and std 1), split
+    4000 train / 1000 test as the package does; the package's download path is never
+    used. The data is fixed, independent of `seed`, so test accuracy is comparable
+    across runs; NumPy's global random state is left as it was. Generation takes about
+    5 s. Raises DatasetUnavailable naming the `tasks` extra if mnist1d (or scipy, which
+    it needs) is not installed.
+    """
+    try:
+        from mnist1d.data import get_dataset_args, make_dataset
+    except ImportError as e:
+        raise DatasetUnavailable(f"--dataset mnist1d needs the mnist1d package ({e}): "
+                                 f"{TASKS_EXTRA_HINT}") from e
+    state = np.random.get_state()   # make_dataset seeds NumPy's global generator
+    try:
+        data = make_dataset(get_dataset_args())
+    finally:
+        np.random.set_state(state)
+    as_sequences = lambda x: x.astype(np.float32)[..., None]
+    return _from_arrays("mnist1d", {TRAIN: (as_sequences(data["x"]), data["y"]),
+                                    TEST: (as_sequences(data["x_test"]), data["y_test"])}, 10)
 
 
 class DatasetUnavailable(RuntimeError):

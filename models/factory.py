@@ -14,13 +14,15 @@ from gf_tf import cluster
 from models import datasets, networks
 
 # name -> (builder(input_shape, num_classes), default input shape (used by --dataset synthetic))
-MODELS: Dict[str, Tuple[Callable[..., keras.Model], Tuple[int, int, int]]] = {
+MODELS: Dict[str, Tuple[Callable[..., keras.Model], Tuple[int, ...]]] = {
     "digits_cnn": (networks.digits_cnn, (8, 8, 1)),
     "resnet20": (lambda s, n: networks.resnet_cifar(20, s, n), (32, 32, 3)),
     "resnet32": (lambda s, n: networks.resnet_cifar(32, s, n), (32, 32, 3)),
     "resnet56": (lambda s, n: networks.resnet_cifar(56, s, n), (32, 32, 3)),
     "resnet50": (networks.resnet50, (224, 224, 3)),
     "alexnet": (networks.alexnet, (224, 224, 3)),
+    "mnist1d_cnn": (networks.mnist1d_cnn, (40, 1)),
+    "wide_mlp": (networks.wide_mlp, (40, 1)),
 }
 
 # name -> loader(data_dir, model_input_shape, seed) -> datasets.Source
@@ -32,7 +34,20 @@ DATASETS: Dict[str, Callable[[str, Tuple[int, int, int], int], datasets.Source]]
     "tfrecord": lambda data_dir, shape, seed: datasets.load_tfrecord(data_dir, seed),
     "synthetic": lambda data_dir, shape, seed: datasets.load_synthetic(
         shape, 1000 if shape[0] >= 128 else 10, seed=seed),
+    "mnist1d": lambda data_dir, shape, seed: datasets.load_mnist1d(seed),
+    "mnist1d_wide": lambda data_dir, shape, seed: datasets.load_mnist1d(seed),
 }
+
+# dataset -> the model --model "" (its default) trains on it; "mnist1d_wide" is mnist1d's data
+# for the wide MLP, the task with a large dense layer.
+DATASET_MODELS = {"mnist1d": "mnist1d_cnn", "mnist1d_wide": "wide_mlp"}
+DEFAULT_MODEL = "digits_cnn"   # every other dataset's
+
+
+def model_for(model: str, dataset: str) -> str:
+    """--model if given (not ""), else the dataset's model (DATASET_MODELS, or DEFAULT_MODEL)."""
+    return model or DATASET_MODELS.get(dataset, DEFAULT_MODEL)
+
 
 STRATEGIES = ("multi_worker_mirrored", "mirrored", "one_device")
 # flag value -> GradientFlowAllReduce argument of the same name ("auto": the planner chooses;
@@ -57,7 +72,7 @@ def build_model(name: str, input_shape, num_classes: int) -> keras.Model:
     return builder(tuple(input_shape), num_classes)
 
 
-def default_input_shape(model: str) -> Tuple[int, int, int]:
+def default_input_shape(model: str) -> Tuple[int, ...]:
     """The input shape a model was designed for (what --dataset synthetic generates)."""
     return choose("model", model, MODELS)[1]
 
@@ -105,7 +120,7 @@ def uses_csc(density: Union[float, str]) -> bool:
     return density != 1.0
 
 
-def build_gradient_flow(compression: str = "fp16", bytes_per_pack: int = 4 << 20,
+def build_gradient_flow(compression: str = "fp16", bytes_per_pack: Union[int, str] = 4 << 20,
                         density: Union[float, str] = 1.0, chunk_size: int = 1024,
                         warmup_steps: int = 0, momentum: float = 0.0, selection: str = "per_pack",
                         algorithm: str = "auto", overlap: str = "false",
@@ -125,6 +140,7 @@ def build_gradient_flow(compression: str = "fp16", bytes_per_pack: int = 4 << 20
     next-step score, "error_feedback" or "paper". The CSC flags
     are checked by gf_tf.ChunkSparsity, even for a dense run, and its
     ValueError names the flag ("--density must be a fraction in (0, 1] ...");
+    bytes_per_pack: wire bytes per pack, or "auto" (the planner's);
     also ValueError for a negative bytes_per_pack or an unknown compression,
     algorithm or overlap.
     """
@@ -132,7 +148,7 @@ def build_gradient_flow(compression: str = "fp16", bytes_per_pack: int = 4 << 20
     algorithm = choose("algorithm", algorithm, ALGORITHMS)
     overlap = choose("overlap", overlap, OVERLAPS)
     density = parse_density(density)
-    if bytes_per_pack < 0:
+    if bytes_per_pack != "auto" and bytes_per_pack < 0:
         raise ValueError(f"--bytes_per_pack must be >= 0 (wire bytes; 0 = one pack per dtype), "
                          f"got {bytes_per_pack}")
     try:   # every ChunkSparsity argument used here is the flag of the same name
@@ -146,6 +162,68 @@ def build_gradient_flow(compression: str = "fp16", bytes_per_pack: int = 4 << 20
         return None
     return gf_tf.GradientFlowAllReduce(compression=wire, bytes_per_pack=bytes_per_pack,
                                        sparsity=sparsity, algorithm=algorithm, overlap=overlap)
+
+
+# --tf_all_reduce_dtype: the dtype TF's own all-reduce carries the gradients in (no GradientFlow)
+TF_ALL_REDUCE_DTYPES = ("float32", "float16")
+
+
+@keras.saving.register_keras_serializable(package="gf_tf_models")
+class Float16AllReduceSGD(keras.optimizers.SGD):
+    """SGD whose gradients cross TensorFlow's own all-reduce as float16: the 16-bit dense baseline.
+
+    In replica context each gradient is cast to float16, summed over the
+    replicas by `ReplicaContext.all_reduce` (TensorFlow's collectives: its
+    packing, its ring) and cast back to its variable's dtype; then, in
+    cross-replica context (`merge_call`, where nothing is all-reduced again),
+    SGD's own `update_step` updates every variable with the summed gradient and
+    `iterations` advances, as `keras.optimizers.SGD.apply` does. Only the
+    gradients travel in float16; any other all-reduce of the step (metrics,
+    BatchNormalization) stays TensorFlow's as it is. A float16 sum overflows
+    beyond 65504 and loses gradients below about 6e-8 (no scaling: the plain
+    cast a 16-bit baseline uses). Without a strategy step (no replica context,
+    or the default strategy) it is `keras.optimizers.SGD`; gradient clipping,
+    weight decay, EMA and gradient accumulation are not supported (ValueError).
+    Takes SGD's arguments.
+    """
+
+    def apply(self, grads, trainable_variables=None):
+        replica = tf.distribute.get_replica_context()
+        if replica is None or not tf.distribute.has_strategy():
+            return super().apply(grads, trainable_variables)
+        if (self.clipnorm or self.clipvalue or self.global_clipnorm or self.weight_decay
+                or self.use_ema or self.gradient_accumulation_steps):
+            raise ValueError("Float16AllReduceSGD: clipping, weight decay, EMA and gradient "
+                             "accumulation are not supported")
+        variables = list(trainable_variables)
+        if not self.built:
+            self.build(variables)
+        pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
+        reduced = replica.all_reduce(tf.distribute.ReduceOp.SUM,
+                                     [tf.cast(g, tf.float16) for g, _ in pairs])
+        pairs = [(tf.cast(r, v.dtype), v) for r, (_, v) in zip(reduced, pairs)]
+
+        def update(strategy):
+            learning_rate = self.learning_rate
+            for grad, variable in pairs:
+                strategy.extended.update(variable.value, lambda var, g: self.update_step(g, var, learning_rate),
+                                         args=(grad,), group=False)
+            self.iterations.assign_add(1)
+
+        replica.merge_call(update)
+        return self.iterations
+
+
+def build_optimizer(learning_rate, momentum: float = 0.0,
+                    tf_all_reduce_dtype: str = "float32") -> keras.optimizers.Optimizer:
+    """keras.optimizers.SGD(learning_rate, momentum), or Float16AllReduceSGD for "float16".
+
+    learning_rate: a float or a keras LearningRateSchedule. Raises ValueError
+    "unknown --tf_all_reduce_dtype ..." for another dtype.
+    """
+    choose("tf_all_reduce_dtype", tf_all_reduce_dtype, {d: d for d in TF_ALL_REDUCE_DTYPES})
+    cls = Float16AllReduceSGD if tf_all_reduce_dtype == "float16" else keras.optimizers.SGD
+    return cls(learning_rate, momentum=momentum)
 
 
 def build_strategy(name: str, num_devices: int = 1, gradient_flow=None,

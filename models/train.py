@@ -31,8 +31,11 @@ import time
 from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", "digits_cnn", "digits_cnn, resnet20, resnet32, resnet56, resnet50, alexnet")
-flags.DEFINE_string("dataset", "digits", "digits, mnist, cifar10, imagenet, tfrecord, synthetic")
+flags.DEFINE_string("model", "", "digits_cnn, mnist1d_cnn, wide_mlp, resnet20, resnet32, resnet56, resnet50, "
+                    "alexnet; '' = the dataset's (mnist1d: mnist1d_cnn, mnist1d_wide: wide_mlp, "
+                    "others: digits_cnn)")
+flags.DEFINE_string("dataset", "digits", "digits, mnist1d, mnist1d_wide (mnist1d's data for the wide MLP), "
+                    "mnist, cifar10, imagenet, tfrecord, synthetic")
 flags.DEFINE_string("data_dir", "", "directory of TFRecord files (--dataset imagenet or tfrecord)")
 flags.DEFINE_string("strategy", "multi_worker_mirrored", "multi_worker_mirrored, mirrored, one_device")
 flags.DEFINE_integer("num_devices", 1, "replicas (logical CPU devices) per worker")
@@ -41,7 +44,23 @@ flags.DEFINE_integer("num_devices", 1, "replicas (logical CPU devices) per worke
 flags.DEFINE_enum("compression", "fp16", ["fp16", "bf16", "none", "auto"],
                   "wire format of gradients: fp16, bf16, none (float32), auto (the planner's choice, "
                   "TF's own all-reduce included)")
-flags.DEFINE_integer("bytes_per_pack", 4 << 20, "lazy all-reduce threshold: wire bytes per pack; 0 = one pack per dtype")
+class _BytesPerPackParser(flags.ArgumentParser):
+    """--bytes_per_pack: a whole number of bytes, or "auto" (the planner's pack size)."""
+
+    def parse(self, argument):
+        if str(argument).strip().lower() == "auto":
+            return "auto"
+        try:
+            return int(argument)
+        except ValueError:
+            raise ValueError(f"expected a whole number of bytes or 'auto', got {argument!r}") from None
+
+    def flag_type(self):
+        return "int or 'auto'"
+
+
+flags.DEFINE(_BytesPerPackParser(), "bytes_per_pack", 4 << 20,
+             "lazy all-reduce threshold: wire bytes per pack; 0 = one pack per dtype; auto = the planner's")
 flags.DEFINE_enum("algorithm", "auto", ["auto", "ring", "recursive_doubling"],
                   "collective algorithm across workers: auto (the planner's choice), ring (the wrapped "
                   "TF ops' own collective), recursive_doubling")
@@ -57,6 +76,11 @@ flags.DEFINE_enum("selection", "per_pack", ["per_pack", "global", "ahead"],
                   "model) or ahead (each pack's k chosen at the step before: one collective a step)")
 flags.DEFINE_enum("scoring", "error_feedback", ["error_feedback", "paper"],
                   "--selection ahead: what scores a chunk for the next step")
+flags.DEFINE_enum("tf_all_reduce_dtype", "float32", ["float32", "float16"],
+                  "without GradientFlow (--compression none --density 1): the dtype TensorFlow's own "
+                  "all-reduce carries the gradients in (float16: cast and back, the 16-bit baseline)")
+flags.DEFINE_bool("curve", False, "evaluate the test accuracy after every epoch; with --model_dir, "
+                  "results.json gets the curve (training seconds, bytes sent, accuracy)")
 flags.DEFINE_integer("epochs", 10, "training epochs")
 flags.DEFINE_integer("steps_per_epoch", 0, "steps per epoch; 0 = one pass over the training set")
 flags.DEFINE_integer("batch_size", 64, "global batch size (all replicas of all workers)")
@@ -99,16 +123,53 @@ def _throughput_callback(global_batch_size):
     return Throughput()
 
 
-def _bytes_per_step(gradient_flow, model, history) -> dict:
+def _curve_callback(model, source, batch_size, bytes_sent, evaluate: bool):
+    """A Keras callback recording, after every epoch, the test accuracy (evaluated when
+    `evaluate`, else None), the training seconds since the first step began (evaluation
+    time excluded) and `bytes_sent()`, the bytes this worker has put into gradient
+    all-reduces so far."""
+    import keras
+
+    class Curve(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.points, self.start, self.paused = [], None, 0.0
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if self.start is None:
+                self.start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            seconds = time.perf_counter() - self.start - self.paused
+            began = time.perf_counter()
+            accuracy = _test_accuracy(model, source, batch_size) if evaluate else None
+            self.paused += time.perf_counter() - began
+            self.points.append({"epoch": epoch + 1, "seconds": seconds, "bytes_sent": bytes_sent(),
+                                "test_accuracy": accuracy})
+
+    return Curve()
+
+
+def _bytes_sent(gradient_flow, model, steps, tf_all_reduce_dtype) -> float:
+    """Bytes this worker put into gradient all-reduces over `steps` steps: gf_tf's CommStats
+    total, or for TensorFlow's own all-reduce the gradients' bytes in its dtype per step."""
+    if gradient_flow is not None:
+        return gradient_flow.stats.totals()["sent_bytes"]
+    width = 2 if tf_all_reduce_dtype == "float16" else 4
+    return float(steps * width * sum(int(w.numpy().size) for w in model.trainable_weights))
+
+
+def _bytes_per_step(gradient_flow, model, history, tf_all_reduce_dtype="float32") -> dict:
     """Per-replica bytes per step: sent, and float32 dense all-reduce of the same gradients.
 
     Means over all steps (warm-up included) and over the last epoch.
     """
     if gradient_flow is None:
-        dense = 4.0 * sum(int(w.numpy().size) for w in model.trainable_weights)
-        return {"sent_bytes_per_step": dense, "dense_bytes_per_step": dense,
-                "last_epoch_sent_bytes_per_step": dense, "density": 1.0, "last_epoch_density": 1.0,
-                "source": "TF float32 all-reduce"}
+        dense = _bytes_sent(None, model, 1, "float32")
+        sent = _bytes_sent(None, model, 1, tf_all_reduce_dtype)
+        return {"sent_bytes_per_step": sent, "dense_bytes_per_step": dense,
+                "last_epoch_sent_bytes_per_step": sent, "density": 1.0, "last_epoch_density": 1.0,
+                "source": f"TF {tf_all_reduce_dtype} all-reduce"}
     result = dict(gradient_flow.stats.result())
     result["last_epoch_sent_bytes_per_step"] = history.history["gf_sent_bytes_per_step"][-1]
     result["last_epoch_density"] = history.history["gf_density"][-1]
@@ -171,6 +232,9 @@ def main(argv):
         FLAGS.compression, FLAGS.bytes_per_pack, FLAGS.density, FLAGS.chunk_size, FLAGS.warmup_steps,
         FLAGS.momentum, FLAGS.selection, algorithm=FLAGS.algorithm, overlap=FLAGS.overlap,
         scoring=FLAGS.scoring)
+    if FLAGS.tf_all_reduce_dtype != "float32" and gradient_flow is not None:
+        raise ValueError(f"--tf_all_reduce_dtype {FLAGS.tf_all_reduce_dtype} is TensorFlow's own all-reduce: "
+                         f"give it with --compression none --density 1 (no GradientFlow)")
     # With CSC the momentum lives in ChunkSparsity (momentum correction), not in the optimizer.
     csc = gradient_flow is not None and gradient_flow.sparsity is not None
     optimizer_momentum = 0.0 if csc else FLAGS.momentum
@@ -180,26 +244,33 @@ def main(argv):
     task_type, task_id, is_chief = factory.task_info(strategy)
     say(f"{factory.tf_config_summary()}; {strategy.num_replicas_in_sync} replicas; "
         f"chief: {is_chief}; gradient all-reduce: "
-        f"{'TF float32' if gradient_flow is None else type(gradient_flow).__name__} "
+        f"{'TF ' + FLAGS.tf_all_reduce_dtype if gradient_flow is None else type(gradient_flow).__name__} "
         f"(compression {FLAGS.compression}, algorithm {FLAGS.algorithm}, overlap {FLAGS.overlap}, "
         f"density {FLAGS.density}, warm-up {FLAGS.warmup_steps} steps)")
 
-    source = factory.load_dataset(FLAGS.dataset, FLAGS.data_dir, FLAGS.model, FLAGS.seed)
+    model_name = factory.model_for(FLAGS.model, FLAGS.dataset)
+    source = factory.load_dataset(FLAGS.dataset, FLAGS.data_dir, model_name, FLAGS.seed)
     steps = FLAGS.steps_per_epoch or datasets.steps_per_epoch(
         source.num_examples[datasets.TRAIN], FLAGS.batch_size)
     train_data = datasets.distributed_dataset(strategy, source, datasets.TRAIN, FLAGS.batch_size,
                                               training=True, seed=FLAGS.seed)
     with strategy.scope():
-        model = factory.build_model(FLAGS.model, source.input_shape, source.num_classes)
+        model = factory.build_model(model_name, source.input_shape, source.num_classes)
         schedule = keras.optimizers.schedules.CosineDecay(FLAGS.learning_rate, steps * FLAGS.epochs)
-        model.compile(optimizer=keras.optimizers.SGD(schedule, momentum=optimizer_momentum),
+        model.compile(optimizer=factory.build_optimizer(schedule, optimizer_momentum,
+                                                        FLAGS.tf_all_reduce_dtype),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"])
-    say(f"{FLAGS.model}: {model.count_params():,} parameters; {FLAGS.dataset}: "
+    say(f"{model_name}: {model.count_params():,} parameters; {FLAGS.dataset}: "
         f"{source.num_examples}, {FLAGS.epochs} epochs x {steps} steps of {FLAGS.batch_size} images")
 
     throughput = _throughput_callback(FLAGS.batch_size)
     callbacks = [throughput]
+    if FLAGS.curve:
+        curve = _curve_callback(model, source, FLAGS.batch_size, lambda: _bytes_sent(
+            gradient_flow, model, int(model.optimizer.iterations.numpy()), FLAGS.tf_all_reduce_dtype),
+            evaluate=is_chief)   # the others wait for the chief in the next step's all-reduce
+        callbacks.append(curve)
     if gradient_flow is not None:
         callbacks.append(gf_tf.GradientFlowStats(gradient_flow))  # before TensorBoard, which logs it
     write_dir = None
@@ -222,7 +293,7 @@ def main(argv):
                         shuffle=False, verbose=2 if is_chief else 0)
 
     accuracy = _test_accuracy(model, source, FLAGS.batch_size)
-    comm = _bytes_per_step(gradient_flow, model, history)
+    comm = _bytes_per_step(gradient_flow, model, history, FLAGS.tf_all_reduce_dtype)
     images_per_second = throughput.images_per_second()
     sent, dense, last = (comm["sent_bytes_per_step"], comm["dense_bytes_per_step"],
                          comm["last_epoch_sent_bytes_per_step"])
@@ -239,7 +310,10 @@ def main(argv):
     if write_dir:
         model.save_weights(os.path.join(write_dir, "final.weights.h5"))
         results = {"test_accuracy": accuracy, "images_per_second": images_per_second,
-                   "flags": {f: FLAGS[f].value for f in FLAGS if f in _TRAIN_FLAGS}, **comm}
+                   "flags": {f: FLAGS[f].value for f in FLAGS if f in _TRAIN_FLAGS}, "model": model_name,
+                   **comm}
+        if FLAGS.curve:
+            results["curve"] = curve.points
         with open(os.path.join(write_dir, "results.json"), "w") as f:
             json.dump(results, f, indent=1)
         if not is_chief:
@@ -250,7 +324,7 @@ def main(argv):
 
 _TRAIN_FLAGS = ("model", "dataset", "data_dir", "strategy", "num_devices", "compression",
                 "bytes_per_pack", "algorithm", "overlap", "density", "chunk_size", "warmup_steps",
-                "selection", "scoring", "epochs", "steps_per_epoch", "batch_size", "learning_rate", "momentum",
+                "selection", "scoring", "tf_all_reduce_dtype", "curve", "epochs", "steps_per_epoch", "batch_size", "learning_rate", "momentum",
                 "mixed_precision", "model_dir", "seed", "collective_timeout", "startup_timeout",
                 "heartbeat_timeout")
 

@@ -70,6 +70,54 @@ def test_digits_shard_i_holds_every_nth_example():
         np.testing.assert_array_equal(y, full_y[i::3])
 
 
+# --- mnist1d -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mnist1d():
+    pytest.importorskip("mnist1d", reason="pip install '.[tasks]'")
+    return datasets.load_mnist1d()
+
+
+def test_mnist1d_is_the_packages_generated_set_as_float32_sequences(mnist1d):
+    from mnist1d.data import get_dataset_args, make_dataset
+    assert mnist1d.input_shape == (40, 1) and mnist1d.num_classes == 10
+    assert mnist1d.num_examples == {"train": 4000, "test": 1000}
+    reference = make_dataset(get_dataset_args())
+    for split, (x_key, y_key) in {"train": ("x", "y"), "test": ("x_test", "y_test")}.items():
+        x, y = _all(mnist1d.examples(split))
+        assert x.dtype == np.float32 and y.dtype == np.int32 and x.shape == (len(y), 40, 1)
+        np.testing.assert_array_equal(x[..., 0], reference[x_key].astype(np.float32))
+        np.testing.assert_array_equal(y, reference[y_key])
+        assert set(y) == set(range(10))
+
+
+def test_mnist1d_is_the_same_for_every_seed_and_leaves_numpys_generator_alone(mnist1d):
+    np.random.seed(7)
+    expected_next = np.random.RandomState(7).rand()
+    again = datasets.load_mnist1d(seed=3)
+    assert np.random.rand() == expected_next   # make_dataset reseeds NumPy; the loader restores it
+    np.testing.assert_array_equal(_all(again.examples("test"))[0], _all(mnist1d.examples("test"))[0])
+
+
+def test_mnist1d_shards_partition_the_training_set(mnist1d):
+    shards = _check_shards_partition(mnist1d, "train", 3)
+    assert [len(s) for s in shards] == [1334, 1333, 1333]
+
+
+def test_without_mnist1d_the_error_names_the_tasks_extra(monkeypatch):
+    import builtins
+    real_import = builtins.__import__
+
+    def no_mnist1d(name, *args, **kwargs):
+        if name.startswith("mnist1d"):
+            raise ImportError("No module named 'mnist1d'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_mnist1d)
+    with pytest.raises(datasets.DatasetUnavailable, match=r"gf_tf\[tasks\]"):
+        datasets.load_mnist1d()
+
+
 # --- synthetic ---------------------------------------------------------------------------
 
 def test_synthetic_is_seeded_and_its_shards_are_slices_of_the_whole():

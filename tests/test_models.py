@@ -3,6 +3,7 @@ models.factory and models.train: the planner's flags (--compression auto, --algo
 become GradientFlowAllReduce's arguments of the same name, and a bad value fails before TensorFlow
 is imported."""
 
+import json
 import os
 import subprocess
 import sys
@@ -41,7 +42,10 @@ def _train_steps(model, input_shape, num_classes, steps=1, batch=2, seed=0, run_
     (lambda s, n: networks.resnet_cifar(56, s, n), (8, 8, 3), 3),
     (lambda s, n: networks.resnet50(s, n), (32, 32, 3), 5),
     (lambda s, n: networks.alexnet(s, n), (64, 64, 3), 5),
-], ids=["digits_cnn_8", "digits_cnn_28", "resnet20", "resnet56", "resnet50", "alexnet"])
+    (lambda s, n: networks.mnist1d_cnn(s, n), (40, 1), 10),
+    (lambda s, n: networks.wide_mlp(s, n, width=64), (40, 1), 10),
+], ids=["digits_cnn_8", "digits_cnn_28", "resnet20", "resnet56", "resnet50", "alexnet", "mnist1d_cnn",
+        "wide_mlp"])
 def test_model_runs_a_training_step_that_changes_every_trainable_weight(build, input_shape, num_classes):
     keras.utils.set_random_seed(0)
     model = build(input_shape, num_classes)
@@ -73,6 +77,26 @@ def test_trainable_parameter_count_matches_the_published_figure(build, published
     count = sum(int(np.prod(w.shape)) for w in build().trainable_weights)
     # Published figures have 2-3 significant digits.
     assert abs(count - published) / published < 0.01, count
+
+
+def test_the_mnist1d_models_have_their_documented_sizes():
+    cnn = networks.mnist1d_cnn()
+    # 3 convolutions of 25 filters of width 5 (no bias), batch norm (gamma, beta), a dense head on 5 x 25.
+    assert sum(int(np.prod(w.shape)) for w in cnn.trainable_weights) == \
+        5 * 25 + 2 * 5 * 25 * 25 + 3 * 2 * 25 + 5 * 25 * 10 + 10 == 7_785
+    mlp = networks.wide_mlp()
+    assert [tuple(w.shape) for w in mlp.trainable_weights] == \
+        [(40, 1024), (1024,), (1024, 1024), (1024,), (1024, 10), (10,)]
+    assert mlp.count_params() == 1_101_834
+
+
+@pytest.mark.parametrize("model, dataset, expected", [
+    ("", "mnist1d", "mnist1d_cnn"), ("", "mnist1d_wide", "wide_mlp"), ("", "digits", "digits_cnn"),
+    ("", "cifar10", "digits_cnn"), ("wide_mlp", "mnist1d", "wide_mlp"), ("resnet20", "digits", "resnet20"),
+])
+def test_the_dataset_picks_its_model_and_model_overrides_it(model, dataset, expected):
+    assert factory.model_for(model, dataset) == expected
+    assert expected in factory.MODELS
 
 
 def test_alexnet_has_torchvision_parameter_count_exactly():
@@ -177,3 +201,82 @@ def test_a_bad_value_exits_2_with_one_line_before_tensorflow_is_imported(argv, m
                          timeout=120, cwd=REPO_ROOT)
     assert run.stdout.strip() == "exit 2 False", run.stdout + run.stderr
     assert run.stderr.strip() == f"models.train: error: {message}", run.stderr
+
+
+# --- the 16-bit baseline: TensorFlow's own all-reduce of float16 gradients ------------------
+
+def test_float16_all_reduce_sends_only_the_gradients_in_float16_and_trains_like_float32():
+    """Two replicas in one process (MirroredStrategy over 2 logical CPUs, logged cross-device ops):
+    a float32 run all-reduces the gradients in float32, the Float16AllReduceSGD run the same
+    tensors in float16 and nothing else; the weights after 8 steps agree within float16 rounding."""
+    code = r"""
+import json, numpy as np, tensorflow as tf, keras
+tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
+                                           [tf.config.LogicalDeviceConfiguration()] * 2)
+from models import factory
+
+class Logged(tf.distribute.ReductionToOneDevice):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+    def batch_reduce_implementation(self, reduce_op, pairs, options):
+        self.seen += [(v.values[0].dtype.name, list(v.values[0].shape)) for v, _ in pairs]
+        return super().batch_reduce_implementation(reduce_op, pairs, options)
+    def reduce_implementation(self, reduce_op, value, destinations, options):
+        self.seen.append((value.values[0].dtype.name, list(value.values[0].shape)))
+        return super().reduce_implementation(reduce_op, value, destinations, options)
+
+def train(dtype):
+    keras.utils.set_random_seed(0)
+    logged = Logged()
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=logged)
+    x = np.random.RandomState(0).randn(64, 5).astype(np.float32)
+    y = (x.sum(1) > 0).astype(np.int32)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4), keras.layers.BatchNormalization(),
+                                  keras.layers.Dense(2)])
+        model.compile(factory.build_optimizer(0.1, 0.9, dtype),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+    return {"seen": logged.seen, "weights": [w.numpy().tolist() for w in model.trainable_weights],
+            "shapes": [list(w.shape) for w in model.trainable_weights],
+            "iterations": int(model.optimizer.iterations.numpy()), "type": type(model.optimizer).__name__}
+
+print("RESULT " + json.dumps({d: train(d) for d in ("float32", "float16")}))
+"""
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=REPO_ROOT)
+    lines = [l for l in run.stdout.splitlines() if l.startswith("RESULT ")]
+    assert lines, run.stdout[-2000:] + run.stderr[-3000:]
+    result = json.loads(lines[0][len("RESULT "):])
+    f32, f16 = result["float32"], result["float16"]
+    assert (f32["type"], f16["type"]) == ("SGD", "Float16AllReduceSGD")
+    assert f32["iterations"] == f16["iterations"] == 8   # 2 epochs of 64 / 16
+    gradients = sorted(map(tuple, f16["shapes"]))
+    # Every all-reduce of the step carries one gradient: float32 in the plain run, float16 here.
+    assert sorted({(d, tuple(s)) for d, s in f32["seen"]}) == sorted({("float32", s) for s in gradients})
+    assert sorted({(d, tuple(s)) for d, s in f16["seen"]}) == sorted({("float16", s) for s in gradients})
+    # Logged when the step is traced: the same all-reduces, one per gradient, in both runs.
+    assert len(f16["seen"]) == len(f32["seen"]) and len(f16["seen"]) % len(gradients) == 0
+    for a, b in zip(f32["weights"], f16["weights"]):
+        np.testing.assert_allclose(np.array(b), np.array(a), atol=2e-3)
+    assert any(not np.array_equal(np.array(a), np.array(b)) for a, b in zip(f32["weights"], f16["weights"]))
+
+
+def test_build_optimizer_takes_the_flags_dtype():
+    assert type(factory.build_optimizer(0.1, 0.9)) is keras.optimizers.SGD
+    assert isinstance(factory.build_optimizer(0.1, 0.9, "float16"), factory.Float16AllReduceSGD)
+    with pytest.raises(ValueError, match="unknown --tf_all_reduce_dtype 'bfloat16'; valid values: float32, float16"):
+        factory.build_optimizer(0.1, 0.9, "bfloat16")
+
+
+def test_bytes_per_pack_auto_is_gradient_flows_default():
+    assert train.FLAGS["bytes_per_pack"].parser.parse("auto") == "auto"
+    assert train.FLAGS["bytes_per_pack"].parser.parse("1024") == 1024
+    with pytest.raises(flags.IllegalFlagValueError, match="a whole number of bytes or 'auto'"):
+        train.FLAGS["bytes_per_pack"].parse("4MiB")
+    chosen = factory.build_gradient_flow("auto", "auto", 1.0, algorithm="auto", overlap="false")
+    default = gf_tf.GradientFlowAllReduce()
+    assert (chosen.compression, chosen.bytes_per_pack, chosen.algorithm, chosen.overlap, chosen.sparsity) == \
+        (default.compression, default.bytes_per_pack, default.algorithm, default.overlap, default.sparsity)

@@ -105,6 +105,38 @@ def test_out_of_range_numbers_exit_2_with_one_line_naming_the_flag(flag, value, 
     assert "Traceback" not in run.stderr.decode()
 
 
+def test_a_float16_tf_all_reduce_with_gradient_flow_exits_2_naming_the_flags():
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env.pop("TF_CONFIG", None)
+    run = subprocess.run([sys.executable, "-m", "models.train", "--tf_all_reduce_dtype", "float16"], env=env,
+                         capture_output=True, timeout=120, cwd=REPO_ROOT)
+    assert run.returncode == 2, run.stderr.decode()[-2000:]
+    assert ("models.train: error: --tf_all_reduce_dtype float16 is TensorFlow's own all-reduce: give it with "
+            "--compression none --density 1") in run.stderr.decode()
+    assert "Traceback" not in run.stderr.decode()
+
+
+def test_mnist1d_trains_its_own_model_and_records_a_curve_per_epoch(tmp_path):
+    """Two replicas in one process, TF's float16 all-reduce, 2 epochs of 3 steps on mnist1d."""
+    pytest.importorskip("mnist1d", reason="pip install '.[tasks]'")
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env.pop("TF_CONFIG", None)
+    run = subprocess.run([sys.executable, "-m", "models.train", "--dataset", "mnist1d", "--compression", "none",
+                          "--density", "1", "--tf_all_reduce_dtype", "float16", "--epochs", "2",
+                          "--steps_per_epoch", "3", "--curve", "--model_dir", str(tmp_path)],
+                         env=env, capture_output=True, timeout=300, cwd=REPO_ROOT)
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    params = 7_785   # models.networks.mnist1d_cnn's trainable parameters
+    assert results["model"] == "mnist1d_cnn" and results["source"] == "TF float16 all-reduce"
+    assert (results["sent_bytes_per_step"], results["dense_bytes_per_step"]) == (2.0 * params, 4.0 * params)
+    curve = results["curve"]
+    assert [p["epoch"] for p in curve] == [1, 2]
+    assert [p["bytes_sent"] for p in curve] == [3 * 2.0 * params, 6 * 2.0 * params]
+    assert 0 < curve[0]["seconds"] < curve[1]["seconds"]
+    assert abs(curve[-1]["test_accuracy"] - results["test_accuracy"]) < 1e-9
+
+
 # --- a real 2-worker run -----------------------------------------------------------------
 
 def test_two_worker_training_run_learns_and_reports_bytes(tmp_path):
