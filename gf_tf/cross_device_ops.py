@@ -248,6 +248,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         return route.run_in_replica(orchestrator, replica_ctx, grads, variables, reduce_op,
                                     options)
 
+    @tf.autograph.experimental.do_not_convert   # from a user's tf.function: gf_tf runs as written
     def reduce_locally(self, strategy, grads: Sequence[tf.Tensor], variables: Sequence,
                        reduce_op=_SUM) -> List[tf.Tensor]:
         """One replica's gradient all-reduce through this object's plan, reducer and state,

@@ -24,7 +24,8 @@ def tf_batch_sum(cross_ops: tf.distribute.CrossDeviceOps, options,
     """TensorFlow's own SUM all-reduce of a batch of values through `cross_ops` (the wrapped
     ops): per value, per served replica a tensor in (any dtype and shape the ops take, equal
     across replicas); per value, per served replica the SUM over all replicas of all workers
-    out, one batch (TF packs it into one collective per dtype).
+    out, one batch (TF packs it into one collective per dtype). Through `batch_reduce`, the
+    ops' public entry, which hands one device's values back as they are (no collective).
 
     Args:
       cross_ops: the wrapped TF cross-device ops.
@@ -40,8 +41,7 @@ def tf_batch_sum(cross_ops: tf.distribute.CrossDeviceOps, options,
                                                      replica_id, options)
             return [[r] for r in reduced]
         pairs = [(pr, pr) for pr in (tf_internal.per_replica(v) for v in values)]
-        return [tf_internal.local_values(r)
-                for r in cross_ops.batch_reduce_implementation(_SUM, pairs, options)]
+        return [tf_internal.local_values(r) for r in cross_ops.batch_reduce(_SUM, pairs, options)]
     return all_reduce
 
 
