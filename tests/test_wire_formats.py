@@ -97,3 +97,19 @@ def test_the_planner_prices_a_control_collective_exactly_where_the_step_sends_on
         priced_control = seconds - 2.0
         assert (priced_control, control) == ((2.0, 4 * len(SHAPES)) if wire_format.scaled
                                              else (0.0, 0)), name
+
+
+def test_csc_sends_packs_of_two_formats_of_one_dtype_in_separate_chunk_all_reduces(bf16_scaled):
+    """A float32 pack on bf16_scaled and a native bfloat16 pack on bf16 share a dtype but not
+    "is this scaled?": CSC's chunk exchange groups them apart, so each buffer has one scale rule."""
+    from gf_tf import packing
+    from gf_tf.csc import selection
+    signature = [((64,), tf.float32), ((32,), tf.bfloat16), ((16,), tf.float32)]
+    specs = packing.plan_packs(signature, 0, bf16_scaled)
+    by_dtype = {spec.dtypes[0]: spec for spec in specs}
+    assert by_dtype[tf.float32].wire is bf16_scaled and by_dtype[tf.bfloat16].wire == wire.BF16
+    assert {spec.wire_dtype for spec in specs} == {tf.bfloat16}
+    groups = selection.wire_groups(specs)
+    assert len(groups) == 2
+    for members in groups:
+        assert len({specs[j].wire.scaled for j in members}) == 1

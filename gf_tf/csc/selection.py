@@ -156,10 +156,11 @@ class StepPlan:
 
 
 def wire_groups(specs: Sequence[PackSpec]) -> Tuple[Tuple[int, ...], ...]:
-    """Positions of `specs` grouped by wire dtype (one chunk all-reduce each), in pack order."""
+    """Positions of `specs` grouped by wire format (one chunk all-reduce each), in pack order:
+    a group's packs share one dtype and one answer to "is this scaled?"."""
     groups = {}
     for j, spec in enumerate(specs):
-        groups.setdefault(spec.wire_dtype, []).append(j)
+        groups.setdefault(spec.wire, []).append(j)
     return tuple(tuple(members) for members in groups.values())
 
 
