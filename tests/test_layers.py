@@ -1,4 +1,5 @@
-"""The import graph of gf_tf/: no circle, and the core imports neither Keras nor the layers above it.
+"""The import graph of gf_tf/: no circle, the core imports neither Keras nor the layers above it, and
+no import goes up a row of docs/architecture.md's layer table.
 
 Read from the source (every `import` statement, at module level or inside a function), so a lazy
 import that closes a circle counts as one.
@@ -76,3 +77,52 @@ def test_the_core_imports_no_keras_and_nothing_above_it():
                               if m.split(".")[0] in KERAS_ROOTS or not _is_core(m))
                  for name in core}
     assert not {k: v for k, v in offending.items() if v}, offending
+
+
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+RE_EXPORTS = ("gf_tf.sparsity", "gf_tf.keras_compat", "gf_tf.checkpoint")
+
+
+def _layers():
+    """{module name: its row in docs/architecture.md's layer table (0 = the top)} from the page."""
+    rows = []
+    in_table = False
+    for line in ARCHITECTURE.read_text().splitlines():
+        if line.startswith("| layer |"):
+            in_table = True
+        elif in_table and not line.startswith("|"):
+            break
+        elif in_table and not line.startswith("| ---"):
+            rows.append(line.split("|")[2])
+    assert rows, "docs/architecture.md has no layer table"
+    layer = {}
+    for row, cell in enumerate(rows):
+        for path in cell.replace("`", "").split(","):
+            layer[_module_name(PACKAGE / path.strip())] = row
+    for name in RE_EXPORTS:   # the re-export modules sit with the face
+        layer[name] = 0
+    return layer
+
+
+def _layer_of(name, layer):
+    """A module's row; a package's __init__ (gf_tf.csc) has the row of its modules."""
+    if name in layer:
+        return layer[name]
+    rows = {row for module, row in layer.items() if module.startswith(name + ".")}
+    return rows.pop() if len(rows) == 1 else None
+
+
+def test_every_module_of_gf_tf_has_a_row_in_the_architecture_pages_layer_table():
+    modules, _ = _graph()
+    layer = _layers()
+    assert not [name for name in modules if _layer_of(name, layer) is None]
+    assert not [name for name in layer if name not in modules]
+
+
+def test_imports_go_from_a_row_of_the_architecture_page_to_its_own_row_or_below():
+    """The rule docs/architecture.md states, read from its table: an import never goes up a row."""
+    modules, edges = _graph()
+    layer = _layers()
+    upward = sorted(f"{name} -> {other}" for name in modules for other in edges[name]
+                    if other in modules and _layer_of(other, layer) < _layer_of(name, layer))
+    assert not upward, upward
