@@ -91,6 +91,27 @@ def test_fp16_wire_matches_the_model_and_an_overflow_is_resent_in_float32():
     assert min(errors[2:6]) > 1e-5   # those steps did travel as FP16
 
 
+def test_comm_stats_count_each_fp16_overflow_resent_in_float32():
+    """The overflow of the test above (step 6, gradients 4096x) is one float32 retry in
+    CommStats ("float32_retries_per_step"); the dense warm-up steps and the FP16 steps that
+    fit count none, nor does a first sparse step that goes float32 at once (no bound yet)."""
+    n, cs, density = 1009, 16, 0.1
+    run, _ = _one_pack(n, cs, density, warmup_steps=2)
+    rng = np.random.default_rng(7)
+    retries = []
+    for step in range(9):
+        g = rng.normal(size=(2, n)).astype(np.float32) * (4096.0 if step == 6 else 1.0)
+        run([[g[0]], [g[1]]])
+        retries.append(run.gfar.stats.totals()["figure_float32_retries"])
+    assert retries == [0, 0, 0, 0, 0, 0, 1, 1, 1]
+    assert run.gfar.stats.result()["float32_retries_per_step"] == pytest.approx(1 / 9)
+
+    cold, _ = _one_pack(100, 10, 0.2)
+    for _ in range(3):
+        cold([[np.full(100, 1e-3, np.float32)]] * 2)
+    assert cold.gfar.stats.totals()["figure_float32_retries"] == 0
+
+
 def test_a_first_sparse_step_without_warmup_travels_in_float32():
     """No bound yet: nothing to scale FP16 by, so the first step is exact (and chooses the
     first k chunks: every score is 0); the next ones travel as FP16."""
