@@ -61,8 +61,8 @@ class AheadSelection(PerPackSelection):
     previous step from all-reduced scores, so a sparse step needs no norm all-reduce before
     its chunk all-reduce: the next step's scores travel in the same buffer (`sparse_step`).
     Its dense (warm-up) steps run as per-pack steps and score every chunk for the next.
-    Its figure "float32_retries" counts the wire groups whose FP16 sum was not finite and
-    was all-reduced again in float32 (`CommStats`: "float32_retries_per_step")."""
+    Its figure "float32_retries" counts the wire groups whose FP16 sum is not finite, so
+    that they go again in float32 (`CommStats`: "float32_retries_per_step")."""
     name = "ahead"
     scorings = ("error_feedback", "paper")
     carries_control = False
@@ -132,7 +132,7 @@ def sparse_step(sparsity, step: StepInput, counts: Sequence[int], accumulated, p
     Returns:
       (outputs: per pack, per served replica the reduced tensors (flat, pack by pack,
       replica by replica), residual_l1: float32 scalar of the first served replica,
-      retries: int32 scalar, the wire groups whose FP16 sum was all-reduced again in float32).
+      retries: int32 scalar, the wire groups whose FP16 sum went again in float32).
     """
     comm = step.comm
     sends = [_prepare(sparsity, pack, acc, count, k, comm)
@@ -190,7 +190,7 @@ def _prepare(sparsity, pack, accumulated, count, k, comm: Communicator) -> List[
 def _exchange(members: List[List[_Send]], comm: Communicator, wire_format: wire.WireFormat):
     """All-reduce one wire group's buffers: (per member pack, per served replica its float32
     buffer of SUMs, unscaled; bool scalar: every sum is finite, the same on every worker;
-    bool scalar: the FP16 sum was not finite and was all-reduced again in float32)."""
+    bool scalar: the FP16 sum is not finite and went again in float32)."""
     sizes = [int(send[0].wire_buffer.shape[0]) for send in members]
     replicas = range(len(comm.replicas))
 
