@@ -70,16 +70,21 @@ def _one_pack(n, cs, density, warmup_steps=0, **kwargs):
     return Runner(2, csc, compression="fp16", bytes_per_pack=0), NumpyAheadCSC(n, 2, cs, **kwargs)
 
 
+def _overflow_at_step_6(n):
+    """(step, float32 [2, n] gradients of 2 replicas) for steps 0-8, step 6's 4096x the rest."""
+    rng = np.random.default_rng(7)
+    for step in range(9):
+        yield step, rng.normal(size=(2, n)).astype(np.float32) * (4096.0 if step == 6 else 1.0)
+
+
 def test_fp16_wire_matches_the_model_and_an_overflow_is_resent_in_float32():
     """Steps 0-1 dense; 2-5 on FP16 (errors of FP16's rounding); step 6's gradients are 4096x
     step 5's, past the scale's 16x headroom: its FP16 sum overflows on every worker alike and
     is all-reduced again in float32, so it matches the model to float32 precision."""
     n, cs, density = 1009, 16, 0.1
     run, model = _one_pack(n, cs, density, warmup_steps=2)
-    rng = np.random.default_rng(7)
     errors = []
-    for step in range(9):
-        g = rng.normal(size=(2, n)).astype(np.float32) * (4096.0 if step == 6 else 1.0)
+    for step, g in _overflow_at_step_6(n):
         out = run([[g[0]], [g[1]]])
         ref, idx = model.step(g, density, warmup=step < 2)
         np.testing.assert_array_equal(out[0][0], out[1][0])
@@ -89,6 +94,24 @@ def test_fp16_wire_matches_the_model_and_an_overflow_is_resent_in_float32():
         if step >= 2:
             np.testing.assert_array_equal(np.flatnonzero(~chunks_zero(out[0][0], cs)), idx)
     assert min(errors[2:6]) > 1e-5   # those steps did travel as FP16
+
+
+def test_comm_stats_count_each_fp16_overflow_resent_in_float32():
+    """The overflow of the test above (step 6, gradients 4096x) is one float32 retry in
+    CommStats ("float32_retries_per_step"); the dense warm-up steps and the FP16 steps that
+    fit count none, nor does a first sparse step that goes float32 at once (no bound yet)."""
+    run, _ = _one_pack(1009, 16, 0.1, warmup_steps=2)
+    retries = []
+    for _, g in _overflow_at_step_6(1009):
+        run([[g[0]], [g[1]]])
+        retries.append(run.gfar.stats.totals()["figure_float32_retries"])
+    assert retries == [0, 0, 0, 0, 0, 0, 1, 1, 1]
+    assert run.gfar.stats.result()["float32_retries_per_step"] == pytest.approx(1 / 9)
+
+    cold, _ = _one_pack(100, 10, 0.2)
+    for _ in range(3):
+        cold([[np.full(100, 1e-3, np.float32)]] * 2)
+    assert cold.gfar.stats.totals()["figure_float32_retries"] == 0
 
 
 def test_a_first_sparse_step_without_warmup_travels_in_float32():

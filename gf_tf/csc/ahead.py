@@ -60,10 +60,13 @@ class AheadSelection(PerPackSelection):
     """selection="ahead": each pack sends its own top k of its C_p chunks, chosen at the
     previous step from all-reduced scores, so a sparse step needs no norm all-reduce before
     its chunk all-reduce: the next step's scores travel in the same buffer (`sparse_step`).
-    Its dense (warm-up) steps run as per-pack steps and score every chunk for the next."""
+    Its dense (warm-up) steps run as per-pack steps and score every chunk for the next.
+    Its figure "float32_retries" counts the wire groups whose FP16 sum is not finite, so
+    that they go again in float32 (`CommStats`: "float32_retries_per_step")."""
     name = "ahead"
     scorings = ("error_feedback", "paper")
     carries_control = False
+    figures = ("float32_retries",)
 
     def create_state(self, name, num_elements, num_chunks, devices, momentum, steps):
         """One pack's `CSCState`, with its scores (float32 [C]) and bound per replica."""
@@ -75,11 +78,12 @@ class AheadSelection(PerPackSelection):
         return timing, None
 
     def step(self, reducer, step, counts, accumulated, norms, plan):
-        """A sparse step (`sparse_step`, one collective per wire group), or a dense one that
-        all-reduces its norms first."""
+        """A sparse step (`sparse_step`, one collective per wire group, and its float32
+        retries), or a dense one that all-reduces its norms first."""
         if plan.density < 1.0:
-            outputs, residual_l1 = sparse_step(reducer.sparsity, step, counts, accumulated, plan)
-            return outputs, residual_l1, [], []
+            outputs, residual_l1, retries = sparse_step(reducer.sparsity, step, counts,
+                                                        accumulated, plan)
+            return outputs, residual_l1, [], [], {"float32_retries": retries}
         norms = fuse_controls(step.comm, [a.norms for a in accumulated])
         return reducer.chunk_step(step, counts, accumulated, norms, plan)
 
@@ -127,17 +131,19 @@ def sparse_step(sparsity, step: StepInput, counts: Sequence[int], accumulated, p
 
     Returns:
       (outputs: per pack, per served replica the reduced tensors (flat, pack by pack,
-      replica by replica), residual_l1: float32 scalar of the first served replica).
+      replica by replica), residual_l1: float32 scalar of the first served replica,
+      retries: int32 scalar, the wire groups whose FP16 sum went again in float32).
     """
     comm = step.comm
     sends = [_prepare(sparsity, pack, acc, count, k, comm)
              for pack, acc, count, k in zip(step.packs, accumulated, counts, plan.ks)]
     received = [[None] * len(comm.replicas) for _ in step.packs]
-    finite = tf.constant(True)
+    finite, retries = tf.constant(True), tf.constant(0)
     for group in selection.wire_groups([pack.spec for pack in step.packs]):
-        parts, group_finite = _exchange([sends[j] for j in group], comm,
-                                        step.packs[group[0]].spec.wire)
+        parts, group_finite, retried = _exchange([sends[j] for j in group], comm,
+                                                 step.packs[group[0]].spec.wire)
         finite = tf.logical_and(finite, group_finite)
+        retries += tf.cast(retried, tf.int32)
         for j, part in zip(group, parts):
             received[j] = part
     outputs, residual_l1 = [], 0.0
@@ -146,7 +152,7 @@ def sparse_step(sparsity, step: StepInput, counts: Sequence[int], accumulated, p
         outputs.extend(_finish(sparsity, pack, send, parts, count, k, finite, comm))
         residual_l1 += buffers.record_residual_l1(pack.state, acc.norms[0], send[0].idx,
                                                    finite, comm)
-    return outputs, residual_l1
+    return outputs, residual_l1, retries
 
 
 def _prepare(sparsity, pack, accumulated, count, k, comm: Communicator) -> List[_Send]:
@@ -183,7 +189,8 @@ def _prepare(sparsity, pack, accumulated, count, k, comm: Communicator) -> List[
 
 def _exchange(members: List[List[_Send]], comm: Communicator, wire_format: wire.WireFormat):
     """All-reduce one wire group's buffers: (per member pack, per served replica its float32
-    buffer of SUMs, unscaled; bool scalar: every sum is finite, the same on every worker)."""
+    buffer of SUMs, unscaled; bool scalar: every sum is finite, the same on every worker;
+    bool scalar: the FP16 sum is not finite and went again in float32)."""
     sizes = [int(send[0].wire_buffer.shape[0]) for send in members]
     replicas = range(len(comm.replicas))
 
@@ -202,7 +209,7 @@ def _exchange(members: List[List[_Send]], comm: Communicator, wire_format: wire.
                       lambda j, i: 1.0 / members[j][i].prescale)
 
     if not wire_format.scaled:   # float32 or bfloat16: float32's range
-        return on_wire()
+        return (*on_wire(), tf.constant(False))
 
     def exact():
         return reduce([tf.concat([send[i].exact_buffer for send in members], 0)
@@ -214,7 +221,8 @@ def _exchange(members: List[List[_Send]], comm: Communicator, wire_format: wire.
 
     known = tf.reduce_all(tf.stack([send[i].known for send in members for i in replicas]))
     first = tf.cond(known, on_wire, nothing)
-    return tf.cond(first[1], lambda: first, exact)
+    return (*tf.cond(first[1], lambda: first, exact),
+            tf.logical_and(known, tf.logical_not(first[1])))
 
 
 def _finish(sparsity, pack, sends: List[_Send], parts, count, k, finite, comm) -> List[tf.Tensor]:

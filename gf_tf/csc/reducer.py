@@ -3,7 +3,7 @@
 import dataclasses
 import warnings
 import zlib
-from typing import Any, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import tensorflow as tf
 
@@ -56,7 +56,8 @@ class Branch(NamedTuple):
 
     outputs: the reduced tensors, pack by pack, served replica by replica;
     sent_bytes, selected_chunks: int64 scalars of the plan; residual_l1: float32;
-    started, done: per served replica the auto clocks (empty without auto).
+    started, done: per served replica the auto clocks (empty without auto);
+    figures: the policy's per-step counts by name (`SelectionPolicy.figures`, int64 scalars).
     """
     outputs: List[tf.Tensor]
     sent_bytes: tf.Tensor
@@ -64,6 +65,7 @@ class Branch(NamedTuple):
     residual_l1: tf.Tensor
     started: List[tf.Tensor]
     done: List[tf.Tensor]
+    figures: Dict[str, tf.Tensor]
 
 
 class GroupResult(NamedTuple):
@@ -161,7 +163,9 @@ class CSCReducer(Reducer):
                     selected_chunks=tf.add_n([part.result.selected_chunks for part in parts]),
                     total_chunks=sum(sum(part.counts) for part in parts),
                     residual_norm=tf.add_n([part.result.residual_l1 for part in parts]),
-                    density=density)
+                    density=density,
+                    figures={name: tf.add_n([part.result.figures[name] for part in parts])
+                             for name in self.policy.figures})
         outputs = [per_pack for part in parts
                    for per_pack in _per_pack(part.result.outputs, part.specs, len(comm.replicas))]
         return outputs, sent
@@ -189,11 +193,14 @@ class CSCReducer(Reducer):
 
         def branch(plan):
             def run():
-                outputs, residual_l1, started, done = self.policy.step(
+                outputs, residual_l1, started, done, *counted = self.policy.step(
                     self, group_step, counts, accumulated, norms, plan)
+                counted = counted[0] if counted else {}
+                figures = {name: tf.cast(counted.get(name, 0), tf.int64)
+                           for name in self.policy.figures}
                 return Branch(outputs, tf.constant(plan.sent_bytes, tf.int64),
                               tf.constant(plan.selected_chunks, tf.int64), residual_l1, started,
-                              done)
+                              done, figures)
             return run
 
         if len(branches) == 1:

@@ -62,11 +62,14 @@ class SelectionPolicy:
       carries_control (bool): every step all-reduces the chunk norms (a float32 control
         vector) before its chunks, so density="auto"'s timing can ride along.
       groupable (bool): groups of packs may each select and send on their own (overlap).
+      figures (tuple of str): the names of its own per-step counts (`Sent.figures`, totalled
+        by `CommStats`), which `step` returns as a fifth item.
     """
     name = ""
     scorings: Tuple[str, ...] = ()
     carries_control = True
     groupable = True
+    figures: Tuple[str, ...] = ()
 
     def competing(self, counts: Sequence[int], members: Sequence[int]) -> List[int]:
         """Per member pack of a wire group, the chunk count its k is taken over."""
@@ -95,7 +98,8 @@ class SelectionPolicy:
 
     def step(self, reducer, step, counts, accumulated, norms, plan):
         """One group's step at `plan` (a StepPlan): `reducer.chunk_step`'s
-        (outputs, residual_l1, started, done)."""
+        (outputs, residual_l1, started, done), and with `figures` a fifth item, a dict of
+        the step's counts by name (scalars; a name left out, or no fifth item, counts 0)."""
         return reducer.chunk_step(step, counts, accumulated, norms, plan)
 
     def dense_updates(self, state: CSCState, replica: int, values, postscale, norms, comm,
