@@ -57,6 +57,9 @@ flags.DEFINE_enum("selection", "per_pack", ["per_pack", "global", "ahead"],
                   "model) or ahead (each pack's k chosen at the step before: one collective a step)")
 flags.DEFINE_enum("scoring", "error_feedback", ["error_feedback", "paper"],
                   "--selection ahead: what scores a chunk for the next step")
+flags.DEFINE_enum("reducer", "default", ["default", "lowrank"],
+                  "default: dense, or CSC by --density; lowrank: gf_tf.reducers.LowRank (PowerSGD)")
+flags.DEFINE_integer("rank", 2, "--reducer lowrank: the rank of the gradient matrices' factors")
 flags.DEFINE_integer("epochs", 10, "training epochs")
 flags.DEFINE_integer("steps_per_epoch", 0, "steps per epoch; 0 = one pass over the training set")
 flags.DEFINE_integer("batch_size", 64, "global batch size (all replicas of all workers)")
@@ -170,7 +173,7 @@ def main(argv):
     gradient_flow = factory.build_gradient_flow(
         FLAGS.compression, FLAGS.bytes_per_pack, FLAGS.density, FLAGS.chunk_size, FLAGS.warmup_steps,
         FLAGS.momentum, FLAGS.selection, algorithm=FLAGS.algorithm, overlap=FLAGS.overlap,
-        scoring=FLAGS.scoring)
+        scoring=FLAGS.scoring, reducer=FLAGS.reducer, rank=FLAGS.rank)
     # With CSC the momentum lives in ChunkSparsity (momentum correction), not in the optimizer.
     csc = gradient_flow is not None and gradient_flow.sparsity is not None
     optimizer_momentum = 0.0 if csc else FLAGS.momentum
