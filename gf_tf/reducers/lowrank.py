@@ -23,7 +23,7 @@ sum of the factors can overflow.
 
 A step whose all-reduced factors or dense tensors hold inf or NaN returns them (the loss-scale
 optimizer then skips it on every worker: the all-reduced values are the same everywhere) and
-leaves Q and the residuals as they were.
+leaves Q and the residuals unchanged.
 
 Source: Vogels, Karimireddy and Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for
 Distributed Optimization" (NeurIPS 2019), Algorithms 1 and 2; PyTorch's `powerSGD_hook`
