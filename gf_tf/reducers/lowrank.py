@@ -40,8 +40,8 @@ import tensorflow as tf
 
 from gf_tf import ops, tf_internal, wire
 from gf_tf.packing import PackSpec
-from gf_tf.reducers.base import (CostTerms, PackStep, Reducer, Sent, StepInput, fuse_controls,
-                                 no_control, wire_scales)
+from gf_tf.reducers.base import (CostTerms, PackStep, Reducer, Sent, StepInput, VariablesState,
+                                 fuse_controls, no_control, wire_scales)
 from gf_tf.reducers.dense import DenseReducer
 
 
@@ -90,7 +90,7 @@ class Layout:
         return [int(o) for o in np.cumsum([0] + [n * m for n, m in self.dims])[:-1]]
 
 
-class LowRankState(tf.Module):
+class LowRankState(VariablesState):
     """Low-rank state of one pack on this worker (its compressed matrices only).
 
     qs: per matrix, per local replica float32 [m, rank] on the replica's device: the Q of the
@@ -108,25 +108,12 @@ class LowRankState(tf.Module):
                                                      f"gf_lowrank_residual_{name}_r{r}")
                           for r, d in enumerate(devices)]
 
-    def _variables(self) -> Dict[str, tf.Variable]:
+    def named_variables(self) -> Dict[str, tf.Variable]:
         """Every variable by its array key: "q{j}_r{r}", "residual_r{r}"."""
         named = {f"q{j}_r{r}": v for j, per_replica in enumerate(self.qs)
                  for r, v in enumerate(per_replica)}
         named.update({f"residual_r{r}": v for r, v in enumerate(self.residuals)})
         return named
-
-    def to_arrays(self) -> Dict[str, np.ndarray]:
-        """The state as float32 arrays by key (eager)."""
-        return {key: v.numpy() for key, v in self._variables().items()}
-
-    def to_tensors(self) -> Dict[str, tf.Tensor]:
-        """`to_arrays` as tensors read from the variables (eager or in a graph)."""
-        return {key: v.read_value() for key, v in self._variables().items()}
-
-    def assign_arrays(self, arrays: Dict[str, np.ndarray]) -> None:
-        """Assigns what `to_arrays` gave (keys and shapes checked by the caller)."""
-        for key, v in self._variables().items():
-            v.assign(arrays[key])
 
 
 @dataclasses.dataclass(frozen=True)
