@@ -188,15 +188,33 @@ def test_error_feedback_sends_what_rank_1_left_behind():
 
 
 def test_small_tensors_travel_dense_and_exact():
-    shapes = [(4, 3), (10,), (2, 2, 2)]
-    run = Harness(2, LowRank(rank=2), None, shapes=shapes)
+    shapes = [(12, 10), (4, 3), (10,), (2, 2, 2)]
+    reducer = LowRank(rank=2)
+    run = Harness(2, reducer, None, shapes=shapes)
     grads = gradients(np.random.default_rng(1), 2, shapes)
     out = run(grads)
-    for i in range(len(shapes)):
+    for i in range(1, len(shapes)):
         np.testing.assert_array_equal(out[0][i], grads[0][i] + grads[1][i])
     spec, state = run.spec_and_state()
-    assert state is None and not LowRank(rank=2).layout(spec).matrices
-    assert run.gfar.stats.totals()["figure_compressed_elements"] == 0
+    assert [spec.shapes[p] for p in reducer.layout(spec).matrices] == [(12, 10)]
+    assert sorted(state.to_arrays()) == ["q0_r0", "q0_r1", "residual_r0", "residual_r1"]
+    assert run.gfar.stats.totals()["figure_compressed_elements"] == 12 * 10
+
+
+@pytest.mark.parametrize("kwargs, shapes, message", [
+    ({"rank": 3}, [(4, 3), (10,)], "rank 3 compresses none of this model's matrices at "
+                                   "min_compression 2: its best, 4x3, takes no rank; "
+                                   "min_compression must be at most 1.71429 for it"),
+    ({"rank": 8}, [(12, 10), (8,)], "rank 8 compresses none of this model's matrices at "
+                                    "min_compression 2: its best, 12x10, takes rank 1 to 2"),
+])
+def test_a_rank_that_compresses_nothing_is_refused_naming_the_ranks_that_would(kwargs, shapes,
+                                                                               message):
+    signature = [(tf.TensorShape(s), tf.float32) for s in shapes]
+    specs = gf_tf.packing.plan_packs(signature, 0, wire.get(None))
+    with pytest.raises(ValueError, match=message):
+        LowRank(**kwargs).create_states(specs, DEVICES[:2])
+    LowRank(**kwargs).create_states(specs[:0], DEVICES[:2])   # no matrices: nothing to refuse
 
 
 def test_matrix_shape_folds_all_dimensions_but_the_last():

@@ -176,6 +176,13 @@ class LowRank(Reducer):
         return Layout(tuple(matrices), tuple(dims), tuple(dense))
 
     def create_states(self, packs, devices):
+        """Per pack with compressed matrices its `LowRankState`, else None.
+
+        Raises:
+          ValueError: the set has matrices and this rank compresses none of them (the message
+            gives the ranks that would compress its largest, or says that none does).
+        """
+        self._check_useful([shape for spec in packs for shape in spec.shapes])
         states = []
         for p, spec in enumerate(packs):
             layout = self.layout(spec)
@@ -187,6 +194,18 @@ class LowRank(Reducer):
             states.append(LowRankState(spec.key.replace("/", "_"), factors,
                                        sum(n * m for n, m in layout.dims), devices))
         return None, states
+
+    def _check_useful(self, shapes) -> None:
+        dims = [nm for nm in map(matrix_shape, shapes) if nm is not None]
+        if not dims or any(self.compresses(n, m) for n, m in dims):
+            return
+        n, m = max(dims, key=lambda nm: nm[0] * nm[1] / (nm[0] + nm[1]))
+        best = int(n * m // (self.min_compression * (n + m)))
+        accepted = (f"rank 1 to {best}" if best >= 1 else
+                    f"no rank; min_compression must be at most {n * m / (n + m):g} for it")
+        raise ValueError(f"rank {self.rank} compresses none of this model's matrices at "
+                         f"min_compression {self.min_compression:g}: its best, {n}x{m}, takes "
+                         f"{accepted}")
 
     def settings(self):
         return [("low-rank rank", self.rank, lambda v: str(int(v))),
