@@ -256,9 +256,8 @@ class LowRank(Reducer):
                 finite[i] = _all_finite(finite[i], tensors)
         commits = [[] for _ in comm.replicas]
         for (wire_format, group), bounds in zip(wires.items(), controls[len(dense_packs):]):
-            group_sent = self._factors(step, group, [[m[index[x]] for x in group] for m in ms],
-                                       bounds, wire_format, sums, outputs, finite, commits)
-            sent += group_sent
+            sent += self._factors(step, group, [[m[index[x]] for x in group] for m in ms],
+                                  bounds, wire_format, sums, outputs, finite, commits)
         comm.map(lambda r, ok, pairs: [v.assign(tf.where(ok, value, v.read_value()))
                                        for v, value in pairs], finite, commits)
         return outputs, sent
