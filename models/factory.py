@@ -55,6 +55,7 @@ STRATEGIES = ("multi_worker_mirrored", "mirrored", "one_device")
 COMPRESSIONS = {"fp16": "fp16", "bf16": "bf16", "none": None, "auto": "auto"}
 ALGORITHMS = {"auto": "auto", "ring": "ring", "recursive_doubling": "recursive_doubling"}
 OVERLAPS = {"auto": "auto", "true": True, "false": False}
+REDUCERS = {"default": "default", "lowrank": "lowrank"}
 MIXED_PRECISION = {"none": "float32", "mixed_float16": "mixed_float16",
                    "mixed_bfloat16": "mixed_bfloat16"}
 
@@ -124,7 +125,7 @@ def build_gradient_flow(compression: str = "fp16", bytes_per_pack: Union[int, st
                         density: Union[float, str] = 1.0, chunk_size: int = 1024,
                         warmup_steps: int = 0, momentum: float = 0.0, selection: str = "per_pack",
                         algorithm: str = "auto", overlap: str = "false",
-                        scoring: str = "error_feedback"):
+                        scoring: str = "error_feedback", reducer: str = "default", rank: int = 2):
     """A gf_tf.GradientFlowAllReduce for these flags, or None for TF's own all-reduce.
 
     compression, algorithm, overlap: the flag values ("fp16", "bf16", "none" or "auto";
@@ -137,12 +138,13 @@ def build_gradient_flow(compression: str = "fp16", bytes_per_pack: Union[int, st
     unless --algorithm or --overlap asks for GradientFlow's (then a float32 wire).
     momentum: CSC momentum correction (the optimizer must then run without
     momentum). selection: CSC's top-k "per_pack", "global" or "ahead"; scoring: "ahead"'s
-    next-step score, "error_feedback" or "paper". The CSC flags
+    next-step score, "error_feedback" or "paper". reducer: "default" (dense, or CSC by
+    density) or "lowrank" (`gf_tf.reducers.LowRank(rank=rank)`, not with CSC). The CSC flags
     are checked by gf_tf.ChunkSparsity, even for a dense run, and its
     ValueError names the flag ("--density must be a fraction in (0, 1] ...");
     bytes_per_pack: wire bytes per pack, or "auto" (the planner's);
-    also ValueError for a negative bytes_per_pack or an unknown compression,
-    algorithm or overlap.
+    also ValueError for a negative bytes_per_pack, an unknown compression, algorithm,
+    overlap or reducer, a bad rank, or --reducer lowrank with CSC.
     """
     wire = choose("compression", compression, COMPRESSIONS)
     algorithm = choose("algorithm", algorithm, ALGORITHMS)
@@ -158,10 +160,25 @@ def build_gradient_flow(compression: str = "fp16", bytes_per_pack: Union[int, st
     except ValueError as e:
         raise ValueError(f"--{e}") from None
     sparsity = settings if uses_csc(density) else None
-    if wire is None and sparsity is None and algorithm == "auto" and overlap is False:
+    own_reducer = _reducer(choose("reducer", reducer, REDUCERS), rank, sparsity)
+    if (wire is None and sparsity is None and own_reducer is None and algorithm == "auto"
+            and overlap is False):
         return None
     return gf_tf.GradientFlowAllReduce(compression=wire, bytes_per_pack=bytes_per_pack,
-                                       sparsity=sparsity, algorithm=algorithm, overlap=overlap)
+                                       sparsity=sparsity, algorithm=algorithm, overlap=overlap,
+                                       reducer=own_reducer)
+
+
+def _reducer(name: str, rank: int, sparsity) -> Optional[gf_tf.reducers.Reducer]:
+    """The --reducer's object: None for "default" (dense, or CSC's by --density)."""
+    if name == "default":
+        return None
+    if sparsity is not None:
+        raise ValueError("--reducer lowrank cannot be combined with CSC: pass --density 1")
+    try:
+        return gf_tf.reducers.LowRank(rank=rank)
+    except ValueError as e:
+        raise ValueError(f"--{e}") from None
 
 
 # --tf_all_reduce_dtype: the dtype TF's own all-reduce carries the gradients in (no GradientFlow)

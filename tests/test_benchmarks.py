@@ -92,6 +92,16 @@ def test_new_methods_pin_what_they_measure_and_auto_is_the_default():
     assert not {"auto", "gf_fp16_rd", "csc_1_rd"} & set(methods.PRESET_METHODS)
 
 
+def test_lowrank_methods_carry_their_rank_on_the_fp16_wire_outside_the_presets():
+    import gf_tf
+    from benchmarks.workers import methods
+    for method, rank in (("lowrank_1", 1), ("lowrank_2", 2), ("lowrank_4", 4)):
+        _, gf = methods.make_strategy(method, 30.0, build_strategy=False)
+        assert isinstance(gf.reducer, gf_tf.reducers.LowRank) and gf.reducer.rank == rank
+        assert gf.compression.name == "fp16" and gf.sparsity is None and methods.LABELS[method]
+        assert method in methods.METHODS and method not in methods.PRESET_METHODS
+
+
 def test_tiny_gradient_set_is_a_few_kilobytes():
     assert len(gradients.GRADIENT_SETS["tiny"]) == 3
     assert gradients.num_elements(gradients.GRADIENT_SETS["tiny"]) == 996   # 3.9 kB of float32

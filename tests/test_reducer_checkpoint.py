@@ -103,24 +103,27 @@ class _Recorder:
         self.arrays = state.to_arrays()
 
 
-def test_backup_and_restore_restores_a_reducer_of_our_own(tmp_path):
-    """fit with our reducer, preempted after epoch 1 under BackupAndRestore; the restarted job
-    gets the residuals and step counters back array for array, and ends with the weights of an
-    uninterrupted run, bitwise (the residuals change every later step's rounding)."""
+def preempted_and_resumed(make_reducer, tmp_path):
+    """fit for 3 epochs with make_reducer(), once uninterrupted and once preempted after epoch 1
+    under BackupAndRestore, then restarted: asserts that the restarted job gets the state back
+    array for array and ends with the uninterrupted run's weights and state, bitwise.
+
+    Returns:
+      (the state's arrays when the backup was written, the uninterrupted run's
+      GradientFlowAllReduce, the restarted run's).
+    """
     x, y = _data()
-    gfar_a, model_a = _setup(reducer=RoundingWithFeedback())
+    gfar_a, model_a = _setup(reducer=make_reducer())
     model_a.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
 
     backup = str(tmp_path / "backup")
-    gfar_b, model_b = _setup(reducer=RoundingWithFeedback())
+    gfar_b, model_b = _setup(reducer=make_reducer())
     with pytest.raises(RuntimeError, match="simulated preemption"):
         model_b.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0,
                     callbacks=[BackupAndRestore(backup), _Interrupt(epoch=1)])
     saved = _arrays(gfar_b)   # the backup was written at the end of epoch 1
-    assert saved["p0_steps_r0"] == saved["p0_steps_r1"] == 8
-    assert np.any(saved["p0_residual_r1"]) and np.any(saved["p0_residual_r1"] != saved["p0_residual_r0"])
 
-    gfar_c, model_c = _setup(reducer=RoundingWithFeedback(), seed=5)
+    gfar_c, model_c = _setup(reducer=make_reducer(), seed=5)
     model_c.optimizer.build(model_c.trainable_variables)   # attaches the checkpoint's listener
     recorder = _Recorder()
     gfar_c.state_registry.add_listener(recorder.record)
@@ -134,6 +137,16 @@ def test_backup_and_restore_restores_a_reducer_of_our_own(tmp_path):
         np.testing.assert_array_equal(a, c)
     for key, value in _arrays(gfar_a).items():
         np.testing.assert_array_equal(_arrays(gfar_c)[key], value, err_msg=key)
+    return saved, gfar_a, gfar_c
+
+
+def test_backup_and_restore_restores_a_reducer_of_our_own(tmp_path):
+    """fit with our reducer, preempted after epoch 1 under BackupAndRestore; the restarted job
+    gets the residuals and step counters back array for array, and ends with the weights of an
+    uninterrupted run, bitwise (the residuals change every later step's rounding)."""
+    saved, gfar_a, gfar_c = preempted_and_resumed(RoundingWithFeedback, tmp_path)
+    assert saved["p0_steps_r0"] == saved["p0_steps_r1"] == 8
+    assert np.any(saved["p0_residual_r1"]) and np.any(saved["p0_residual_r1"] != saved["p0_residual_r0"])
     # The CommStats totals, the reducer's own figures among them, came back with the backup.
     assert gfar_c.stats.totals() == gfar_a.stats.totals()
     assert gfar_a.stats.totals()["figure_rounded_elements"] == 12 * 195

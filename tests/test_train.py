@@ -69,6 +69,24 @@ def test_gradient_flow_follows_the_flags():
     assert factory.uses_csc("auto") and factory.uses_csc(0.5) and not factory.uses_csc(1.0)
 
 
+def test_reducer_lowrank_flag_gives_the_low_rank_reducer():
+    lowrank = factory.build_gradient_flow("none", reducer="lowrank", rank=4)
+    assert isinstance(lowrank.reducer, gf_tf.reducers.LowRank) and lowrank.reducer.rank == 4
+    assert lowrank.compression.name is None and lowrank.sparsity is None
+    assert not isinstance(factory.build_gradient_flow("fp16").reducer, gf_tf.reducers.LowRank)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"reducer": "lowrank", "rank": 0}, "--rank must be an integer >= 1, got 0"),
+    ({"reducer": "lowrank", "density": 0.1}, "--reducer lowrank cannot be combined with CSC"),
+    ({"reducer": "powersgd"}, "unknown --reducer 'powersgd'; valid values: default, lowrank"),
+])
+def test_reducer_flag_errors_name_the_flag(kwargs, message):
+    with pytest.raises(ValueError) as error:
+        factory.build_gradient_flow(**kwargs)
+    assert message in str(error.value)
+
+
 def test_one_device_refuses_gradient_flow():
     with pytest.raises(ValueError, match="one_device has no all-reduce"):
         factory.build_strategy("one_device", gradient_flow=factory.build_gradient_flow("fp16"))

@@ -34,6 +34,11 @@
     csc_15_paper / csc_10_paper
               the GradientFlow paper's own settings: chunks of 32,000 elements (its "32K
               gradients"), 15% / 10% of them, chosen a step ahead with its scoring rule
+    lowrank_1 / lowrank_2 / lowrank_4
+              gf_tf.GradientFlowAllReduce(compression="fp16",
+              reducer=gf_tf.reducers.LowRank(rank=1 / 2 / 4)): each matrix's gradient as two
+              rank-r factors (PowerSGD), the rest dense; not in the presets' loops over every
+              method: ask for them with --methods
 
 Every GradientFlow method pins bytes_per_pack, algorithm and overlap (False) unless its
 OVERRIDES entry says otherwise (`auto` leaves them to the planner, the `_overlap` methods
@@ -83,9 +88,17 @@ OVERRIDES: Dict[str, Dict[str, object]] = {
     "csc_1_ahead_overlap": {"overlap": True},   # CSC 1% ahead, each pack's one collective on its own
     "csc_1_ahead_rd": {"algorithm": "recursive_doubling"},
 }
-METHODS = _BASE_METHODS + [m for m in OVERRIDES if m not in _BASE_METHODS]
+# gf_tf.reducers.LowRank(rank=...) of the low-rank methods (PINNED's FP16 wire carries the factors).
+LOWRANK_RANK: Dict[str, int] = {
+    "lowrank_1": 1,
+    "lowrank_2": 2,
+    "lowrank_4": 4,
+}
+METHODS = (_BASE_METHODS + [m for m in OVERRIDES if m not in _BASE_METHODS]
+           + list(LOWRANK_RANK))
 # The methods the presets loop over when they take "every method".
-PRESET_METHODS = [m for m in METHODS if m not in CSC_SELECTION and m not in OVERRIDES]
+PRESET_METHODS = [m for m in METHODS if m not in CSC_SELECTION and m not in OVERRIDES
+                  and m not in LOWRANK_RANK]
 LABELS = {
     "tf_fp32": "TF default fp32",
     "tf_fp16": "TF default, fp16 by hand",
@@ -105,6 +118,7 @@ LABELS = {
     "csc_1_ahead_rd": "GradientFlow CSC 1% ahead, recursive doubling",
     "csc_15_paper": "GradientFlow CSC 15%, chunks of 32,000, ahead (the paper's)",
     "csc_10_paper": "GradientFlow CSC 10%, chunks of 32,000, ahead (the paper's)",
+    **{m: f"GradientFlow low-rank (PowerSGD), rank {r}" for m, r in LOWRANK_RANK.items()},
 }
 for _m in [m for m in OVERRIDES if m not in LABELS]:   # a method added by one OVERRIDES line:
     LABELS[_m] = "GradientFlow " + ", ".join(f"{k}={v!r}" for k, v in OVERRIDES[_m].items())   # its keywords
@@ -122,7 +136,8 @@ def algorithm(method: str) -> str:
 
 
 def is_gradient_flow(method: str) -> bool:
-    return method.startswith("gf_") or method in CSC_DENSITY or method in OVERRIDES
+    return (method.startswith("gf_") or method in CSC_DENSITY or method in OVERRIDES
+            or method in LOWRANK_RANK)
 
 
 def gradient_flow_settings(method: str) -> Dict[str, object]:
@@ -132,8 +147,8 @@ def gradient_flow_settings(method: str) -> Dict[str, object]:
 
 
 def gradient_flow_kwargs(method: str) -> Dict[str, object]:
-    """The GradientFlowAllReduce keywords of a GradientFlow method, sparsity included (a new
-    gf_tf.ChunkSparsity each call: its state is per GradientFlowAllReduce)."""
+    """The GradientFlowAllReduce keywords of a GradientFlow method, sparsity or reducer included
+    (a new gf_tf.ChunkSparsity or LowRank each call)."""
     import gf_tf
     from gf_tf.plan import DEFAULT_BYTES_PER_PACK
     kwargs = gradient_flow_settings(method)
@@ -143,6 +158,8 @@ def gradient_flow_kwargs(method: str) -> Dict[str, object]:
         kwargs["sparsity"] = gf_tf.ChunkSparsity(density=CSC_DENSITY[method], warmup_steps=0,
                                                  selection=csc_selection(method),
                                                  **CSC_EXTRA.get(method, {}))
+    if method in LOWRANK_RANK:
+        kwargs["reducer"] = gf_tf.reducers.LowRank(rank=LOWRANK_RANK[method])
     return kwargs
 
 

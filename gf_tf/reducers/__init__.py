@@ -2,15 +2,16 @@
 
 `base` holds the seam (the `Reducer` interface, its `StepInput` and `Communicator`,
 what a step `Sent`, the `CostTerms` the planner reads, the group loop), `dense`
-the dense reducer; CSC's lives in `gf_tf.csc`. A new reducer is one module that
+the dense reducer, `lowrank` the low-rank one (PowerSGD); CSC's lives in `gf_tf.csc`. A new reducer is one module that
 subclasses `Reducer`, passed as `GradientFlowAllReduce(reducer=...)`.
 """
 
 from gf_tf.reducers.base import (MAX_REDUCER_SETTINGS, Communicator, CostTerms, PackStep, Reduced,
                                  Reducer, Sent, StepInput, for_each_group, fuse_controls,
-                                 group_ranges, no_control, wire_scales)
+                                 group_ranges, no_control, VariablesState, wire_scales)
 from gf_tf.reducers.dense import DenseReducer
+from gf_tf.reducers.lowrank import LowRank
 
-__all__ = ["MAX_REDUCER_SETTINGS", "Communicator", "CostTerms", "DenseReducer", "PackStep",
+__all__ = ["MAX_REDUCER_SETTINGS", "Communicator", "CostTerms", "DenseReducer", "LowRank", "PackStep",
            "Reduced", "Reducer", "Sent", "StepInput", "for_each_group", "fuse_controls",
-           "group_ranges", "no_control", "wire_scales"]
+           "group_ranges", "no_control", "VariablesState", "wire_scales"]

@@ -225,6 +225,28 @@ class Reducer:
         raise NotImplementedError
 
 
+class VariablesState(tf.Module):
+    """Reducer state that saves its variables as they are: a subclass gives `named_variables()`
+    (its tf.Variables by array key) and gets the serialization the checkpoint reads."""
+
+    def named_variables(self) -> Dict[str, tf.Variable]:
+        """Every saved variable by its array key."""
+        raise NotImplementedError
+
+    def to_arrays(self) -> Dict[str, Any]:
+        """The variables' values as NumPy arrays by key (eager)."""
+        return {key: v.numpy() for key, v in self.named_variables().items()}
+
+    def to_tensors(self) -> Dict[str, tf.Tensor]:
+        """`to_arrays` as tensors read from the variables (eager or in a graph)."""
+        return {key: v.read_value() for key, v in self.named_variables().items()}
+
+    def assign_arrays(self, arrays: Dict[str, Any]) -> None:
+        """Assigns what `to_arrays` gave (keys and shapes checked by the caller)."""
+        for key, v in self.named_variables().items():
+            v.assign(arrays[key])
+
+
 def fuse_controls(comm: Communicator, parts: Sequence[Sequence[tf.Tensor]]
                   ) -> List[List[tf.Tensor]]:
     """Every part's control vector in ONE float32 SUM all-reduce.

@@ -29,22 +29,25 @@ class DenseReducer(Reducer):
         comm = step.comm
 
         def group(g, packs):
-            bounds = fuse_controls(comm, [self._bounds(pack, comm) for pack in packs])
-            return [self._reduce_pack(pack.spec, pack.grads, bound, comm)
+            bounds = fuse_controls(comm, [self.bounds(pack, comm) for pack in packs])
+            return [self.reduce_pack(pack.spec, pack.grads, bound, comm)
                     for pack, bound in zip(packs, bounds)]
 
         results = [result for part in for_each_group(step, group) for result in part]
         return [outputs for outputs, _ in results], sum((s for _, s in results), Sent())
 
     @staticmethod
-    def _bounds(pack: PackStep, comm: Communicator) -> List[tf.Tensor]:
-        """Per served replica float32 [tensors]: each tensor's max |g| (scaled wires only)."""
+    def bounds(pack: PackStep, comm: Communicator) -> List[tf.Tensor]:
+        """Per served replica float32 [tensors]: each tensor's max |g| on a scaled wire, else
+        float32 [0] (the pack's part of the control all-reduce, `fuse_controls`)."""
         if not pack.spec.wire.scaled:
             return no_control(comm)
         return comm.map(lambda r, g: ops.abs_max(g), pack.grads)
 
     @staticmethod
-    def _reduce_pack(spec: PackSpec, grads, bounds, comm: Communicator):
+    def reduce_pack(spec: PackSpec, grads, bounds, comm: Communicator):
+        """One pack's all-reduce: (per served replica its reduced tensors, in pack order; what
+        it sent). bounds: per served replica the all-reduced `bounds` (float32 [tensors] or [0])."""
         def to_wire(r, g, bound):
             prescale, postscale = wire_scales(spec.wire, comm, lambda: bound)
             return ops.pack(g, spec.wire_dtype, prescale), postscale

@@ -1,0 +1,349 @@
+"""Low-rank gradient compression (PowerSGD): the matrices of a step travel as two thin factors.
+
+Each matrix-shaped gradient M (2-D, or a kernel reshaped to [fan-in, fan-out]: all dimensions
+but the last by the last; n x m) of replica r, plus that replica's residual, is compressed by
+one step of power iteration with a warm-started Q (float32 [m, rank], equal on every replica):
+
+    P   = SUM_r M_r Q                  (one all-reduce for the P's of all matrices of the step)
+    P^  = orthogonalise(P)             (modified Gram-Schmidt in float32, the same on every replica)
+    Q_r = M_r^T P^
+    Q'  = SUM_r Q_r                    (one all-reduce for the Q's)
+    out = P^ Q'^T (times 1/N for MEAN); residual_r = M_r - P^ Q_r^T; Q = Q' for the next step.
+
+The residual is each replica's own share of what the approximation missed (error feedback,
+Vogels et al.'s Algorithm 2), so the residuals of all replicas add up to SUM_r M_r - P^ Q'^T.
+Tensors that would not shrink by `min_compression` ((n + m) rank > n m / min_compression:
+biases, small layers) travel as dense packs through `gf_tf.reducers.DenseReducer.reduce_pack`.
+
+On a scaled wire (FP16) every factor is multiplied by a power of two from an all-reduced bound
+(`wire_scales`), as packs are: |P_r| <= max row norm of M_r x max column norm of Q, and
+|Q_r| <= max column norm of M_r (P^'s columns have unit norm), so the bounds of the P's, the Q's
+and the dense packs travel in the step's one control all-reduce (`fuse_controls`) and no partial
+sum of the factors can overflow.
+
+A step whose all-reduced factors or dense tensors hold inf or NaN returns them (the loss-scale
+optimizer then skips it on every worker: the all-reduced values are the same everywhere) and
+leaves Q and the residuals unchanged.
+
+Source: Vogels, Karimireddy and Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for
+Distributed Optimization" (NeurIPS 2019), Algorithms 1 and 2; PyTorch's `powerSGD_hook`
+(`torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook`: warm start, `min_compression_rate`).
+"""
+
+import dataclasses
+import math
+import numbers
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from gf_tf import ops, tf_internal, wire
+from gf_tf.packing import PackSpec
+from gf_tf.reducers.base import (CostTerms, PackStep, Reducer, Sent, StepInput, VariablesState,
+                                 fuse_controls, no_control, wire_scales)
+from gf_tf.reducers.dense import DenseReducer
+
+
+def matrix_shape(shape) -> Optional[Tuple[int, int]]:
+    """(n, m) = (product of all dimensions but the last, the last) of a gradient of 2 or more
+    dimensions (a conv kernel [h, w, in, out] -> [h w in, out]); None for fewer dimensions."""
+    dims = [int(d) for d in tf.TensorShape(shape).as_list()]
+    if len(dims) < 2:
+        return None
+    return int(np.prod(dims[:-1])), dims[-1]
+
+
+def initial_factor(m: int, rank: int, seed: int, pack: int, matrix: int) -> np.ndarray:
+    """The first Q (float32 [m, rank], standard normal) of matrix `matrix` of pack `pack`: from
+    NumPy's PCG64 seeded with (seed, pack, matrix), so equal on every worker."""
+    rng = np.random.default_rng([seed, pack, matrix])
+    return rng.standard_normal((m, rank)).astype(np.float32)
+
+
+def orthogonalise(p: tf.Tensor) -> tf.Tensor:
+    """Modified Gram-Schmidt on the columns of float32 [n, r]: orthonormal columns (a zero column
+    stays zero), in the columns' order. Deterministic: the same bits on every replica."""
+    columns = []
+    for j in range(int(p.shape[1])):
+        column = p[:, j]
+        for done in columns:
+            column = column - tf.reduce_sum(done * column) * done
+        columns.append(tf.math.divide_no_nan(column, tf.norm(column)))
+    return tf.stack(columns, axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Which tensors of a pack are compressed.
+
+    matrices: positions (in the pack) of the compressed tensors; dims: their (n, m);
+    dense: positions of the others (they travel as a dense pack).
+    """
+    matrices: Tuple[int, ...]
+    dims: Tuple[Tuple[int, int], ...]
+    dense: Tuple[int, ...]
+
+    @property
+    def offsets(self) -> List[int]:
+        """Where each matrix starts in the pack's residual vector (float32 [sum n m])."""
+        return [int(o) for o in np.cumsum([0] + [n * m for n, m in self.dims])[:-1]]
+
+
+class LowRankState(VariablesState):
+    """Low-rank state of one pack on this worker (its compressed matrices only).
+
+    qs: per matrix, per local replica float32 [m, rank] on the replica's device: the Q of the
+      next step (the last all-reduced Q', equal on every replica).
+    residuals: per local replica float32 [sum of n m over the matrices], the matrices' residuals
+      flattened in pack order.
+    """
+
+    def __init__(self, name: str, factors: Sequence[np.ndarray], residual_size: int,
+                 devices: Sequence[str]):
+        super().__init__(name=None)
+        self.qs = [[tf_internal.local_variable(q, d, f"gf_lowrank_q{j}_{name}_r{r}")
+                    for r, d in enumerate(devices)] for j, q in enumerate(factors)]
+        self.residuals = [tf_internal.local_variable(tf.zeros([residual_size]), d,
+                                                     f"gf_lowrank_residual_{name}_r{r}")
+                          for r, d in enumerate(devices)]
+
+    def named_variables(self) -> Dict[str, tf.Variable]:
+        """Every variable by its array key: "q{j}_r{r}", "residual_r{r}"."""
+        named = {f"q{j}_r{r}": v for j, per_replica in enumerate(self.qs)
+                 for r, v in enumerate(per_replica)}
+        named.update({f"residual_r{r}": v for r, v in enumerate(self.residuals)})
+        return named
+
+
+@dataclasses.dataclass(frozen=True)
+class _Matrix:
+    """One compressed matrix of a step: its pack (index in the step), its position there, its
+    (n, m), its index j in the pack's state and its offset in the pack's residual."""
+    pack: int
+    position: int
+    n: int
+    m: int
+    j: int
+    offset: int
+
+
+class LowRank(Reducer):
+    """Rank-`rank` power-iteration compression with warm start and error feedback (PowerSGD).
+
+    Args:
+      rank: int >= 1, the columns of P and Q; a step sends (n + m) rank factor elements for each
+        compressed n x m matrix instead of n m.
+      min_compression: number >= 1: a matrix is compressed only when n m >= min_compression
+        (n + m) rank; the others travel dense on the pack's wire. PyTorch's
+        `min_compression_rate`, 2 by default there too.
+      seed: int >= 0, the seed of the first Q (`initial_factor`), equal on every worker.
+
+    Raises:
+      ValueError: a setting out of range, naming the setting and its accepted values.
+
+    The module docstring (`gf_tf.reducers.lowrank`) gives the step. Two all-reduces per step
+    carry the factors (the P's of every matrix, then the Q's, one buffer per wire format), plus
+    the dense remainder's packs and, on a scaled wire, one control all-reduce.
+    """
+
+    def __init__(self, rank: int = 2, min_compression: float = 2.0, seed: int = 0):
+        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank < 1:
+            raise ValueError(f"rank must be an integer >= 1, got {rank!r}")
+        if (isinstance(min_compression, bool) or not isinstance(min_compression, numbers.Real)
+                or not math.isfinite(min_compression) or min_compression < 1):
+            raise ValueError(f"min_compression must be a finite number >= 1 (compress an n x m "
+                             f"matrix only when n*m >= min_compression*(n+m)*rank), got "
+                             f"{min_compression!r}")
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+            raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+        self.rank, self.min_compression, self.seed = int(rank), float(min_compression), int(seed)
+
+    def compresses(self, n: int, m: int) -> bool:
+        """An n x m matrix shrinks by at least `min_compression` at this rank."""
+        return n * m >= self.min_compression * (n + m) * self.rank
+
+    def layout(self, spec: PackSpec) -> Layout:
+        """Which of the pack's tensors are compressed (pure: the same on every worker)."""
+        matrices, dims, dense = [], [], []
+        for position, shape in enumerate(spec.shapes):
+            nm = matrix_shape(shape)
+            if nm is not None and self.compresses(*nm):
+                matrices.append(position)
+                dims.append(nm)
+            else:
+                dense.append(position)
+        return Layout(tuple(matrices), tuple(dims), tuple(dense))
+
+    def create_states(self, packs, devices):
+        """Per pack with compressed matrices its `LowRankState`, else None.
+
+        Raises:
+          ValueError: the set has matrices and this rank compresses none of them (the message
+            gives the ranks that would compress its largest, or says that none does).
+        """
+        self._check_useful([shape for spec in packs for shape in spec.shapes])
+        states = []
+        for p, spec in enumerate(packs):
+            layout = self.layout(spec)
+            if not layout.matrices:
+                states.append(None)
+                continue
+            factors = [initial_factor(m, self.rank, self.seed, p, j)
+                       for j, (_, m) in enumerate(layout.dims)]
+            states.append(LowRankState(spec.key.replace("/", "_"), factors,
+                                       sum(n * m for n, m in layout.dims), devices))
+        return None, states
+
+    def _check_useful(self, shapes) -> None:
+        dims = [nm for nm in map(matrix_shape, shapes) if nm is not None]
+        if not dims or any(self.compresses(n, m) for n, m in dims):
+            return
+        n, m = max(dims, key=lambda nm: nm[0] * nm[1] / (nm[0] + nm[1]))
+        best = int(n * m // (self.min_compression * (n + m)))
+        accepted = (f"rank 1 to {best}" if best >= 1 else
+                    f"no rank; min_compression must be at most {n * m / (n + m):g} for it")
+        raise ValueError(f"rank {self.rank} compresses none of this model's matrices at "
+                         f"min_compression {self.min_compression:g}: its best, {n}x{m}, takes "
+                         f"{accepted}")
+
+    def settings(self):
+        return [("low-rank rank", self.rank, lambda v: str(int(v))),
+                ("low-rank min_compression", self.min_compression, lambda v: f"{v:g}"),
+                ("low-rank seed", self.seed, lambda v: str(int(v)))]
+
+    def cost(self, elements, wire_format):
+        """The set modelled as one square matrix of `elements` (the planner knows no shapes): a
+        control vector on a scaled wire, then its P and its Q; dense when it would not shrink."""
+        side = max(1, math.isqrt(int(elements)))
+        if not self.compresses(side, side):
+            return CostTerms((wire_format.wire_bytes * int(elements),))
+        factor = wire_format.wire_bytes * side * self.rank
+        return CostTerms(((8,) if wire_format.scaled else ()) + (factor, factor))
+
+    def reduce(self, step: StepInput):
+        comm = step.comm
+        sums = dataclasses.replace(comm, mean=False)   # the factors' sums; MEAN applied to `out`
+        layouts = [self.layout(pack.spec) for pack in step.packs]
+        dense_packs = [_dense_part(pack, layout) for pack, layout in zip(step.packs, layouts)]
+        dense_packs = [(p, part) for p, part in enumerate(dense_packs) if part is not None]
+        matrices = [_Matrix(p, position, n, m, j, offset)
+                    for p, layout in enumerate(layouts)
+                    for j, (position, (n, m), offset) in enumerate(
+                        zip(layout.matrices, layout.dims, layout.offsets))]
+        wires = {}   # matrices by the wire their pack travels on, in step order
+        for matrix in matrices:
+            wires.setdefault(step.packs[matrix.pack].spec.wire, []).append(matrix)
+        ms = comm.map(lambda r, *grads: [self._with_residual(step.packs[x.pack], x, r, grads[x.pack])
+                                         for x in matrices], *[p.grads for p in step.packs])
+        index = {x: i for i, x in enumerate(matrices)}
+
+        controls = fuse_controls(comm, [DenseReducer.bounds(part, comm) for _, part in dense_packs]
+                                 + [self._bounds(group, [[m[index[x]] for x in group] for m in ms],
+                                                 step, wire_format, comm)
+                                    for wire_format, group in wires.items()])
+        outputs = [[[None] * len(pack.spec.shapes) for _ in comm.replicas] for pack in step.packs]
+        sent = Sent(dense_bytes=4 * sum(x.n * x.m for x in matrices),
+                    figures={"compressed_elements": sum(x.n * x.m for x in matrices),
+                             "factor_elements": sum((x.n + x.m) * self.rank for x in matrices)})
+        finite = [tf.constant(True) for _ in comm.replicas]
+        for (p, part), bounds in zip(dense_packs, controls):
+            reduced, part_sent = DenseReducer.reduce_pack(part.spec, part.grads, bounds, comm)
+            sent += part_sent
+            for i, tensors in enumerate(reduced):
+                for position, value in zip(layouts[p].dense, tensors):
+                    outputs[p][i][position] = value
+                finite[i] = _all_finite(finite[i], tensors)
+        commits = [[] for _ in comm.replicas]
+        for (wire_format, group), bounds in zip(wires.items(), controls[len(dense_packs):]):
+            sent += self._factors(step, group, [[m[index[x]] for x in group] for m in ms],
+                                  bounds, wire_format, sums, outputs, finite, commits)
+        comm.map(lambda r, ok, pairs: [v.assign(tf.where(ok, value, v.read_value()))
+                                       for v, value in pairs], finite, commits)
+        return outputs, sent
+
+    def _with_residual(self, pack: PackStep, x: _Matrix, r: int, grads) -> tf.Tensor:
+        """Replica r's M: its gradient as float32 [n, m] plus its residual."""
+        residual = pack.state.residuals[r][x.offset:x.offset + x.n * x.m]
+        return (tf.reshape(tf.cast(grads[x.position], tf.float32), [x.n, x.m])
+                + tf.reshape(residual, [x.n, x.m]))
+
+    def _bounds(self, group: List[_Matrix], ms, step: StepInput, wire_format: wire.WireFormat,
+                comm) -> List[tf.Tensor]:
+        """Per served replica float32 [2 k] for the k matrices of a wire: the bounds of their P's,
+        then of their Q's (module docstring); [0] on an unscaled wire."""
+        if not wire_format.scaled:
+            return no_control(comm)
+
+        def bounds(r, m_list):
+            p_bounds, q_bounds = [], []
+            for x, m in zip(group, m_list):
+                q = step.packs[x.pack].state.qs[x.j][r]
+                p_bounds.append(tf.reduce_max(tf.norm(m, axis=1)) * tf.reduce_max(tf.norm(q, axis=0)))
+                q_bounds.append(tf.reduce_max(tf.norm(m, axis=0)))
+            return tf.stack(p_bounds + q_bounds)
+
+        return comm.map(bounds, ms)
+
+    def _factors(self, step: StepInput, group: List[_Matrix], ms, bounds, wire_format, sums,
+                 outputs, finite, commits) -> Sent:
+        """The P and Q all-reduces of one wire's matrices; fills `outputs`, ANDs the factors'
+        finiteness into `finite` and appends the state's new values to `commits` (per replica)."""
+        comm, k, rank = step.comm, len(group), self.rank
+        dtype = step.packs[group[0].pack].spec.wire_dtype
+        states = [step.packs[x.pack].state for x in group]
+
+        def send_p(r, m_list, bound):
+            prescale, postscale = wire_scales(wire_format, sums, lambda: bound[:k])
+            return ops.pack([m @ state.qs[x.j][r] for x, m, state in zip(group, m_list, states)],
+                            dtype, prescale), postscale
+        p_buffers, p_post = zip(*comm.map(send_p, ms, bounds))
+        p_sums = comm.all_reduce_sum(list(p_buffers))
+
+        def send_q(r, m_list, p_sum, post, bound):
+            ps = [orthogonalise(p) for p in ops.unpack(p_sum, [[x.n, rank] for x in group],
+                                                       [tf.float32] * k, post)]
+            qs = [tf.matmul(m, p, transpose_a=True) for m, p in zip(m_list, ps)]
+            prescale, postscale = wire_scales(wire_format, sums, lambda: bound[k:])
+            residuals = [m - tf.matmul(p, q, transpose_b=True) for m, p, q in zip(m_list, ps, qs)]
+            return ops.pack(qs, dtype, prescale), postscale, ps, residuals
+        q_buffers, q_post, p_hats, residuals = zip(*comm.map(send_q, ms, p_sums, p_post, bounds))
+        q_sums = comm.all_reduce_sum(list(q_buffers))
+
+        def receive(r, i, q_sum, post, p_list, residual_list):
+            q_list = ops.unpack(q_sum, [[x.m, rank] for x in group], [tf.float32] * k, post)
+            finite[i] = finite[i] & tf.reduce_all(tf.math.is_finite(p_sums[i])) & tf.reduce_all(
+                tf.math.is_finite(q_sum))
+            for x, state, p, q in zip(group, states, p_list, q_list):
+                pack = step.packs[x.pack]
+                shape, out_dtype = pack.spec.shapes[x.position], pack.spec.dtypes[x.position]
+                out = tf.matmul(p, q, transpose_b=True) * comm.postscale
+                outputs[x.pack][i][x.position] = tf.cast(tf.reshape(out, shape), out_dtype)
+                commits[i].append((state.qs[x.j][r], q))
+            for state in dict.fromkeys(states):   # each pack's residual: its matrices in order
+                own = [res for x, s, res in zip(group, states, residual_list) if s is state]
+                commits[i].append((state.residuals[r], tf.concat([tf.reshape(res, [-1])
+                                                                   for res in own], 0)))
+        comm.map(receive, range(len(comm.replicas)), q_sums, q_post, p_hats, residuals)
+        factor_bytes = dtype.size * sum((x.n + x.m) * rank for x in group)
+        return Sent(sent_bytes=factor_bytes + (8 * k if wire_format.scaled else 0))
+
+
+def _dense_part(pack: PackStep, layout: Layout) -> Optional[PackStep]:
+    """The pack's uncompressed tensors as a pack of their own (no state), or None."""
+    if not layout.dense:
+        return None
+    spec = pack.spec
+    shapes = tuple(spec.shapes[i] for i in layout.dense)
+    part = dataclasses.replace(spec, key=f"{spec.key}_dense",
+                               indices=tuple(spec.indices[i] for i in layout.dense),
+                               shapes=shapes, dtypes=tuple(spec.dtypes[i] for i in layout.dense),
+                               num_elements=sum(int(s.num_elements()) for s in shapes))
+    return PackStep(part, [[g[i] for i in layout.dense] for g in pack.grads], None)
+
+
+def _all_finite(ok: tf.Tensor, tensors) -> tf.Tensor:
+    """ok AND every element of `tensors` is finite."""
+    for t in tensors:
+        ok = ok & tf.reduce_all(tf.math.is_finite(t))
+    return ok

@@ -1,0 +1,353 @@
+"""gf_tf.reducers.LowRank (PowerSGD) against a float64 NumPy model of the method: power iteration
+with a warm-started Q, Gram-Schmidt, error feedback; the dense path of small tensors; its settings'
+errors; non-finite steps; its state through BackupAndRestore.
+
+In-process: MirroredStrategy over logical CPUs (tests/conftest.py), ReductionToOneDevice.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import gf_tf
+from gf_tf import reducers, wire
+from gf_tf.reducers import LowRank
+from gf_tf.reducers.lowrank import initial_factor, matrix_shape
+from helpers import DEVICES
+from test_reducer_checkpoint import preempted_and_resumed
+
+# Two compressed matrices (a dense kernel and a conv kernel, [36, 6]) at rank 2; a bias and a
+# small kernel ((4 + 3) 2 > 4 3 / 2) travel dense.
+SHAPES = [(12, 10), (3, 3, 4, 6), (10,), (4, 3)]
+STEPS = 20
+
+
+class Harness:
+    """One traced all-reduce of one gradient per variable of `shapes` on `replicas` replicas."""
+
+    def __init__(self, replicas, reducer, compression, shapes=SHAPES):
+        self.replicas, self.shapes = replicas, shapes
+        self.gfar = gf_tf.GradientFlowAllReduce(
+            compression=compression, reducer=reducer, algorithm="ring",
+            cross_device_ops=tf.distribute.ReductionToOneDevice())
+        self.strategy = tf.distribute.MirroredStrategy(DEVICES[:replicas], cross_device_ops=self.gfar)
+        self.variables = [tf.Variable(np.zeros(s, np.float32)) for s in shapes]
+
+        @tf.function
+        def step(*per_replica):
+            def fn(*grads):
+                return gf_tf.all_reduce_gradients([tf.identity(g) for g in grads], self.variables)
+            return self.strategy.run(fn, args=per_replica)
+        self._step = step
+
+    def __call__(self, grads):
+        """grads[r][i]: replica r's gradient of variable i -> per replica the reduced arrays."""
+        inputs = [self.strategy.experimental_distribute_values_from_function(
+            lambda ctx, i=i: tf.constant(grads[ctx.replica_id_in_sync_group][i]))
+            for i in range(len(self.shapes))]
+        out = self._step(*inputs)
+        return [[self.strategy.experimental_local_results(o)[r].numpy() for o in out]
+                for r in range(self.replicas)]
+
+    def spec_and_state(self):
+        (variable_set,) = self.gfar.states().values()
+        (spec,) = variable_set.pack_specs
+        (state,) = variable_set.pack_states
+        return spec, state
+
+
+def gram_schmidt(p):
+    """Modified Gram-Schmidt of the columns of p, float64 (a zero column stays zero)."""
+    q = np.array(p, np.float64)
+    for j in range(q.shape[1]):
+        for k in range(j):
+            q[:, j] -= (q[:, k] @ q[:, j]) * q[:, k]
+        norm = np.linalg.norm(q[:, j])
+        q[:, j] = q[:, j] / norm if norm else 0.0
+    return q
+
+
+def on_wire(values, bound, fp16):
+    """Each replica's factor as it arrives in the sum: on the FP16 wire scaled by the power of
+    two of the all-reduced bound, rounded to float16 and scaled back."""
+    if not fp16:
+        return values
+    scale = wire.power_of_two_scale_np(bound)
+    return [np.float16(v * scale).astype(np.float64) / scale for v in values]
+
+
+class Model:
+    """The method in float64, in pack order: per compressed matrix its Q and per replica its
+    residual; the other tensors summed."""
+
+    def __init__(self, reducer, spec, replicas, fp16):
+        self.reducer, self.fp16 = reducer, fp16
+        self.layout = reducer.layout(spec)
+        self.indices = spec.indices   # variable index of each pack position
+        self.qs = [initial_factor(m, reducer.rank, reducer.seed, 0, j).astype(np.float64)
+                   for j, (_, m) in enumerate(self.layout.dims)]
+        self.residuals = [[np.zeros((n, m)) for n, m in self.layout.dims] for _ in range(replicas)]
+
+    def load(self, arrays):
+        """Q and the residuals from the reducer's state arrays (`LowRankState.to_arrays`)."""
+        for j, (n, m) in enumerate(self.layout.dims):
+            self.qs[j] = arrays[f"q{j}_r0"].astype(np.float64)
+        for r, residuals in enumerate(self.residuals):
+            flat = arrays[f"residual_r{r}"].astype(np.float64)
+            for j, offset in enumerate(self.layout.offsets):
+                n, m = self.layout.dims[j]
+                residuals[j] = flat[offset:offset + n * m].reshape(n, m)
+
+    def arrays(self):
+        """The model's state under the reducer's array keys."""
+        out = {f"q{j}_r{r}": q for j, q in enumerate(self.qs) for r in range(len(self.residuals))}
+        out.update({f"residual_r{r}": np.concatenate([res.ravel() for res in residuals])
+                    for r, residuals in enumerate(self.residuals)})
+        return out
+
+    def step(self, grads):
+        out = {}
+        for position in self.layout.dense:
+            i = self.indices[position]
+            out[i] = sum(g[i].astype(np.float64) for g in grads)
+        for j, (position, (n, m)) in enumerate(zip(self.layout.matrices, self.layout.dims)):
+            i = self.indices[position]
+            ms = [g[i].astype(np.float64).reshape(n, m) + res[j] for g, res in zip(grads, self.residuals)]
+            q = self.qs[j]
+            ps = [mm @ q for mm in ms]
+            bound = sum(np.linalg.norm(mm, axis=1).max() for mm in ms) * np.linalg.norm(q, axis=0).max()
+            p_hat = gram_schmidt(sum(on_wire(ps, bound, self.fp16)))
+            local_qs = [mm.T @ p_hat for mm in ms]
+            bound = sum(np.linalg.norm(mm, axis=0).max() for mm in ms)
+            self.qs[j] = sum(on_wire(local_qs, bound, self.fp16))
+            for res, mm, local_q in zip(self.residuals, ms, local_qs):
+                res[j] = mm - p_hat @ local_q.T
+            out[i] = (p_hat @ self.qs[j].T).reshape(grads[0][i].shape)
+        return [out[i] for i in range(len(grads[0]))]
+
+
+def gradients(rng, replicas, shapes=SHAPES, scale=1.0):
+    return [[(scale * rng.normal(size=s)).astype(np.float32) for s in shapes]
+            for _ in range(replicas)]
+
+
+def assert_close(got, want, rtol):
+    """Elementwise within rtol of the tensor's largest magnitude (near-zero entries of a
+    low-rank product have no relative precision of their own)."""
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max())
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+@pytest.mark.parametrize("compression, rtol, scale", [(None, 1e-6, 1.0), ("fp16", 1e-3, 1e4)])
+def test_each_of_20_steps_matches_the_float64_model(replicas, compression, rtol, scale):
+    """Step by step from the state the reducer holds (Q and residuals read before the step):
+    the outputs and the new state match the float64 model of one step. (Left to run on its own
+    the model drifts from any float32 run: with random full-rank gradients the residuals grow and
+    each power step amplifies the previous steps' rounding, 1e-7 at step 1 to 1e-4 at step 20.)
+    On the FP16 wire the gradients are 1e4 in size: unscaled, the factors' sums would
+    overflow float16 (their entries reach about 1e5)."""
+    reducer = LowRank(rank=2)
+    run = Harness(replicas, reducer, compression)
+    rng = np.random.default_rng(replicas)
+    model = None
+    for t in range(STEPS):
+        grads = gradients(rng, replicas, scale=scale)
+        if model is not None:
+            model.load(state.to_arrays())
+        out = run(grads)
+        if model is None:   # the state exists from the first step's trace on
+            spec, state = run.spec_and_state()
+            assert [spec.shapes[p] for p in reducer.layout(spec).matrices] == [(3, 3, 4, 6), (12, 10)]
+            model = Model(reducer, spec, replicas, fp16=compression == "fp16")
+        want = model.step(grads)
+        for r in range(replicas):
+            for i, (got, expected) in enumerate(zip(out[r], want)):
+                assert np.all(np.isfinite(got))
+                assert_close(got, expected, rtol), (t, r, i)
+        for r in range(1, replicas):   # every replica gets the same bits
+            assert all(a.tobytes() == b.tobytes() for a, b in zip(out[0], out[r]))
+        arrays = state.to_arrays()
+        for key, value in model.arrays().items():
+            assert_close(arrays[key], value, rtol), (t, key)
+
+
+def test_error_feedback_sends_what_rank_1_left_behind():
+    """A rank-2 gradient at rank 1: the first step sends one direction, the residual keeps the
+    other, and the sum of what all steps sent approaches the sum of the gradients."""
+    shape = (16, 8)
+    rng = np.random.default_rng(0)
+    u, v = rng.normal(size=(16, 2)), rng.normal(size=(8, 2))
+    g = (u @ np.diag([3.0, 1.0]) @ v.T).astype(np.float32)
+    run = Harness(2, LowRank(rank=1, min_compression=1), None, shapes=[shape])
+    total = 2 * g.astype(np.float64)
+    sent, missed = np.zeros(shape), []
+    for t in range(1, 61):
+        sent += run([[g], [g]])[0][0]
+        missed.append(np.linalg.norm(sent - t * total) / np.linalg.norm(t * total))
+    assert missed[0] > 0.2 and missed[-1] < 0.2 * missed[0], missed
+
+
+def test_small_tensors_travel_dense_and_exact():
+    shapes = [(12, 10), (4, 3), (10,), (2, 2, 2)]
+    reducer = LowRank(rank=2)
+    run = Harness(2, reducer, None, shapes=shapes)
+    grads = gradients(np.random.default_rng(1), 2, shapes)
+    out = run(grads)
+    for i in range(1, len(shapes)):
+        np.testing.assert_array_equal(out[0][i], grads[0][i] + grads[1][i])
+    spec, state = run.spec_and_state()
+    assert [spec.shapes[p] for p in reducer.layout(spec).matrices] == [(12, 10)]
+    assert sorted(state.to_arrays()) == ["q0_r0", "q0_r1", "residual_r0", "residual_r1"]
+    assert run.gfar.stats.totals()["figure_compressed_elements"] == 12 * 10
+
+
+@pytest.mark.parametrize("kwargs, shapes, message", [
+    ({"rank": 3}, [(4, 3), (10,)], "rank 3 compresses none of this model's matrices at "
+                                   "min_compression 2: its best, 4x3, takes no rank; "
+                                   "min_compression must be at most 1.71429 for it"),
+    ({"rank": 8}, [(12, 10), (8,)], "rank 8 compresses none of this model's matrices at "
+                                    "min_compression 2: its best, 12x10, takes rank 1 to 2"),
+])
+def test_a_rank_that_compresses_nothing_is_refused_naming_the_ranks_that_would(kwargs, shapes,
+                                                                               message):
+    signature = [(tf.TensorShape(s), tf.float32) for s in shapes]
+    specs = gf_tf.packing.plan_packs(signature, 0, wire.get(None))
+    with pytest.raises(ValueError, match=message):
+        LowRank(**kwargs).create_states(specs, DEVICES[:2])
+    LowRank(**kwargs).create_states(specs[:0], DEVICES[:2])   # no matrices: nothing to refuse
+
+
+def test_matrix_shape_folds_all_dimensions_but_the_last():
+    assert matrix_shape((3, 3, 4, 6)) == (36, 6)
+    assert matrix_shape((12, 10)) == (12, 10)
+    assert matrix_shape((10,)) is None and matrix_shape(()) is None
+
+
+def test_figures_count_compressed_and_factor_elements():
+    run = Harness(2, LowRank(rank=2), None)
+    run(gradients(np.random.default_rng(2), 2))
+    totals = run.gfar.stats.totals()
+    assert totals["figure_compressed_elements"] == 12 * 10 + 36 * 6
+    assert totals["figure_factor_elements"] == (12 + 10) * 2 + (36 + 6) * 2
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"rank": 0}, "rank must be an integer >= 1, got 0"),
+    ({"rank": -1}, "rank must be an integer >= 1, got -1"),
+    ({"rank": 2.5}, "rank must be an integer >= 1, got 2.5"),
+    ({"rank": True}, "rank must be an integer >= 1, got True"),
+    ({"rank": "2"}, "rank must be an integer >= 1, got '2'"),
+    ({"min_compression": 0.5}, r"min_compression must be a finite number >= 1 .* got 0.5"),
+    ({"min_compression": float("inf")}, r"min_compression must be a finite number >= 1 .* got inf"),
+    ({"min_compression": "2"}, r"min_compression must be a finite number >= 1 .* got '2'"),
+    ({"seed": -1}, "seed must be an integer >= 0, got -1"),
+])
+def test_bad_settings_name_the_setting_and_its_accepted_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LowRank(**kwargs)
+
+
+def test_settings_and_cost():
+    reducer = LowRank(rank=4, min_compression=3)
+    assert [(name, value) for name, value, _ in reducer.settings()] == [
+        ("low-rank rank", 4), ("low-rank min_compression", 3.0), ("low-rank seed", 0)]
+    assert reducer.cost(1 << 20, wire.FP16).collective_bytes == (8, 2 * 1024 * 4, 2 * 1024 * 4)
+    assert reducer.cost(1 << 20, wire.get(None)).collective_bytes == (4 * 1024 * 4,) * 2
+    assert reducer.cost(100, wire.get(None)).collective_bytes == (400,)   # 10 x 10: dense
+
+
+@pytest.mark.parametrize("bad_variable", [0, 2])   # a compressed matrix; a dense bias
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_non_finite_step_reaches_the_outputs_and_leaves_the_state(bad_variable, bad):
+    run = Harness(2, LowRank(rank=2), "fp16")
+    rng = np.random.default_rng(3)
+    for _ in range(3):
+        run(gradients(rng, 2))
+    _, state = run.spec_and_state()
+    before = state.to_arrays()
+    grads = gradients(rng, 2)
+    grads[1][bad_variable].flat[5] = bad
+    out = run(grads)
+    for r in range(2):
+        assert not np.all(np.isfinite(out[r][bad_variable]))
+    after = state.to_arrays()
+    assert sorted(after) == sorted(before)
+    for key, value in before.items():
+        np.testing.assert_array_equal(after[key], value, err_msg=key)
+    run(gradients(rng, 2))   # the next finite step moves the state again
+    assert np.any(state.to_arrays()["residual_r0"] != before["residual_r0"])
+
+
+def test_backup_and_restore_gives_back_q_and_residuals_bitwise(tmp_path):
+    """fit on 2 replicas (both kernels compressed at rank 1, FP16 wire), preempted after epoch 1
+    under BackupAndRestore; the restarted job gets Q and the residuals back bit for bit and ends
+    with the weights and state of an uninterrupted run."""
+    saved, gfar_a, gfar_c = preempted_and_resumed(lambda: LowRank(rank=1), tmp_path)
+    assert {"p0_q0_r0", "p0_q1_r1", "p0_residual_r0", "p0_residual_r1"} <= set(saved)
+    assert np.any(saved["p0_residual_r1"] != saved["p0_residual_r0"])
+    assert gfar_c.stats.totals() == gfar_a.stats.totals()
+
+
+@pytest.mark.parametrize("compression, collectives", [
+    (None, ["float32"] * 3),                    # the dense pack, the P's, the Q's
+    ("fp16", ["float32"] + ["float16"] * 3),   # the control vector first
+])
+def test_a_step_issues_one_all_reduce_for_the_ps_and_one_for_the_qs(compression, collectives):
+    """The reducer called directly with a Communicator that records each all-reduce (2 replicas
+    on one worker): the P's of both matrices travel in one buffer, the Q's in another."""
+    reducer = LowRank(rank=2)
+    signature = [(tf.TensorShape(s), tf.float32) for s in SHAPES]
+    (spec,) = gf_tf.packing.plan_packs(signature, 0, wire.get(compression))
+    devices = tuple(DEVICES[:2])
+    _, (state,) = reducer.create_states([spec], devices)
+    issued = []
+
+    def all_reduce_sum(values):
+        issued.append((values[0].dtype.name, int(values[0].shape[0])))
+        return [tf.add_n(values)] * len(values)
+
+    comm = reducers.Communicator(all_reduce_sum, 2, False, (0, 1), devices)
+    grads = gradients(np.random.default_rng(4), 2)
+    step = reducers.StepInput((reducers.PackStep(spec, [[tf.constant(g[i]) for i in spec.indices]
+                                                        for g in grads], state),), None, comm)
+    outputs, sent = reducer.reduce(step)
+    assert [dtype for dtype, _ in issued] == collectives
+    factor_sizes = [(36 + 12) * 2, (6 + 10) * 2]   # P's: n rank each; Q's: m rank each
+    assert [size for _, size in issued[-2:]] == factor_sizes
+    assert sent.figures == {"compressed_elements": 36 * 6 + 12 * 10,
+                            "factor_elements": (36 + 6) * 2 + (12 + 10) * 2}
+    assert len(outputs[0][1]) == len(SHAPES)
+
+
+@pytest.mark.slow   # 2 worker processes
+def test_two_workers_get_the_same_bits_and_match_the_model():
+    """2 workers, one replica each, FP16 wire: every step's reduced values are bitwise equal on
+    both workers, and so are the Q's they hold; each step matches the float64 model started from
+    the state the workers held before it (worker w's residual as replica w's)."""
+    import cluster   # pylint: disable=import-outside-toplevel
+    results = cluster.run_workers("lowrank_worker.py", 2, ["--steps", "4"], timeout=150,
+                                  comm_timeout=30)
+    assert all(r.ok for r in results), cluster.describe(results)
+    a, b = (r.result for r in results)
+    shapes = [(24, 16), (3, 3, 4, 8), (16,)]
+    signature = [(tf.TensorShape(s), tf.float32) for s in shapes]
+    (spec,) = gf_tf.packing.plan_packs(signature, 0, wire.FP16)
+    reducer = LowRank(rank=2)
+    model = Model(reducer, spec, 2, fp16=True)
+    for step in range(4):
+        if step:
+            held = [_state_before(worker, step) for worker in (a, b)]
+            for key in (k for k in held[0] if k.startswith("q")):
+                assert held[0][key].tobytes() == held[1][key].tobytes(), key
+            model.load({**held[0], "residual_r1": held[1]["residual_r0"]})
+        grads = [[worker[f"g{step}_{i}"] for i in range(len(shapes))] for worker in (a, b)]
+        want = model.step(grads)
+        for i, expected in enumerate(want):
+            assert a[f"out{step}_{i}"].tobytes() == b[f"out{step}_{i}"].tobytes(), (step, i)
+            assert_close(a[f"out{step}_{i}"], expected, 1e-3)
+
+
+def _state_before(worker, step):
+    """A worker's reducer state before `step`, under LowRankState's keys (one replica: r0)."""
+    prefix = f"state{step}_p0_"
+    return {key[len(prefix):]: value for key, value in worker.items() if key.startswith(prefix)}
