@@ -143,6 +143,7 @@ class GradientFlowCheckpoint(_keras_saveable_class(), tf.Module):
 
     # --- tf.train.Checkpoint: the same content as one string tensor ------------------
 
+    @tf.autograph.experimental.do_not_convert   # traced by a SavedModel's functions: runs as written
     def _serialize_to_tensors(self):
         return {"csc_state": self.state_tensor()}
 
@@ -154,6 +155,7 @@ class GradientFlowCheckpoint(_keras_saveable_class(), tf.Module):
                                "checks run in Python): restore eagerly, or use model.load_weights.")
         return tf.no_op()
 
+    @tf.autograph.experimental.do_not_convert   # from a user's tf.function: runs as written
     def state_tensor(self) -> tf.Tensor:
         """This worker's reducer state as a tf.string scalar, built with TF ops (eager or in a tf.function).
 
