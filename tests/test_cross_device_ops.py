@@ -328,8 +328,8 @@ def test_one_instance_serves_one_strategy():
     first = tf.distribute.MirroredStrategy(DEVICES[:2], cross_device_ops=gfar)
     second = tf.distribute.MirroredStrategy(DEVICES[:2], cross_device_ops=gfar)
     value = first.experimental_distribute_values_from_function(lambda ctx: tf.identity(1.0))
-    with first.scope():
-        gfar.batch_reduce(SUM, [(value, value)])   # takes the first strategy's ops
+    with first.scope():   # traced, not run: takes the first strategy's ops, runs no collective
+        tf.function(lambda: gfar.batch_reduce(SUM, [(value, value)])).get_concrete_function()
     with second.scope(), pytest.raises(ValueError, match="one GradientFlowAllReduce per strategy"):
         gfar.batch_reduce(SUM, [(value, value)])
 
