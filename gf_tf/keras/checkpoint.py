@@ -104,10 +104,13 @@ class GradientFlowCheckpoint(_keras_saveable_class(), tf.Module):
     Bytes: gf_tf.keras.checkpoint_format.
 
     Args:
-      gradient_flow: the `gf_tf.GradientFlowAllReduce` whose reducer state is saved.
-      strategy: the strategy it all-reduces for (its local replica count is recorded).
-      variables: the optimizer's trainable variables, in its order.
-      iterations: the optimizer's step counter (an int64 variable), or None.
+      gradient_flow (GradientFlowAllReduce): the `gf_tf.GradientFlowAllReduce` whose reducer
+        state is saved.
+      strategy (tf.distribute.Strategy): the strategy it all-reduces for (its local replica
+        count is recorded).
+      variables (Sequence[tf.Variable]): the optimizer's trainable variables, in its order.
+      iterations (tf.Variable | None): the optimizer's step counter (an int64 variable), or
+        None.
     """
 
     def __init__(self, gradient_flow, strategy, variables, iterations=None):
