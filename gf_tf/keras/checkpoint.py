@@ -146,7 +146,6 @@ class GradientFlowCheckpoint(_keras_saveable_class(), tf.Module):
 
     # --- tf.train.Checkpoint: the same content as one string tensor ------------------
 
-    @tf.autograph.experimental.do_not_convert   # traced by a SavedModel's functions: runs as written
     def _serialize_to_tensors(self):
         return {"csc_state": self.state_tensor()}
 
