@@ -66,29 +66,10 @@ else:
         ring.same_as_tf_own))
     gradient_flow = gf_tf.GradientFlowAllReduce(compression="fp16", algorithm="ring_alias")
 
-strategy = gf_tf.MultiWorkerMirroredStrategy(communication_options=worker_util.communication_options(),
-                                            gradient_flow=gradient_flow)
-rank = worker_util.task_index()
-with tf.init_scope():
-    variables = [tf.Variable(tf.zeros(shape), name=f"v{i}") for i, shape in enumerate(VARIABLES)]
+strategy, step_fn = worker_util.gradient_step(gradient_flow, VARIABLES)
 
 
-@tf.function
-def step_fn(grads):
-    def replica(*g):
-        g = [tf.identity(t) for t in g]
-        return gf_tf.all_reduce_gradients(g, variables, options=worker_util.communication_options())
-    return strategy.run(replica, args=tuple(grads))
-
-
-arrays = {}
-for step in range(args.steps):
-    rng = np.random.default_rng([step, rank])
-    grads = [rng.standard_normal(shape).astype(np.float32) for shape in VARIABLES]
-    out = step_fn([tf.constant(g) for g in grads])
-    for i, (g, o) in enumerate(zip(grads, out)):
-        arrays[f"g{step}_{i}"] = g
-        arrays[f"out{step}_{i}"] = strategy.experimental_local_results(o)[0].numpy()
+arrays = worker_util.random_steps(strategy, step_fn, VARIABLES, args.steps)
 graph = step_fn.get_concrete_function([tf.TensorSpec(s, tf.float32) for s in VARIABLES]).graph
 dtypes = [op.get_attr("T").name for op in graph.get_operations()
           if op.type.startswith("CollectiveReduce")]

@@ -8,7 +8,6 @@ whose state is created by the step's trace).
 
 import argparse
 
-import numpy as np
 import tensorflow as tf
 
 import worker_util
@@ -23,29 +22,15 @@ VARIABLES = [(24, 16), (3, 3, 4, 8), (16,)]
 
 gradient_flow = gf_tf.GradientFlowAllReduce(compression="fp16", bytes_per_pack=0, algorithm="ring",
                                             reducer=gf_tf.reducers.LowRank(rank=2))
-strategy = gf_tf.MultiWorkerMirroredStrategy(communication_options=worker_util.communication_options(),
-                                            gradient_flow=gradient_flow)
-rank = worker_util.task_index()
-with tf.init_scope():
-    variables = [tf.Variable(tf.zeros(shape), name=f"v{i}") for i, shape in enumerate(VARIABLES)]
+strategy, step_fn = worker_util.gradient_step(gradient_flow, VARIABLES)
 
 
-@tf.function
-def step_fn(grads):
-    def replica(*g):
-        g = [tf.identity(t) for t in g]
-        return gf_tf.all_reduce_gradients(g, variables, options=worker_util.communication_options())
-    return strategy.run(replica, args=tuple(grads))
 
 
-arrays = {}
-for step in range(args.steps):
-    for variable_set in gradient_flow.states().values():   # one, from the first step on
-        arrays.update({f"state{step}_{key}": v for key, v in variable_set.to_arrays().items()})
-    rng = np.random.default_rng([step, rank])
-    grads = [rng.standard_normal(shape).astype(np.float32) for shape in VARIABLES]
-    out = step_fn([tf.constant(g) for g in grads])
-    for i, (g, o) in enumerate(zip(grads, out)):
-        arrays[f"g{step}_{i}"] = g
-        arrays[f"out{step}_{i}"] = strategy.experimental_local_results(o)[0].numpy()
+def state_before(step):   # one variable set, from the first step on
+    return {f"state{step}_{key}": value for variable_set in gradient_flow.states().values()
+            for key, value in variable_set.to_arrays().items()}
+
+
+arrays = worker_util.random_steps(strategy, step_fn, VARIABLES, args.steps, state_before)
 worker_util.write_result(**arrays)

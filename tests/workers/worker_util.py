@@ -125,3 +125,41 @@ def csc_checkpoint_strategy(selection="per_pack"):
     strategy = gf_tf.MultiWorkerMirroredStrategy(communication_options=communication_options(),
                                                  gradient_flow=gradient_flow)
     return gradient_flow, strategy
+
+
+def gradient_step(gradient_flow, shapes):
+    """(strategy, step_fn) for a worker that all-reduces gradients of variables of `shapes` through
+    `gradient_flow` with gf_tf.all_reduce_gradients, one replica per worker: step_fn(grads) ->
+    the reduced gradients (a tf.function over strategy.run)."""
+    import gf_tf  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    strategy = gf_tf.MultiWorkerMirroredStrategy(communication_options=communication_options(),
+                                                 gradient_flow=gradient_flow)
+    with tf.init_scope():
+        variables = [tf.Variable(tf.zeros(shape), name=f"v{i}") for i, shape in enumerate(shapes)]
+
+    @tf.function
+    def step_fn(grads):
+        def replica(*g):
+            g = [tf.identity(t) for t in g]
+            return gf_tf.all_reduce_gradients(g, variables, options=communication_options())
+        return strategy.run(replica, args=tuple(grads))
+
+    return strategy, step_fn
+
+
+def random_steps(strategy, step_fn, shapes, steps, before_step=lambda step: {}):
+    """Runs `steps` steps of fresh standard-normal gradients of `shapes` (seeded by step and
+    rank) through step_fn; returns {g{step}_{i}: gradient, out{step}_{i}: reduced} plus, per
+    step, what before_step(step) returns before it runs."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    arrays = {}
+    for step in range(steps):
+        arrays.update(before_step(step))
+        rng = np.random.default_rng([step, task_index()])
+        grads = [rng.standard_normal(shape).astype(np.float32) for shape in shapes]
+        out = step_fn([tf.constant(g) for g in grads])
+        for i, (g, o) in enumerate(zip(grads, out)):
+            arrays[f"g{step}_{i}"] = g
+            arrays[f"out{step}_{i}"] = strategy.experimental_local_results(o)[0].numpy()
+    return arrays
