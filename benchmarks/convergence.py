@@ -63,7 +63,12 @@ METHODS: Dict[str, List[str]] = {
     "csc_1": ["--compression", "fp16", "--density", "0.01", "--selection", "per_pack"],
     "csc_1_ahead": ["--compression", "fp16", "--density", "0.01", "--selection", "ahead"],
     "csc_auto": ["--compression", "fp16", "--density", "auto", "--selection", "per_pack"],
+    "lowrank_1": ["--compression", "fp16", "--density", "1", "--reducer", "lowrank", "--rank", "1"],
+    "lowrank_2": ["--compression", "fp16", "--density", "1", "--reducer", "lowrank", "--rank", "2"],
+    "lowrank_4": ["--compression", "fp16", "--density", "1", "--reducer", "lowrank", "--rank", "4"],
 }
+# The full preset's methods (the dense baselines and CSC); the low-rank ones run when named.
+FULL_METHODS = ("tf_fp32", "tf_fp16", "gf_fp16", "default", "csc_1", "csc_1_ahead", "csc_auto")
 BASELINE = "tf_fp32"
 
 
@@ -102,7 +107,7 @@ def preset(name: str, root: bool) -> Dict[str, list]:
     if name == "quick":
         return {"tasks": ["mnist1d_wide"], "methods": ["tf_fp32", "csc_1"], "seeds": [0], "workers": [2],
                 "links": [100.0 if root else None]}
-    return {"tasks": list(TASKS), "methods": list(METHODS), "seeds": [0, 1, 2], "workers": [2, 4],
+    return {"tasks": list(TASKS), "methods": list(FULL_METHODS), "seeds": [0, 1, 2], "workers": [2, 4],
             "links": [100.0, None]}
 
 
@@ -113,6 +118,8 @@ def payload_bytes_per_step(task: str, method: str) -> float:
         return 4.0 * params
     if method.startswith("csc_"):   # FP16 chunks at 1%, or csc_auto's largest density (0.25)
         return 2.0 * params * (0.25 if method == "csc_auto" else 0.01)
+    if method.startswith("lowrank_"):   # FP16 factors: a few % of the wide layer, small ones dense
+        return 2.0 * params * 0.05
     return 2.0 * params
 
 

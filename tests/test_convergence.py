@@ -100,7 +100,7 @@ def _gradient_flow_of(method):
     f = flag_values
     return factory.build_gradient_flow(f.compression, f.bytes_per_pack, f.density, f.chunk_size, f.warmup_steps,
                                        f.momentum, f.selection, algorithm=f.algorithm, overlap=f.overlap,
-                                       scoring=f.scoring), f.tf_all_reduce_dtype
+                                       scoring=f.scoring, reducer=f.reducer, rank=f.rank), f.tf_all_reduce_dtype
 
 
 def test_every_method_is_the_reducer_its_name_says():
@@ -117,6 +117,10 @@ def test_every_method_is_the_reducer_its_name_says():
                                        ("csc_auto", "auto", "per_pack")]:
         csc, _ = _gradient_flow_of(method)
         assert (csc.sparsity.density, csc.sparsity.selection) == (density, selection), method
+    for rank in (1, 2, 4):
+        lowrank, _ = _gradient_flow_of(f"lowrank_{rank}")
+        assert isinstance(lowrank.reducer, gf_tf.reducers.LowRank) and lowrank.reducer.rank == rank
+        assert lowrank.sparsity is None
 
 
 @pytest.mark.slow

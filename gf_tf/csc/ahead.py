@@ -9,8 +9,10 @@ Per pack (n elements, C chunks of `chunk_size`), per served replica, a sparse st
   acc, norms, u = accumulate(residual, g)   as in gf_tf.csc (norms: local chunk L1 of acc)
   idx    = the k largest `scores` (state, all-reduced at the previous step: the same on
            every replica of every worker), ties to the lower index, ascending
-  s      = power_of_two_scale(MARGIN * bound), bound (state) the previous step's SUM over
-           replicas of max(norms); 1 on a wire that needs no scale
+  s      = power_of_two_scale(MARGIN * bound), bound (state) from the previous step: after
+           a sparse step the SUM over replicas of max(norms), after a dense step the largest
+           all-reduced chunk norm max(SUM over replicas of norms), which is no larger; both
+           bound |every partial sum| of that step's chunks; 1 on a wire that needs no scale
   buffer = [chunks idx of acc, zero-padded to k*chunk_size | next scores (C) | max(norms)],
            in float32, times s, cast to the wire dtype (rounded to nearest even)
   buffer = all-reduce(buffer)               ONE collective per wire dtype of the group
