@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import gf_tf
-from gf_tf import reducers, tf_internal
+from gf_tf import reducers
 from gf_tf.keras import checkpoint_format
 from gf_tf.keras.backup import BackupAndRestore
 from gf_tf.keras.checkpoint import of
@@ -24,29 +24,20 @@ from test_checkpoint import _Interrupt, _data, _refused_at_load, _setup, _traine
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "gf_tf"
 
 
-class FeedbackState(tf.Module):
-    """One pack's state: per local replica its rounding residual (float32 [n]) and steps (int64)."""
+class FeedbackState(reducers.VariablesState):
+    """One pack's state: per local replica its rounding residual (float32 [n]) and steps (int64),
+    built from gf_tf's public reducer API only."""
 
     def __init__(self, num_elements, devices):
         super().__init__(name=None)
-        self.residuals = [tf_internal.local_variable(tf.zeros([num_elements]), d, f"residual_r{r}")
+        self.residuals = [reducers.local_variable(tf.zeros([num_elements]), d, f"residual_r{r}")
                           for r, d in enumerate(devices)]
-        self.steps = [tf_internal.local_variable(tf.constant(0, tf.int64), d, f"steps_r{r}")
+        self.steps = [reducers.local_variable(tf.constant(0, tf.int64), d, f"steps_r{r}")
                       for r, d in enumerate(devices)]
 
-    def _variables(self):
+    def named_variables(self):
         return {**{f"residual_r{r}": v for r, v in enumerate(self.residuals)},
                 **{f"steps_r{r}": v for r, v in enumerate(self.steps)}}
-
-    def to_arrays(self):
-        return {key: v.numpy() for key, v in self._variables().items()}
-
-    def to_tensors(self):
-        return {key: v.read_value() for key, v in self._variables().items()}
-
-    def assign_arrays(self, arrays):
-        for key, v in self._variables().items():
-            v.assign(arrays[key])
 
 
 class RoundingWithFeedback(reducers.Reducer):
@@ -256,3 +247,13 @@ def test_no_file_in_gf_tf_names_the_reducer_of_this_test():
     for path in PACKAGE.rglob("*.py"):
         text = path.read_text()
         assert "RoundingWithFeedback" not in text and "FeedbackState" not in text, path
+
+
+def test_local_variable_is_plain_and_on_its_device_inside_a_strategy_scope():
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+        v = reducers.local_variable(tf.constant([1.5, -2.0]), "/cpu:0", "probe")
+        mirrored = tf.Variable(0.0)
+    assert not isinstance(v, type(mirrored)) and not v.trainable
+    assert v.device.endswith("CPU:0") and v.dtype == tf.float32
+    np.testing.assert_array_equal(v.numpy(), [1.5, -2.0])

@@ -8,10 +8,11 @@ subclasses `Reducer`, passed as `GradientFlowAllReduce(reducer=...)`.
 
 from gf_tf.reducers.base import (MAX_REDUCER_SETTINGS, Communicator, CostTerms, PackStep, Reduced,
                                  Reducer, Sent, StepInput, for_each_group, fuse_controls,
-                                 group_ranges, no_control, VariablesState, wire_scales)
+                                 group_ranges, local_variable, no_control, VariablesState,
+                                 wire_scales)
 from gf_tf.reducers.dense import DenseReducer
 from gf_tf.reducers.lowrank import LowRank
 
 __all__ = ["MAX_REDUCER_SETTINGS", "Communicator", "CostTerms", "DenseReducer", "LowRank", "PackStep",
            "Reduced", "Reducer", "Sent", "StepInput", "for_each_group", "fuse_controls",
-           "group_ranges", "no_control", "VariablesState", "wire_scales"]
+           "group_ranges", "local_variable", "no_control", "VariablesState", "wire_scales"]

@@ -45,7 +45,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
-from gf_tf import wire
+from gf_tf import tf_internal, wire
 from gf_tf.agreement import Setting
 from gf_tf.packing import PackSpec
 
@@ -223,6 +223,25 @@ class Reducer:
     def reduce(self, step: StepInput) -> Tuple[Reduced, Sent]:
         """(per pack, per served replica the reduced tensors; what the step sent)."""
         raise NotImplementedError
+
+
+def local_variable(initial_value, device: str, name: str) -> tf.Variable:
+    """A variable for a reducer's state: plain, non-trainable, on `device`, even when created
+    inside `strategy.scope()` (where `tf.Variable` would become a MirroredVariable, and Keras
+    enters that scope around `fit`).
+
+    Args:
+      initial_value: a tensor or array of any dtype and shape (the variable's).
+      device: the replica's device, as `create_states` receives it ("/job:worker/.../CPU:0").
+      name: the variable's name (for TensorBoard and error messages only; the checkpoint
+        keys come from the state's `named_variables` or `to_arrays`).
+
+    Returns:
+      a resource variable, never in the model's weights: a reducer's state reaches the
+      checkpoint through its `VariablesState.named_variables` (or `to_arrays`). TensorFlow's
+      own cross-device ops create their helper variables the same way.
+    """
+    return tf_internal.local_variable(initial_value, device, name)
 
 
 class VariablesState(tf.Module):
