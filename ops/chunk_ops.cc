@@ -125,10 +125,12 @@ REGISTER_OP("GfAccumulate")
     .Output("acc: float")
     .Output("norms: float")
     .Output("new_velocity: num_velocity * float")
+    .Output("lookahead: float")
     .Attr("Tin: list(" GF_TF_GRAD_TYPES ") >= 0")
     .Attr("num_velocity: int >= 0")
     .Attr("chunk_size: int")
     .Attr("momentum: float = 0.0")
+    .Attr("with_lookahead: bool = false")
     .Attr("simd: bool = true")
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       int64_t chunk_size;
@@ -139,12 +141,18 @@ REGISTER_OP("GfAccumulate")
       shape_inference::DimensionHandle chunks = c->UnknownDim();
       if (c->ValueKnown(n)) chunks = c->MakeDim(NumChunks(c->Value(n), chunk_size));
       c->set_output(1, c->Vector(chunks));
-      for (int i = 2; i < c->num_outputs(); ++i) TF_RETURN_IF_ERROR(SameShapeAsInput0(c, i));
+      const int lookahead = c->num_outputs() - 1;
+      for (int i = 2; i < lookahead; ++i) TF_RETURN_IF_ERROR(SameShapeAsInput0(c, i));
+      bool with_lookahead;
+      TF_RETURN_IF_ERROR(c->GetAttr("with_lookahead", &with_lookahead));
+      c->set_output(lookahead, c->Vector(with_lookahead ? chunks : c->MakeDim(0)));
       return Status();
     })
     .Doc(R"doc(
 u = pack(tensors) (+ momentum * velocity, then new_velocity = u);
 acc = residual + u; norms[c] = sum |acc| over chunk c. One pass.
+With with_lookahead (needs a velocity): lookahead[c] = sum |acc + momentum * u|
+over chunk c, else lookahead is empty.
 )doc");
 
 class GfAccumulateOp : public OpKernel {
@@ -159,6 +167,9 @@ class GfAccumulateOp : public OpKernel {
     OP_REQUIRES(ctx, num_velocity <= 1,
                 InvalidArgument("accumulate: at most one velocity, got ", num_velocity));
     has_velocity_ = num_velocity == 1;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("with_lookahead", &with_lookahead_));
+    OP_REQUIRES(ctx, !with_lookahead_ || has_velocity_,
+                InvalidArgument("accumulate: lookahead needs a velocity"));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -190,6 +201,11 @@ class GfAccumulateOp : public OpKernel {
     Tensor* norms = nullptr;
     const int64_t num_chunks = NumChunks(n, chunk_size_);
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({num_chunks}), &norms));
+    Tensor* lookahead = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            "lookahead", TensorShape({with_lookahead_ ? num_chunks : 0}),
+                            &lookahead));
+    float* ahead = with_lookahead_ ? lookahead->flat<float>().data() : nullptr;
     const float* velocity = nullptr;
     float* velocity_out = nullptr;
     if (has_velocity_) {
@@ -209,7 +225,7 @@ class GfAccumulateOp : public OpKernel {
       for (int64_t c = first; c < last; ++c) {
         const int64_t begin = c * chunk_size_;
         const int64_t end = std::min(n, begin + chunk_size_);
-        double l1 = 0.0;
+        double l1 = 0.0, ahead_l1 = 0.0;
         ForEachSegment(offsets, begin, end,
                        [&](int i, int64_t in_tensor, int64_t, int64_t len) {
           const Tensor& t = tensors[i];
@@ -219,9 +235,11 @@ class GfAccumulateOp : public OpKernel {
           l1 += AccumulateSegment(r + pos, t.dtype(), g,
                                   velocity ? velocity + pos : nullptr,
                                   velocity_out ? velocity_out + pos : nullptr,
-                                  momentum_, a + pos, len, simd_, stream);
+                                  momentum_, a + pos, len, simd_, stream,
+                                  ahead != nullptr ? &ahead_l1 : nullptr);
         });
         norm[c] = static_cast<float>(l1);
+        if (ahead != nullptr) ahead[c] = static_cast<float>(ahead_l1);
       }
     });
   }
@@ -231,6 +249,7 @@ class GfAccumulateOp : public OpKernel {
   float momentum_;
   bool simd_;
   bool has_velocity_;
+  bool with_lookahead_;
 };
 
 REGISTER_KERNEL_BUILDER(Name("GfAccumulate").Device(tensorflow::DEVICE_CPU), GfAccumulateOp);

@@ -101,9 +101,11 @@ Bits MaxMaskedScalar(const Bits* src, int64_t n, Bits mask) {
   return m;
 }
 
+// See AccumulateSegment; `lookahead` (or nullptr): += sum |a + momentum * u|.
 double AccumulateF32Scalar(const float* r, const float* g, const float* v,
-                           float* v_out, float momentum, float* acc, int64_t n) {
-  double l1 = 0.0;
+                           float* v_out, float momentum, float* acc, int64_t n,
+                           double* lookahead) {
+  double l1 = 0.0, ahead = 0.0;
   for (int64_t i = 0; i < n; ++i) {
     float u = g[i];
     if (v != nullptr) {
@@ -113,7 +115,12 @@ double AccumulateF32Scalar(const float* r, const float* g, const float* v,
     float a = r[i] + u;
     acc[i] = a;
     l1 += std::fabs(a);
+    if (lookahead != nullptr) {
+      const float next = momentum * u;
+      ahead += std::fabs(a + next);
+    }
   }
+  if (lookahead != nullptr) *lookahead += ahead;
   return l1;
 }
 
@@ -272,15 +279,18 @@ GF_TF_SIMD void CopyStreamSimd(char* dst, const char* src, int64_t bytes) {
 template <bool kStream>
 GF_TF_SIMD double AccumulateF32Simd(const float* r, const float* g,
                                     const float* v, float* v_out,
-                                    float momentum, float* acc, int64_t n) {
+                                    float momentum, float* acc, int64_t n,
+                                    double* lookahead) {
   const __m256 m = _mm256_set1_ps(momentum);
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  double l1 = 0.0;
+  double l1 = 0.0, ahead = 0.0;
   int64_t i = 0;
   while (i + 8 <= n) {
-    // Sum |acc| in float lanes over at most 1024 elements, then in double.
+    // Sum |acc| (and |acc + momentum * u|) in float lanes over at most 1024
+    // elements, then in double.
     const int64_t stop = std::min(n, i + 1024);
     __m256 lanes = _mm256_setzero_ps();
+    __m256 ahead_lanes = _mm256_setzero_ps();
     for (; i + 8 <= stop; i += 8) {
       __m256 u = _mm256_loadu_ps(g + i);
       if (v != nullptr) {
@@ -290,29 +300,38 @@ GF_TF_SIMD double AccumulateF32Simd(const float* r, const float* g,
       __m256 a = _mm256_add_ps(_mm256_loadu_ps(r + i), u);
       StoreF32<kStream>(acc + i, a);
       lanes = _mm256_add_ps(lanes, _mm256_and_ps(a, abs_mask));
+      if (lookahead != nullptr) {
+        const __m256 next = _mm256_add_ps(a, _mm256_mul_ps(m, u));
+        ahead_lanes = _mm256_add_ps(ahead_lanes, _mm256_and_ps(next, abs_mask));
+      }
     }
     alignas(32) float part[8];
     _mm256_store_ps(part, lanes);
     for (float p : part) l1 += p;
+    if (lookahead != nullptr) {
+      _mm256_store_ps(part, ahead_lanes);
+      for (float p : part) ahead += p;
+    }
   }
+  if (lookahead != nullptr) *lookahead += ahead;
   return l1 + AccumulateF32Scalar(r + i, g + i, v == nullptr ? nullptr : v + i,
                                   v_out == nullptr ? nullptr : v_out + i,
-                                  momentum, acc + i, n - i);
+                                  momentum, acc + i, n - i, lookahead);
 }
 
 // Streams acc (and v_out, when it has the same alignment) after a scalar head.
 GF_TF_SIMD double AccumulateF32SimdDispatch(const float* r, const float* g,
                                             const float* v, float* v_out,
                                             float momentum, float* acc, int64_t n,
-                                            bool stream) {
+                                            bool stream, double* lookahead) {
   const int64_t head = stream ? HeadToAlign(acc, 4, n) : 0;
   if (!stream || (v_out != nullptr && HeadToAlign(v_out, 4, n) != head)) {
-    return AccumulateF32Simd<false>(r, g, v, v_out, momentum, acc, n);
+    return AccumulateF32Simd<false>(r, g, v, v_out, momentum, acc, n, lookahead);
   }
-  const double l1 = AccumulateF32Scalar(r, g, v, v_out, momentum, acc, head);
+  const double l1 = AccumulateF32Scalar(r, g, v, v_out, momentum, acc, head, lookahead);
   return l1 + AccumulateF32Simd<true>(r + head, g + head, v ? v + head : nullptr,
                                       v_out ? v_out + head : nullptr, momentum,
-                                      acc + head, n - head);
+                                      acc + head, n - head, lookahead);
 }
 #endif  // GF_TF_X86
 
@@ -528,13 +547,15 @@ void FromWire(DataType wire, const void* src, DataType out_dtype, void* dst,
 double AccumulateSegment(const float* residual, DataType grad_dtype,
                          const void* grad, const float* velocity,
                          float* velocity_out, float momentum, float* acc,
-                         int64_t n, bool simd, bool stream) {
+                         int64_t n, bool simd, bool stream, double* lookahead) {
   auto run = [&](const float* r, const float* g, const float* v, float* vo,
                  float* a, int64_t len) {
 #ifdef GF_TF_X86
-    if (UseSimd(simd)) return AccumulateF32SimdDispatch(r, g, v, vo, momentum, a, len, stream);
+    if (UseSimd(simd)) {
+      return AccumulateF32SimdDispatch(r, g, v, vo, momentum, a, len, stream, lookahead);
+    }
 #endif
-    return AccumulateF32Scalar(r, g, v, vo, momentum, a, len);
+    return AccumulateF32Scalar(r, g, v, vo, momentum, a, len, lookahead);
   };
   if (grad_dtype == DT_FLOAT) {
     return run(residual, static_cast<const float*>(grad), velocity, velocity_out,

@@ -47,11 +47,15 @@ void CopyBytes(void* dst, const void* src, int64_t bytes, bool stream);
 // acc[i] = residual[i] + u[i], u[i] = momentum * velocity[i] + grad[i] when
 // velocity is given (then velocity_out[i] = u[i]), else u[i] = grad[i].
 // grad has dtype grad_dtype. In-place (acc == residual, velocity_out ==
-// velocity) is allowed. Returns sum |acc[i]|.
+// velocity) is allowed. Returns sum |acc[i]|. With `lookahead` (not null),
+// also adds sum |acc[i] + momentum * u[i]| to *lookahead: the next step's
+// accumulator as far as it is known now (the product rounded to float, then
+// the sum, as TensorFlow's `acc + momentum * u`).
 double AccumulateSegment(const float* residual, DataType grad_dtype,
                          const void* grad, const float* velocity,
                          float* velocity_out, float momentum, float* acc,
-                         int64_t n, bool simd, bool stream = false);
+                         int64_t n, bool simd, bool stream = false,
+                         double* lookahead = nullptr);
 
 // Element offsets of a list of tensors laid end to end: offsets[i] is where
 // tensor i starts, offsets.back() the total.

@@ -196,6 +196,30 @@ def test_a_sparse_step_is_one_fp16_sum_and_a_float32_one_only_in_its_retry():
                            ("float32", 64), ("float16", n)]), sums
 
 
+@pytest.mark.parametrize("momentum, scoring, fused", [(0.9, "error_feedback", True),
+                                                     (0.9, "paper", False),
+                                                     (0.0, "error_feedback", False)])
+def test_error_feedback_scores_come_from_the_accumulate_kernels_lookahead_norms(
+        momentum, scoring, fused):
+    """With momentum, scoring "error_feedback" asks the accumulate op for its lookahead norms
+    (one per chunk), so the sparse branch sums no [C, chunk_size] block of residual +
+    momentum * u (buffers.chunk_l1): the only such sums are the dense branch's, of its
+    received buffer."""
+    n, cs = 1009, 16
+    run, _ = _one_pack(n, cs, 0.05, warmup_steps=1, momentum=momentum, scoring=scoring)
+    run([[np.ones(n, np.float32)]] * 2)
+    inputs = run.strategy.experimental_distribute_values_from_function(
+        lambda ctx: (tf.ones([n]),))
+    graph = run._step.get_concrete_function(inputs).graph   # pylint: disable=protected-access
+    accumulates = [op for op in all_ops(graph) if op.type == "GfAccumulate"]
+    assert len(accumulates) == 2   # one per replica
+    assert all(op.get_attr("with_lookahead") == fused for op in accumulates)
+    chunk_sums = [op for op in all_ops(graph) if op.type == "Sum"
+                  and op.inputs[0].shape.as_list() == [-(-n // cs), cs]]
+    # Only the dense branch's chunk_l1 of its received sum, per replica.
+    assert len(chunk_sums) == 2, [op.name for op in chunk_sums]
+
+
 def test_settings_name_what_ahead_does_not_combine_with():
     with pytest.raises(ValueError, match=r'selection="ahead" needs a numeric density'):
         gf_tf.ChunkSparsity(density="auto", selection="ahead")

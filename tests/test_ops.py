@@ -257,6 +257,89 @@ def test_accumulate_matches_reference(impl, case, with_velocity):
     np.testing.assert_allclose(as_f64(norms), ref_norms(expected_acc, chunk_size), rtol=2e-6)
 
 
+LOOKAHEAD_CASES = {  # (sizes, chunk_size)
+    "empty": ([0], 3),
+    "one_element": ([1], 1),
+    "seven_in_chunks_of_3": ([7], 3),
+    "prime_1009_in_chunks_of_1024": ([1009], 1024),
+    "partial_last_chunk_of_1024": ([2000, 1, 97], 1024),
+    "chunk_size_1": ([5, 8], 1),
+    "mixed_sizes_in_chunks_of_3": ([7, 1009, 1, 0], 3),
+}
+
+
+def ref_accumulate(residual, grad, velocity, momentum):
+    """(acc, u): the accumulate contract in float32 steps, as float64."""
+    m = np.float64(np.float32(momentum))
+    u = round_to(round_to(m * velocity, F32) + round_to(grad, F32), F32)
+    return round_to(residual + u, F32), u
+
+
+def ref_lookahead(acc, u, momentum, chunk_size):
+    """Per chunk sum |acc + momentum * u|: the product rounded to float32, then the sum."""
+    m = np.float64(np.float32(momentum))
+    return ref_norms(round_to(acc + round_to(m * u, F32), F32), chunk_size)
+
+
+@pytest.mark.parametrize("case", list(LOOKAHEAD_CASES.values()), ids=list(LOOKAHEAD_CASES))
+@pytest.mark.parametrize("grad_dtype", [F32, F16, BF16])
+def test_accumulate_lookahead_matches_reference(impl, run, case, grad_dtype):
+    sizes, chunk_size = case
+    tensors, grad = random_tensors(sizes, (grad_dtype,), spread=1.0)
+    n = len(grad)
+    residual = round_to(RNG.normal(size=n), F32)
+    velocity = round_to(RNG.normal(size=n), F32)
+    momentum = RNG.uniform(0.5, 0.99)
+    acc, norms, new_velocity, lookahead = run(
+        lambda r, v: impl.accumulate(r, tensors, chunk_size, v, momentum, lookahead=True),
+        tf.constant(residual, F32), tf.constant(velocity, F32))
+
+    expected_acc, u = ref_accumulate(residual, grad, velocity, momentum)
+    assert_same(acc, expected_acc)
+    assert_same(new_velocity, u)
+    assert lookahead.dtype == F32 and lookahead.shape == (ops.num_chunks(n, chunk_size),)
+    np.testing.assert_allclose(as_f64(lookahead), ref_lookahead(expected_acc, u, momentum, chunk_size),
+                               rtol=2e-6)
+
+
+@pytest.mark.parametrize("case", list(CHUNK_CASES.values()), ids=list(CHUNK_CASES))
+def test_accumulate_outputs_are_bitwise_the_same_with_and_without_lookahead(impl, case):
+    sizes, chunk_size = case
+    tensors, grad = random_tensors(sizes, (F32, F64, F16, BF16), spread=1.0)
+    n = len(grad)
+    residual = tf.constant(round_to(RNG.normal(size=n), F32), F32)
+    velocity = tf.constant(round_to(RNG.normal(size=n), F32), F32)
+    without = impl.accumulate(residual, tensors, chunk_size, velocity, 0.9)
+    with_lookahead = impl.accumulate(residual, tensors, chunk_size, velocity, 0.9, lookahead=True)
+    assert len(without) == 3 and len(with_lookahead) == 4
+    for plain, fused in zip(without, with_lookahead):
+        np.testing.assert_array_equal(bits(fused), bits(plain))
+
+
+def test_accumulate_lookahead_needs_a_velocity(impl):
+    with pytest.raises(ValueError, match="lookahead=True needs a velocity"):
+        impl.accumulate(tf.zeros([10]), [tf.zeros([10])], 4, None, 0.9, lookahead=True)
+
+
+def test_lookahead_on_outputs_larger_than_the_caches_matches_reference():
+    """The non-temporal-store path of the compiled vector kernels, with the lookahead norms."""
+    if _library.load() is None:
+        pytest.skip(f"compiled ops unavailable: {ops.library_status()}")
+    sizes, chunk_size = [3, (16 << 20) // 4 + 1001, 5], 1000
+    tensors, grad = random_tensors(sizes, (F32,), spread=1.0)
+    n = len(grad)
+    residual = round_to(RNG.normal(size=n), F32)
+    velocity = round_to(RNG.normal(size=n), F32)
+    acc, _, new_velocity, lookahead = ops.compiled.accumulate(
+        tf.constant(residual, F32), tensors, chunk_size, tf.constant(velocity, F32), 0.9,
+        lookahead=True)
+    expected_acc, u = ref_accumulate(residual, grad, velocity, 0.9)
+    assert_same(acc, expected_acc)
+    assert_same(new_velocity, u)
+    np.testing.assert_allclose(as_f64(lookahead), ref_lookahead(expected_acc, u, 0.9, chunk_size),
+                               rtol=2e-6)
+
+
 def random_indices(n, chunk_size, include_last):
     chunks = ops.num_chunks(n, chunk_size)
     if chunks == 0:

@@ -22,7 +22,8 @@ Per pack (n elements, C chunks of `chunk_size`), per served replica, a sparse st
 
 The next step's score of a chunk (`ChunkSparsity.scoring`), summed over replicas:
   "error_feedback": the chunk L1 norm of residual + momentum * u after this step, the part
-    of the next step's accumulator known now;
+    of the next step's accumulator known now (for a chunk not sent, its L1 norm of
+    acc + momentum * u, which `ops.accumulate(lookahead=True)` sums in its one pass);
   "paper": the chunk L1 norm of the residual, and for a chunk just sent the L1 norm of its
     all-reduced sum (GradientFlow's norms over the buffer after the all-reduce, where a
     sent chunk holds the sum and its norm, divided by N on each of N workers, adds up to
@@ -108,6 +109,11 @@ class AheadSelection(PerPackSelection):
         selected = wire_bytes * chunk_size * selection.selected_chunk_count(chunks, density)
         return (selected + wire_bytes * (chunks + 1),)
 
+    def wants_lookahead(self, sparsity):
+        """With scoring "error_feedback": the next step's scores of the chunks not sent are
+        their norms of acc + momentum * u, which the accumulate kernel sums in its pass."""
+        return sparsity.scoring == "error_feedback"
+
     def config(self, sparsity):
         """{"scoring": sparsity.scoring}."""
         return {"scoring": sparsity.scoring}
@@ -163,7 +169,7 @@ def _prepare(sparsity, pack, accumulated, count, k, comm: Communicator) -> List[
     length = spec.num_elements if k is None else k * cs
     scaled = spec.wire.scaled
 
-    def prepare(r, acc, norms, new_u):
+    def prepare(r, acc, norms, new_u, lookahead):
         if k is None:
             idx = tf.range(count, dtype=tf.int32)
         else:
@@ -178,7 +184,9 @@ def _prepare(sparsity, pack, accumulated, count, k, comm: Communicator) -> List[
             acc, idx, cs, tf.float32, 1.0, new_u if masked else None)
         exact = buffers.pad_to(exact, length)
         next_u = masked_u if masked else new_u
-        if sparsity.scoring == "error_feedback" and next_u is not None:
+        if masked and lookahead is not None:   # a sent chunk's residual and u are 0
+            scores = buffers.without_chunks(lookahead, idx)
+        elif sparsity.scoring == "error_feedback" and next_u is not None:
             scores = buffers.chunk_l1(new_residual + sparsity.momentum * next_u, cs)
         else:   # the residual's chunk norms: acc's, with the sent chunks at 0
             scores = buffers.without_chunks(norms, idx)
@@ -186,7 +194,8 @@ def _prepare(sparsity, pack, accumulated, count, k, comm: Communicator) -> List[
         wire_buffer = tf.cast(exact * prescale, spec.wire_dtype)
         return _Send(idx, prescale, known, wire_buffer, exact, new_residual, next_u)
 
-    return comm.map(prepare, accumulated.accs, accumulated.norms, accumulated.new_us)
+    return comm.map(prepare, accumulated.accs, accumulated.norms, accumulated.new_us,
+                    accumulated.lookaheads)
 
 
 def _exchange(members: List[List[_Send]], comm: Communicator, wire_format: wire.WireFormat):

@@ -18,10 +18,13 @@ from gf_tf.reducers import (Communicator, CostTerms, PackStep, Reducer, Sent, St
 @dataclasses.dataclass(frozen=True)
 class Accumulated:
     """A pack's accumulator, per served replica: acc = residual + (u or g) float32 [n], its
-    local chunk L1 norms float32 [C] (before the all-reduce), the new velocity u (or None)."""
+    local chunk L1 norms float32 [C] (before the all-reduce), the new velocity u (or None),
+    and the local chunk L1 norms of acc + momentum * u, float32 [C], where the policy
+    `wants_lookahead` and the pack keeps a velocity (else None)."""
     accs: List[tf.Tensor]
     norms: List[tf.Tensor]
     new_us: List[Optional[tf.Tensor]]
+    lookaheads: List[Optional[tf.Tensor]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,14 +227,17 @@ class CSCReducer(Reducer):
 
     def _accumulate(self, pack: PackStep, comm: Communicator) -> Accumulated:
         state = pack.state
+        lookahead = bool(state.velocities) and self.policy.wants_lookahead(self.sparsity)
 
         def accumulate(r, g):
             u = state.velocities[r] if state.velocities else None
-            return ops.accumulate(state.residuals[r], g, self.sparsity.chunk_size, u,
-                                  self.sparsity.momentum)
+            acc, norms, new_u, *ahead = ops.accumulate(
+                state.residuals[r], g, self.sparsity.chunk_size, u, self.sparsity.momentum,
+                lookahead)
+            return acc, norms, new_u, (ahead[0] if ahead else None)
 
-        accs, norms, new_us = zip(*comm.map(accumulate, pack.grads))
-        return Accumulated(list(accs), list(norms), list(new_us))
+        accs, norms, new_us, lookaheads = zip(*comm.map(accumulate, pack.grads))
+        return Accumulated(list(accs), list(norms), list(new_us), list(lookaheads))
 
     def chunk_step(self, step: StepInput, counts, accumulated, norms, plan):
         """One step of a group of packs at `plan` (a `selection.StepPlan`) from the

@@ -84,6 +84,12 @@ class SelectionPolicy:
         (float32 [C], the same on every replica); `select_chunks` (the top k)."""
         return select_chunks(norms, k)
 
+    def wants_lookahead(self, sparsity) -> bool:
+        """Whether its steps read `Accumulated.lookaheads` (ops.accumulate(lookahead=True)) when
+        the packs keep a velocity: no."""
+        del sparsity
+        return False
+
     def create_state(self, name: str, num_elements: int, num_chunks: int, devices,
                      momentum: bool, steps) -> CSCState:
         """One pack's `CSCState` (residuals, and velocities with momentum)."""

@@ -180,8 +180,8 @@ def abs_max(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
 
 
 def accumulate(residual: tf.Tensor, tensors: Sequence[tf.Tensor], chunk_size: int,
-               velocity: Optional[tf.Tensor] = None, momentum: float = 0.0
-               ) -> Tuple[tf.Tensor, tf.Tensor, Optional[tf.Tensor]]:
+               velocity: Optional[tf.Tensor] = None, momentum: float = 0.0,
+               lookahead: bool = False) -> Tuple[tf.Tensor, ...]:
     """Error-feedback accumulation and chunk importance in one pass (CSC).
 
     g = pack(tensors, float32); with `velocity`: u = momentum * velocity + g
@@ -192,18 +192,29 @@ def accumulate(residual: tf.Tensor, tensors: Sequence[tf.Tensor], chunk_size: in
       tensors: floating tensors whose sizes sum to n.
       chunk_size: elements per chunk (>= 1).
       velocity: optional float32 [n].
+      momentum: float, the momentum of the correction (used with `velocity`).
+      lookahead: also return the chunk L1 norms of acc + momentum * u (needs
+        `velocity`): the part of the next step's accumulator known at this
+        step, for a chunk that is not sent now. selection="ahead" scores the
+        next step's chunks from them without further passes over n.
 
     Returns:
       (acc float32 [n], norms float32 [ceil(n / chunk_size)] = per-chunk L1
-      norm of acc, new velocity float32 [n] or None).
+      norm of acc, new velocity float32 [n] or None), and with `lookahead` a
+      fourth item, float32 [ceil(n / chunk_size)]: per chunk the sum of
+      |acc + momentum * u| (each product rounded to float32, then each sum, as
+      TensorFlow's `acc + momentum * u`). The order (and width, float32 or
+      float64) of the norms' sums is the implementation's, so they can differ
+      from a plain float32 `reduce_sum` in the last bits.
 
     Raises:
-      ValueError: chunk_size < 1, or sizes that do not match (the message names
-        the problem; tf.errors.InvalidArgumentError when only known at run time).
+      ValueError: chunk_size < 1, lookahead without velocity, or sizes that do
+        not match (the message names the problem; tf.errors.InvalidArgumentError
+        when only known at run time).
     """
     tensors = list(tensors)
     return _implementation([residual] + tensors).accumulate(
-        residual, tensors, chunk_size, velocity, momentum)
+        residual, tensors, chunk_size, velocity, momentum, lookahead)
 
 
 def gather_chunks(acc: tf.Tensor, indices: tf.Tensor, chunk_size: int,

@@ -89,6 +89,14 @@ def flat_float32(t, what: str, name: str) -> tf.Tensor:
     return t
 
 
+def lookahead(requested: bool, velocity) -> bool:
+    """accumulate's `lookahead` flag; raises ValueError if it is set without a velocity."""
+    if requested and velocity is None:
+        raise ValueError("accumulate: lookahead=True needs a velocity (the L1 norms of "
+                         "acc + momentum * u are defined with momentum correction only)")
+    return bool(requested)
+
+
 def indices(chunk_indices) -> tf.Tensor:
     chunk_indices = tf.convert_to_tensor(chunk_indices)
     if chunk_indices.dtype not in (tf.int32, tf.int64):

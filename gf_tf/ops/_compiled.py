@@ -54,14 +54,16 @@ def abs_max(tensors, simd=True):
     return lib.gf_abs_max(tensors, simd=simd)
 
 
-def accumulate(residual, tensors, chunk_size, velocity, momentum, simd=True):
+def accumulate(residual, tensors, chunk_size, velocity, momentum, lookahead=False, simd=True):
     lib = library.require()
     residual = checks.flat_float32(residual, "accumulate", "residual")
     tensors = checks.floating_tensors(tensors, "accumulate")
-    acc, norms, new_velocity = lib.gf_accumulate(
+    lookahead = checks.lookahead(lookahead, velocity)
+    acc, norms, new_velocity, ahead = lib.gf_accumulate(
         residual, tensors, _optional(velocity, "accumulate"), chunk_size=int(chunk_size),
-        momentum=float(momentum), simd=simd)
-    return acc, norms, (new_velocity[0] if new_velocity else None)
+        momentum=float(momentum), with_lookahead=lookahead, simd=simd)
+    outputs = acc, norms, (new_velocity[0] if new_velocity else None)
+    return outputs + (ahead,) if lookahead else outputs
 
 
 def gather_chunks(acc, indices, chunk_size, wire_dtype, scale=1.0, velocity=None, simd=True):

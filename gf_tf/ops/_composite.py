@@ -119,8 +119,9 @@ def _chunk_ids(n, chunk_size):
     return tf.range(n, dtype=tf.int64) // chunk_size
 
 
-def accumulate(residual, tensors, chunk_size, velocity, momentum):
+def accumulate(residual, tensors, chunk_size, velocity, momentum, lookahead=False):
     checks.chunk_size(chunk_size)
+    lookahead = checks.lookahead(lookahead, velocity)
     residual = checks.flat_float32(residual, "accumulate", "residual")
     grad = pack(tensors, tf.float32, 1.0)
     if residual.shape[0] is not None:
@@ -133,8 +134,12 @@ def accumulate(residual, tensors, chunk_size, velocity, momentum):
     acc = residual + grad
     n = tf.shape(acc, out_type=tf.int64)[0]
     chunks = (n + chunk_size - 1) // chunk_size
-    norms = tf.math.unsorted_segment_sum(tf.abs(acc), _chunk_ids(n, chunk_size), chunks)
-    return acc, norms, new_velocity
+    ids = _chunk_ids(n, chunk_size)
+    norms = tf.math.unsorted_segment_sum(tf.abs(acc), ids, chunks)
+    if not lookahead:
+        return acc, norms, new_velocity
+    ahead = tf.math.unsorted_segment_sum(tf.abs(acc + momentum * new_velocity), ids, chunks)
+    return acc, norms, new_velocity, ahead
 
 
 def _checked_indices(indices, n, chunk_size, what):
