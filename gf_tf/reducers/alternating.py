@@ -71,7 +71,7 @@ def alternate_factors(step: StepInput, group: List[Matrix], ms, bounds, wire_for
                                  [tf.float32] * k, post)
                 outs = [tf.matmul(*((g, f) if p_step else (f, g)), transpose_b=True)
                         * comm.postscale for g, f in zip(got, fixed_list)]
-                kept = [(s.ps if p_step else s.qs)[x.j][r].read_value()
+                kept = [(s.qs if p_step else s.ps)[x.j][r].read_value()
                         for s, x in zip(states, group)]
                 new = (got, kept) if p_step else (kept, got)
                 return outs, new, tf.reduce_all(tf.math.is_finite(total))
