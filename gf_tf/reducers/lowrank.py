@@ -108,6 +108,17 @@ class LowRank(Reducer):
                 dense.append(position)
         return Layout(tuple(matrices), tuple(dims), tuple(dense))
 
+    @property
+    def factor_all_reduces(self) -> int:
+        """Factor all-reduces per step on each wire: 2 (the P's, then the Q's), 1 with `alternate`."""
+        return 1 if self.alternate else 2
+
+    def factor_elements(self, layout: Layout) -> float:
+        """Factor elements a step sends for a pack of `layout` (pure): (n + m) rank summed over
+        its matrices; with `alternate` the mean of a P step (n rank) and a Q step (m rank)."""
+        elements = sum((n + m) * self.rank for n, m in layout.dims)
+        return elements / 2 if self.alternate else elements
+
     def create_states(self, packs, devices):
         """Per pack with compressed matrices its `LowRankState`, else None; with `alternate`
         and compressed matrices, the set's `LowRankSetState` (else None).
@@ -163,7 +174,7 @@ class LowRank(Reducer):
         side = max(1, math.isqrt(int(elements)))
         if not self.compresses(side, side):
             return CostTerms((wire_format.wire_bytes * int(elements),))
-        factors = (wire_format.wire_bytes * side * self.rank,) * (1 if self.alternate else 2)
+        factors = (wire_format.wire_bytes * side * self.rank,) * self.factor_all_reduces
         return CostTerms(((8,) if wire_format.scaled else ()) + factors)
 
     def reduce(self, step: StepInput):
@@ -190,8 +201,9 @@ class LowRank(Reducer):
         outputs = [[[None] * len(pack.spec.shapes) for _ in comm.replicas] for pack in step.packs]
         sent = Sent(dense_bytes=4 * sum(x.n * x.m for x in matrices),
                     figures={"compressed_elements": sum(x.n * x.m for x in matrices),
+                             # the alternating form's factor depends on the step's phase
                              "factor_elements": 0 if self.alternate else
-                             sum((x.n + x.m) * self.rank for x in matrices)})
+                             sum(self.factor_elements(layout) for layout in layouts)})
         finite = [tf.constant(True) for _ in comm.replicas]
         for (p, part), bounds in zip(dense_packs, controls):
             reduced, part_sent = DenseReducer.reduce_pack(part.spec, part.grads, bounds, comm)
