@@ -50,6 +50,9 @@ to run, never a traceback.
    (benchmarks.overlap: (compute + all-reduce - step) / the shorter, clamped to
    [0, 1]), so step = compute + all-reduce - overlap x min(compute, all-reduce);
    a (model, method) F does not hold hides nothing.
+   The low-rank methods (lowrank_1/2/4, lowrank_2_acp) are projected from their traffic
+   (`lowrank_traffic`: factors, dense remainder and control, 2 or 1 factor collectives) at
+   FP16 packs' local cost; none of their cells is fitted on (no term prices their matmuls).
    Scaling efficiency = compute / step time; speedup = N x efficiency.
 
 Compute time per step defaults (override with --compute-ms):
@@ -83,7 +86,7 @@ from gf_tf.plan import DEFAULT_BYTES_PER_PACK, Costs, PlanReport, planner
 PARAMETERS = ("alpha", "rho", "kappa", "gamma", "delta_tf", "delta_gf", "delta_csc")
 AUTO = "auto"   # gf_tf's default: the planner's pick
 PROJECTED_METHODS = ("tf_fp32", "gf_fp16", "gf_fp16_rd", "csc_1", "csc_1_rd", "csc_1_ahead", "csc_1_ahead_rd",
-                     "csc_0.1", AUTO)
+                     "csc_0.1", *methods.LOWRANK_RANK, AUTO)
 COMPARED_METHODS = ("tf_fp32", "gf_fp16", "csc_1", "csc_1_ahead", "csc_0.1", AUTO)   # alpha matters
 MODELLED_METHODS = ("tf_fp32", "gf_fp16", "gf_fp16_rd", *methods.CSC_DENSITY)
 DEFAULT_CALIBRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration",
@@ -144,13 +147,16 @@ def measured_step_seconds(comm_seconds: float, compute_seconds: float, overlap: 
 
 
 def _local_index(method: str) -> int:
+    """delta_tf, delta_gf or delta_csc. The low-rank methods are priced at delta_gf, their FP16
+    packs' work: their matrix products and Gram-Schmidt have no fitted term of their own."""
     if method == "tf_fp32":
         return 0
-    if method in ("gf_fp16", "gf_fp16_rd"):
+    if method in ("gf_fp16", "gf_fp16_rd") or method in methods.LOWRANK_RANK:
         return 1
     if method in methods.CSC_DENSITY:
         return 2
-    raise ValueError(f"no model for method {method!r}; choose tf_fp32, gf_fp16(_rd) or csc_*")
+    raise ValueError(f"no model for method {method!r}; choose tf_fp32, gf_fp16(_rd), csc_* or "
+                     f"lowrank_*")
 
 
 def fit(cases: Sequence[Case], seconds: Sequence[float]) -> Dict[str, float]:
@@ -187,12 +193,38 @@ def pack_sizes(shapes: Sequence[Tuple[int, ...]], bytes_per_pack: int = DEFAULT_
     return [p.num_elements for p in plan]
 
 
+def lowrank_traffic(method: str, shapes, bytes_per_pack: int = DEFAULT_BYTES_PER_PACK
+                    ) -> Tuple[float, int]:
+    """(payload bytes, collectives) per step of a low-rank method (methods.LOWRANK_RANK) on an
+    FP16 wire, from its `gf_tf.reducers.LowRank`'s own layout of the packs: the factors
+    (`LowRank.factor_elements`, 2 bytes each), the dense remainder (2 bytes an element, one
+    collective per pack that has one) and the float32 control vector (a bound per dense tensor,
+    two per matrix) with its collective."""
+    import tensorflow as tf
+    from gf_tf import packing, reducers, wire
+    reducer = reducers.LowRank(rank=methods.LOWRANK_RANK[method],
+                               alternate=method in methods.LOWRANK_ALTERNATE)
+    specs = packing.plan_packs([(tf.TensorShape(s), tf.float32) for s in shapes], bytes_per_pack,
+                               wire.FP16)
+    factors, dense, bounds, dense_packs = 0.0, 0, 0, 0
+    for spec in specs:
+        layout = reducer.layout(spec)
+        factors += reducer.factor_elements(layout)
+        dense += sum(int(spec.shapes[i].num_elements()) for i in layout.dense)
+        bounds += len(layout.dense) + 2 * len(layout.matrices)
+        dense_packs += bool(layout.dense)
+    collectives = dense_packs + (reducer.factor_all_reduces if factors else 0) + 1
+    return 2.0 * (factors + dense) + 4.0 * bounds, collectives
+
+
 def method_traffic(method: str, shapes, bytes_per_pack: int = DEFAULT_BYTES_PER_PACK
                    ) -> Tuple[float, int]:
     """(payload bytes per worker per step, collectives per step) of `method` on a gradient list."""
     elements = gradients.num_elements(shapes)
     if method == "tf_fp32":
         return 4.0 * elements, 1            # TF's batch all-reduce concatenates into one collective
+    if method in methods.LOWRANK_RANK:
+        return lowrank_traffic(method, shapes, bytes_per_pack)
     packs = pack_sizes(shapes, bytes_per_pack)
     if method in ("gf_fp16", "gf_fp16_rd"):
         return 2.0 * elements + 4.0 * len(shapes), len(packs) + 1   # packs + the bounds' control
@@ -213,7 +245,8 @@ def method_traffic(method: str, shapes, bytes_per_pack: int = DEFAULT_BYTES_PER_
 
 def overlapped_share(method: str, backward_share: float) -> float:
     """The share of compute FP16 packs may hide behind (--backward-share, 0 by default:
-    overlap is opt-in); TF's default, CSC and the planner's pick hide nothing."""
+    overlap is opt-in); TF's default, CSC, the low-rank methods (their factors wait for every
+    matrix of the step) and the planner's pick hide nothing."""
     return backward_share if method in ("gf_fp16", "gf_fp16_rd") else 0.0
 
 
@@ -238,7 +271,8 @@ def modelled_method(cell: Dict) -> Optional[Tuple[str, int]]:
     """(modelled method, bytes per pack) of a measured cell, or None when it has no fixed-traffic model.
 
     An "auto" cell is modelled by the plan it recorded: TF's own all-reduce as tf_fp32,
-    FP16 packs as gf_fp16 / gf_fp16_rd; float32 or BF16 packs have no model.
+    FP16 packs as gf_fp16 / gf_fp16_rd; float32 or BF16 packs have no model. Low-rank cells
+    are not fitted on either: the fit has no term for their matrix products (`_local_index`).
     """
     method = cell["method"]
     if method == AUTO:

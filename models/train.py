@@ -84,6 +84,8 @@ flags.DEFINE_bool("curve", False, "evaluate the test accuracy after every epoch;
 flags.DEFINE_enum("reducer", "default", ["default", "lowrank"],
                   "default: dense, or CSC by --density; lowrank: gf_tf.reducers.LowRank (PowerSGD)")
 flags.DEFINE_integer("rank", 2, "--reducer lowrank: the rank of the gradient matrices' factors")
+flags.DEFINE_bool("lowrank_alternate", False, "--reducer lowrank: one factor all-reduce a step, "
+                  "the P's and the Q's in turn (ACP-SGD), instead of two")
 flags.DEFINE_integer("epochs", 10, "training epochs")
 flags.DEFINE_integer("steps_per_epoch", 0, "steps per epoch; 0 = one pass over the training set")
 flags.DEFINE_integer("batch_size", 64, "global batch size (all replicas of all workers)")
@@ -234,7 +236,8 @@ def main(argv):
     gradient_flow = factory.build_gradient_flow(
         FLAGS.compression, FLAGS.bytes_per_pack, FLAGS.density, FLAGS.chunk_size, FLAGS.warmup_steps,
         FLAGS.momentum, FLAGS.selection, algorithm=FLAGS.algorithm, overlap=FLAGS.overlap,
-        scoring=FLAGS.scoring, reducer=FLAGS.reducer, rank=FLAGS.rank)
+        scoring=FLAGS.scoring, reducer=FLAGS.reducer, rank=FLAGS.rank,
+        lowrank_alternate=FLAGS.lowrank_alternate)
     if FLAGS.tf_all_reduce_dtype != "float32" and gradient_flow is not None:
         raise ValueError(f"--tf_all_reduce_dtype {FLAGS.tf_all_reduce_dtype} is TensorFlow's own all-reduce: "
                          f"give it with --compression none --density 1 (no GradientFlow)")

@@ -100,6 +100,17 @@ def test_lowrank_methods_carry_their_rank_on_the_fp16_wire_outside_the_presets()
         assert isinstance(gf.reducer, gf_tf.reducers.LowRank) and gf.reducer.rank == rank
         assert gf.compression.name == "fp16" and gf.sparsity is None and methods.LABELS[method]
         assert method in methods.METHODS and method not in methods.PRESET_METHODS
+        assert not gf.reducer.alternate
+
+
+def test_the_acp_method_is_lowrank_2_sending_one_factor_a_step():
+    import gf_tf
+    from benchmarks.workers import methods
+    _, gf = methods.make_strategy("lowrank_2_acp", 30.0, build_strategy=False)
+    assert isinstance(gf.reducer, gf_tf.reducers.LowRank)
+    assert gf.reducer.rank == 2 and gf.reducer.alternate and gf.compression.name == "fp16"
+    assert "lowrank_2_acp" in methods.METHODS and "lowrank_2_acp" not in methods.PRESET_METHODS
+    assert "ACP-SGD" in methods.LABELS["lowrank_2_acp"]
 
 
 def test_tiny_gradient_set_is_a_few_kilobytes():

@@ -13,6 +13,7 @@ import gf_tf
 from gf_tf import reducers, wire
 from gf_tf.reducers import LowRank
 from gf_tf.reducers.lowrank import initial_factor, matrix_shape
+from gf_tf.state import VariableSetState
 from helpers import DEVICES
 from test_reducer_checkpoint import preempted_and_resumed
 
@@ -55,6 +56,13 @@ class Harness:
         (state,) = variable_set.pack_states
         return spec, state
 
+    def step_count(self):
+        """The alternating form's step counter (local replica 0's; every replica's equal)."""
+        (variable_set,) = self.gfar.states().values()
+        counts = {int(v.numpy()) for v in variable_set.shared.steps}
+        assert len(counts) == 1, counts
+        return counts.pop()
+
 
 def gram_schmidt(p):
     """Modified Gram-Schmidt of the columns of p, float64 (a zero column stays zero)."""
@@ -77,8 +85,8 @@ def on_wire(values, bound, fp16):
 
 
 class Model:
-    """The method in float64, in pack order: per compressed matrix its Q and per replica its
-    residual; the other tensors summed."""
+    """The method in float64, in pack order: per compressed matrix its Q (and P, alternating
+    form) and per replica its residual; the other tensors summed."""
 
     def __init__(self, reducer, spec, replicas, fp16):
         self.reducer, self.fp16 = reducer, fp16
@@ -86,12 +94,18 @@ class Model:
         self.indices = spec.indices   # variable index of each pack position
         self.qs = [initial_factor(m, reducer.rank, reducer.seed, 0, j).astype(np.float64)
                    for j, (_, m) in enumerate(self.layout.dims)]
+        self.ps = [np.zeros((n, reducer.rank)) for n, _ in self.layout.dims]
+        self.count = 0   # the alternating form's steps
         self.residuals = [[np.zeros((n, m)) for n, m in self.layout.dims] for _ in range(replicas)]
 
-    def load(self, arrays):
-        """Q and the residuals from the reducer's state arrays (`LowRankState.to_arrays`)."""
+    def load(self, arrays, count=0):
+        """Q (and P) and the residuals from the reducer's state arrays (`LowRankState.to_arrays`),
+        and the alternating form's step count."""
+        self.count = count
         for j, (n, m) in enumerate(self.layout.dims):
             self.qs[j] = arrays[f"q{j}_r0"].astype(np.float64)
+            if self.reducer.alternate:
+                self.ps[j] = arrays[f"p_factor{j}_r0"].astype(np.float64)
         for r, residuals in enumerate(self.residuals):
             flat = arrays[f"residual_r{r}"].astype(np.float64)
             for j, offset in enumerate(self.layout.offsets):
@@ -101,6 +115,9 @@ class Model:
     def arrays(self):
         """The model's state under the reducer's array keys."""
         out = {f"q{j}_r{r}": q for j, q in enumerate(self.qs) for r in range(len(self.residuals))}
+        if self.reducer.alternate:
+            out.update({f"p_factor{j}_r{r}": p for j, p in enumerate(self.ps)
+                        for r in range(len(self.residuals))})
         out.update({f"residual_r{r}": np.concatenate([res.ravel() for res in residuals])
                     for r, residuals in enumerate(self.residuals)})
         return out
@@ -113,6 +130,9 @@ class Model:
         for j, (position, (n, m)) in enumerate(zip(self.layout.matrices, self.layout.dims)):
             i = self.indices[position]
             ms = [g[i].astype(np.float64).reshape(n, m) + res[j] for g, res in zip(grads, self.residuals)]
+            if self.reducer.alternate:
+                out[i] = self._alternate(j, ms).reshape(grads[0][i].shape)
+                continue
             q = self.qs[j]
             ps = [mm @ q for mm in ms]
             bound = sum(np.linalg.norm(mm, axis=1).max() for mm in ms) * np.linalg.norm(q, axis=0).max()
@@ -123,7 +143,27 @@ class Model:
             for res, mm, local_q in zip(self.residuals, ms, local_qs):
                 res[j] = mm - p_hat @ local_q.T
             out[i] = (p_hat @ self.qs[j].T).reshape(grads[0][i].shape)
+        self.count += 1
         return [out[i] for i in range(len(grads[0]))]
+
+    def _alternate(self, j, ms):
+        """Matrix j's ACP-SGD step: on an even count P = SUM M_r Q^, else Q = SUM M_r^T P^ (the
+        other factor orthogonalised); the reduced matrix; the residuals."""
+        if self.count % 2 == 0:
+            q_hat = gram_schmidt(self.qs[j])
+            local = [mm @ q_hat for mm in ms]
+            bound = sum(np.linalg.norm(mm, axis=1).max() for mm in ms)
+            self.ps[j] = sum(on_wire(local, bound, self.fp16))
+            for res, mm, p in zip(self.residuals, ms, local):
+                res[j] = mm - p @ q_hat.T
+            return self.ps[j] @ q_hat.T
+        p_hat = gram_schmidt(self.ps[j])
+        local = [mm.T @ p_hat for mm in ms]
+        bound = sum(np.linalg.norm(mm, axis=0).max() for mm in ms)
+        self.qs[j] = sum(on_wire(local, bound, self.fp16))
+        for res, mm, q in zip(self.residuals, ms, local):
+            res[j] = mm - p_hat @ q.T
+        return p_hat @ self.qs[j].T
 
 
 def gradients(rng, replicas, shapes=SHAPES, scale=1.0):
@@ -167,6 +207,38 @@ def test_each_of_20_steps_matches_the_float64_model(replicas, compression, rtol,
         for r in range(1, replicas):   # every replica gets the same bits
             assert all(a.tobytes() == b.tobytes() for a, b in zip(out[0], out[r]))
         arrays = state.to_arrays()
+        for key, value in model.arrays().items():
+            assert_close(arrays[key], value, rtol), (t, key)
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+@pytest.mark.parametrize("compression, rtol, scale", [(None, 1e-6, 1.0), ("fp16", 1e-3, 1e4)])
+def test_each_of_20_alternating_steps_matches_the_float64_model(replicas, compression, rtol, scale):
+    """The one-collective form (ACP-SGD) as the two-collective test above: from the state the
+    reducer holds before each step (Q, P, residuals, step count), the outputs and the new state
+    match the float64 model; the count moves by one a step on every replica."""
+    reducer = LowRank(rank=2, alternate=True)
+    run = Harness(replicas, reducer, compression)
+    rng = np.random.default_rng(10 + replicas)
+    model = None
+    for t in range(STEPS):
+        grads = gradients(rng, replicas, scale=scale)
+        if model is not None:
+            model.load(state.to_arrays(), run.step_count())
+        out = run(grads)
+        if model is None:
+            spec, state = run.spec_and_state()
+            model = Model(reducer, spec, replicas, fp16=compression == "fp16")
+        want = model.step(grads)
+        assert run.step_count() == t + 1
+        for r in range(replicas):
+            for i, (got, expected) in enumerate(zip(out[r], want)):
+                assert np.all(np.isfinite(got))
+                assert_close(got, expected, rtol), (t, r, i)
+        for r in range(1, replicas):
+            assert all(a.tobytes() == b.tobytes() for a, b in zip(out[0], out[r]))
+        arrays = state.to_arrays()
+        assert sorted(arrays) == sorted(model.arrays())
         for key, value in model.arrays().items():
             assert_close(arrays[key], value, rtol), (t, key)
 
@@ -317,6 +389,115 @@ def test_a_step_issues_one_all_reduce_for_the_ps_and_one_for_the_qs(compression,
     assert sent.figures == {"compressed_elements": 36 * 6 + 12 * 10,
                             "factor_elements": (36 + 6) * 2 + (12 + 10) * 2}
     assert len(outputs[0][1]) == len(SHAPES)
+
+
+def _direct_step(reducer, spec, states, grads, issued):
+    """One eager call of reducer.reduce on 2 replicas of one worker with a Communicator that
+    appends (dtype, size) of each all-reduce to `issued`: (outputs, sent)."""
+    devices = tuple(DEVICES[:2])
+    shared, (state,) = states
+
+    def all_reduce_sum(values):
+        issued.append((values[0].dtype.name, int(values[0].shape[0])))
+        return [tf.add_n(values)] * len(values)
+
+    comm = reducers.Communicator(all_reduce_sum, 2, False, (0, 1), devices)
+    step = reducers.StepInput((reducers.PackStep(spec, [[tf.constant(g[i]) for i in spec.indices]
+                                                        for g in grads], state),), shared, comm)
+    return reducer.reduce(step)
+
+
+@pytest.mark.parametrize("compression, collectives", [
+    (None, ["float32"] * 2),                    # the dense pack, then the P's or the Q's
+    ("fp16", ["float32"] + ["float16"] * 2),   # the control vector first
+])
+def test_an_alternating_step_issues_one_all_reduce_for_the_ps_or_the_qs(compression, collectives):
+    """Direct calls as above: the first step sends the P's of both matrices in one buffer, the
+    second their Q's, the third the P's again; each step one factor all-reduce."""
+    reducer = LowRank(rank=2, alternate=True)
+    signature = [(tf.TensorShape(s), tf.float32) for s in SHAPES]
+    (spec,) = gf_tf.packing.plan_packs(signature, 0, wire.get(compression))
+    states = reducer.create_states([spec], DEVICES[:2])
+    rng = np.random.default_rng(4)
+    p_size, q_size = (36 + 12) * 2, (6 + 10) * 2   # P's: n rank each; Q's: m rank each
+    for t, size in enumerate([p_size, q_size, p_size]):
+        issued = []
+        outputs, sent = _direct_step(reducer, spec, states, gradients(rng, 2), issued)
+        assert [dtype for dtype, _ in issued] == collectives
+        assert issued[-1][1] == size
+        assert int(sent.figures["factor_elements"]) == size
+        assert [int(v.numpy()) for v in states[0].steps] == [t + 1] * 2
+        assert len(outputs[0][1]) == len(SHAPES)
+
+
+def test_a_restored_alternating_state_continues_on_its_phase():
+    """3 steps (the next one sends the Q's), the set's arrays saved and assigned into a fresh
+    state: the 4th step from the restored state issues the Q's and gives the same bits as the
+    4th step of the original."""
+    reducer = LowRank(rank=2, alternate=True)
+    signature = [(tf.TensorShape(s), tf.float32) for s in SHAPES]
+    (spec,) = gf_tf.packing.plan_packs(signature, 0, wire.FP16)
+    rng = np.random.default_rng(5)
+    original = VariableSetState("set", [], signature, (spec,),
+                                            *reducer.create_states([spec], DEVICES[:2]))
+    for _ in range(3):
+        _direct_step(reducer, spec, (original.shared, original.pack_states), gradients(rng, 2), [])
+    saved = original.to_arrays()
+    assert saved["step_r0"] == saved["step_r1"] == 3 and "p0_p_factor1_r1" in saved
+    restored = VariableSetState("set", [], signature, (spec,),
+                                            *reducer.create_states([spec], DEVICES[:2]))
+    restored.assign_arrays(saved)
+    grads = gradients(rng, 2)
+    issued = []
+    want, _ = _direct_step(reducer, spec, (original.shared, original.pack_states), grads, [])
+    got, _ = _direct_step(reducer, spec, (restored.shared, restored.pack_states), grads, issued)
+    assert issued[-1] == ("float16", (6 + 10) * 2)
+    for a, b in zip(got[0][0], want[0][0]):
+        assert a.numpy().tobytes() == b.numpy().tobytes()
+    for key, value in original.to_arrays().items():
+        np.testing.assert_array_equal(restored.to_arrays()[key], value, err_msg=key)
+
+
+def test_backup_and_restore_keeps_the_alternating_phase(tmp_path):
+    """As the test above it for the two-collective form: fit preempted after epoch 1 and resumed
+    under BackupAndRestore; the step counter, P and Q come back, and the resumed run ends with
+    the uninterrupted run's weights and state, bit for bit."""
+    saved, gfar_a, gfar_c = preempted_and_resumed(lambda: LowRank(rank=1, alternate=True),
+                                                  tmp_path)
+    assert saved["step_r0"] == saved["step_r1"] == 8
+    assert {"p0_q0_r0", "p0_p_factor1_r1", "p0_residual_r1"} <= set(saved)
+    assert gfar_c.stats.totals() == gfar_a.stats.totals()
+
+
+@pytest.mark.parametrize("bad_variable", [0, 2])   # a compressed matrix; a dense bias
+def test_a_non_finite_alternating_step_leaves_the_state_and_the_phase(bad_variable):
+    run = Harness(2, LowRank(rank=2, alternate=True), "fp16")
+    rng = np.random.default_rng(6)
+    for _ in range(3):
+        run(gradients(rng, 2))
+    _, state = run.spec_and_state()
+    before = state.to_arrays()
+    grads = gradients(rng, 2)
+    grads[0][bad_variable].flat[3] = np.inf
+    out = run(grads)
+    assert not np.all(np.isfinite(out[1][bad_variable]))
+    assert run.step_count() == 3
+    for key, value in before.items():
+        np.testing.assert_array_equal(state.to_arrays()[key], value, err_msg=key)
+    run(gradients(rng, 2))
+    assert run.step_count() == 4
+
+
+def test_the_alternating_form_declares_itself_and_costs_one_factor():
+    reducer = LowRank(rank=4, min_compression=3, alternate=True)
+    assert [(name, value) for name, value, _ in reducer.settings()] == [
+        ("low-rank rank", 4), ("low-rank min_compression", 3.0), ("low-rank seed", 0),
+        ("low-rank alternate", 1)]
+    assert reducer.cost(1 << 20, wire.FP16).collective_bytes == (8, 2 * 1024 * 4)
+    assert reducer.cost(1 << 20, wire.get(None)).collective_bytes == (4 * 1024 * 4,)
+    assert reducer.cost(100, wire.get(None)).collective_bytes == (400,)   # 10 x 10: dense
+    with pytest.raises(ValueError, match="alternate must be True or False, got 'yes'"):
+        LowRank(alternate="yes")
 
 
 @pytest.mark.slow   # 2 worker processes

@@ -63,6 +63,31 @@ def test_projection_speedup_by_hand():
     assert p["speedup"] == pytest.approx(64 * 0.04 / (0.04 + comm), rel=1e-12)
 
 
+def test_lowrank_traffic_by_hand():
+    # One FP16 pack: a 64 x 32 kernel and a [3, 3, 16, 32] conv kernel (144 x 32) are compressed
+    # at ranks 1, 2 and 4 (n m >= 2 (n + m) r); a bias (32) and a 4 x 3 kernel (12 < 2 (4 + 3) 1)
+    # travel dense. Factors (96 + 176) r elements, dense 44, both 2 bytes an element; the control
+    # vector 4 bytes x (2 dense bounds + 2 per matrix); collectives: the dense remainder, the
+    # factors (2, or 1 sending P or Q in turn: half the factor elements on average), the control.
+    shapes = [(64, 32), (3, 3, 16, 32), (32,), (4, 3)]
+    assert len(projection.pack_sizes(shapes)) == 1
+    for method, rank in (("lowrank_1", 1), ("lowrank_2", 2), ("lowrank_4", 4)):
+        assert projection.method_traffic(method, shapes) == (2.0 * (272 * rank + 44) + 4.0 * 6, 4)
+    assert projection.method_traffic("lowrank_2_acp", shapes) == (2.0 * (272 + 44) + 4.0 * 6, 3)
+
+
+def test_the_projection_table_prints_the_lowrank_methods():
+    """A row per low-rank method; at 1 Gbit/s on AlexNet the ACP form's one factor collective
+    and half the factor bytes make its all-reduce shorter than lowrank_2's, and all of them
+    a tenth of TF's float32 or less (PARAMS' local cost bounds them below)."""
+    from benchmarks.workers import methods
+    table, points = projection.projection_table(PARAMS, {"alexnet": 38.8}, [8], [1.0], 0.0)
+    for method in ("lowrank_1", "lowrank_2", "lowrank_4", "lowrank_2_acp"):
+        assert methods.LABELS[method] in table
+    comm = {p["method"]: p["comm_s"] for p in points}
+    assert comm["lowrank_2_acp"] < comm["lowrank_2"] < comm["lowrank_4"] < comm["tf_fp32"] / 10
+
+
 def test_method_traffic_matches_the_packing_and_chunk_rules():
     shapes = gradients.GRADIENT_SETS["resnet50"]
     elements = gradients.num_elements(shapes)

@@ -73,6 +73,9 @@ def test_reducer_lowrank_flag_gives_the_low_rank_reducer():
     lowrank = factory.build_gradient_flow("none", reducer="lowrank", rank=4)
     assert isinstance(lowrank.reducer, gf_tf.reducers.LowRank) and lowrank.reducer.rank == 4
     assert lowrank.compression.name is None and lowrank.sparsity is None
+    assert not lowrank.reducer.alternate
+    acp = factory.build_gradient_flow("fp16", reducer="lowrank", rank=2, lowrank_alternate=True)
+    assert acp.reducer.alternate and acp.reducer.rank == 2
     assert not isinstance(factory.build_gradient_flow("fp16").reducer, gf_tf.reducers.LowRank)
 
 

@@ -39,6 +39,9 @@
               reducer=gf_tf.reducers.LowRank(rank=1 / 2 / 4)): each matrix's gradient as two
               rank-r factors (PowerSGD), the rest dense; not in the presets' loops over every
               method: ask for them with --methods
+    lowrank_2_acp
+              lowrank_2 with LowRank(alternate=True): one factor all-reduce a step, the P's
+              and the Q's in turn (ACP-SGD)
 
 Every GradientFlow method pins bytes_per_pack, algorithm and overlap (False) unless its
 OVERRIDES entry says otherwise (`auto` leaves them to the planner, the `_overlap` methods
@@ -93,7 +96,10 @@ LOWRANK_RANK: Dict[str, int] = {
     "lowrank_1": 1,
     "lowrank_2": 2,
     "lowrank_4": 4,
+    "lowrank_2_acp": 2,
 }
+# The low-rank methods that send one factor a step (LowRank(alternate=True), ACP-SGD).
+LOWRANK_ALTERNATE = ("lowrank_2_acp",)
 METHODS = (_BASE_METHODS + [m for m in OVERRIDES if m not in _BASE_METHODS]
            + list(LOWRANK_RANK))
 # The methods the presets loop over when they take "every method".
@@ -119,6 +125,7 @@ LABELS = {
     "csc_15_paper": "GradientFlow CSC 15%, chunks of 32,000, ahead (the paper's)",
     "csc_10_paper": "GradientFlow CSC 10%, chunks of 32,000, ahead (the paper's)",
     **{m: f"GradientFlow low-rank (PowerSGD), rank {r}" for m, r in LOWRANK_RANK.items()},
+    "lowrank_2_acp": "GradientFlow low-rank, rank 2, P and Q in turn (ACP-SGD)",
 }
 for _m in [m for m in OVERRIDES if m not in LABELS]:   # a method added by one OVERRIDES line:
     LABELS[_m] = "GradientFlow " + ", ".join(f"{k}={v!r}" for k, v in OVERRIDES[_m].items())   # its keywords
@@ -159,7 +166,8 @@ def gradient_flow_kwargs(method: str) -> Dict[str, object]:
                                                  selection=csc_selection(method),
                                                  **CSC_EXTRA.get(method, {}))
     if method in LOWRANK_RANK:
-        kwargs["reducer"] = gf_tf.reducers.LowRank(rank=LOWRANK_RANK[method])
+        kwargs["reducer"] = gf_tf.reducers.LowRank(rank=LOWRANK_RANK[method],
+                                                   alternate=method in LOWRANK_ALTERNATE)
     return kwargs
 
 

@@ -21,6 +21,9 @@ On a scaled wire (FP16) every factor is multiplied by a power of two from an all
 and the dense packs travel in the step's one control all-reduce (`fuse_controls`) and no partial
 sum of the factors can overflow.
 
+`LowRank(alternate=True)` sends one factor a step instead, the P's and the Q's in turn
+(ACP-SGD, `gf_tf.reducers.alternating`): one factor all-reduce per step.
+
 A step whose all-reduced factors or dense tensors hold inf or NaN returns them (the loss-scale
 optimizer then skips it on every worker: the all-reduced values are the same everywhere) and
 leaves Q and the residuals unchanged.
@@ -33,99 +36,21 @@ Distributed Optimization" (NeurIPS 2019), Algorithms 1 and 2; PyTorch's `powerSG
 import dataclasses
 import math
 import numbers
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional
 
-import numpy as np
 import tensorflow as tf
 
-from gf_tf import ops, tf_internal, wire
+from gf_tf import ops, wire
 from gf_tf.packing import PackSpec
-from gf_tf.reducers.base import (CostTerms, PackStep, Reducer, Sent, StepInput, VariablesState,
-                                 fuse_controls, no_control, wire_scales)
+from gf_tf.reducers.alternating import alternate_factors
+from gf_tf.reducers.base import (CostTerms, PackStep, Reducer, Sent, StepInput, fuse_controls,
+                                 no_control, wire_scales)
 from gf_tf.reducers.dense import DenseReducer
+from gf_tf.reducers.factors import (Layout, LowRankSetState, LowRankState, Matrix, initial_factor,
+                                    matrix_shape, orthogonalise)
 
-
-def matrix_shape(shape) -> Optional[Tuple[int, int]]:
-    """(n, m) = (product of all dimensions but the last, the last) of a gradient of 2 or more
-    dimensions (a conv kernel [h, w, in, out] -> [h w in, out]); None for fewer dimensions."""
-    dims = [int(d) for d in tf.TensorShape(shape).as_list()]
-    if len(dims) < 2:
-        return None
-    return int(np.prod(dims[:-1])), dims[-1]
-
-
-def initial_factor(m: int, rank: int, seed: int, pack: int, matrix: int) -> np.ndarray:
-    """The first Q (float32 [m, rank], standard normal) of matrix `matrix` of pack `pack`: from
-    NumPy's PCG64 seeded with (seed, pack, matrix), so equal on every worker."""
-    rng = np.random.default_rng([seed, pack, matrix])
-    return rng.standard_normal((m, rank)).astype(np.float32)
-
-
-def orthogonalise(p: tf.Tensor) -> tf.Tensor:
-    """Modified Gram-Schmidt on the columns of float32 [n, r]: orthonormal columns (a zero column
-    stays zero), in the columns' order. Deterministic: the same bits on every replica."""
-    columns = []
-    for j in range(int(p.shape[1])):
-        column = p[:, j]
-        for done in columns:
-            column = column - tf.reduce_sum(done * column) * done
-        columns.append(tf.math.divide_no_nan(column, tf.norm(column)))
-    return tf.stack(columns, axis=1)
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Which tensors of a pack are compressed.
-
-    matrices: positions (in the pack) of the compressed tensors; dims: their (n, m);
-    dense: positions of the others (they travel as a dense pack).
-    """
-    matrices: Tuple[int, ...]
-    dims: Tuple[Tuple[int, int], ...]
-    dense: Tuple[int, ...]
-
-    @property
-    def offsets(self) -> List[int]:
-        """Where each matrix starts in the pack's residual vector (float32 [sum n m])."""
-        return [int(o) for o in np.cumsum([0] + [n * m for n, m in self.dims])[:-1]]
-
-
-class LowRankState(VariablesState):
-    """Low-rank state of one pack on this worker (its compressed matrices only).
-
-    qs: per matrix, per local replica float32 [m, rank] on the replica's device: the Q of the
-      next step (the last all-reduced Q', equal on every replica).
-    residuals: per local replica float32 [sum of n m over the matrices], the matrices' residuals
-      flattened in pack order.
-    """
-
-    def __init__(self, name: str, factors: Sequence[np.ndarray], residual_size: int,
-                 devices: Sequence[str]):
-        super().__init__(name=None)
-        self.qs = [[tf_internal.local_variable(q, d, f"gf_lowrank_q{j}_{name}_r{r}")
-                    for r, d in enumerate(devices)] for j, q in enumerate(factors)]
-        self.residuals = [tf_internal.local_variable(tf.zeros([residual_size]), d,
-                                                     f"gf_lowrank_residual_{name}_r{r}")
-                          for r, d in enumerate(devices)]
-
-    def named_variables(self) -> Dict[str, tf.Variable]:
-        """Every variable by its array key: "q{j}_r{r}", "residual_r{r}"."""
-        named = {f"q{j}_r{r}": v for j, per_replica in enumerate(self.qs)
-                 for r, v in enumerate(per_replica)}
-        named.update({f"residual_r{r}": v for r, v in enumerate(self.residuals)})
-        return named
-
-
-@dataclasses.dataclass(frozen=True)
-class _Matrix:
-    """One compressed matrix of a step: its pack (index in the step), its position there, its
-    (n, m), its index j in the pack's state and its offset in the pack's residual."""
-    pack: int
-    position: int
-    n: int
-    m: int
-    j: int
-    offset: int
+__all__ = ["Layout", "LowRank", "LowRankSetState", "LowRankState", "initial_factor",
+           "matrix_shape", "orthogonalise"]
 
 
 class LowRank(Reducer):
@@ -138,16 +63,21 @@ class LowRank(Reducer):
         (n + m) rank; the others travel dense on the pack's wire. PyTorch's
         `min_compression_rate`, 2 by default there too.
       seed: int >= 0, the seed of the first Q (`initial_factor`), equal on every worker.
+      alternate: bool: False, two factor all-reduces per step (PowerSGD); True, one, the P's and
+        the Q's in turn (ACP-SGD, `gf_tf.reducers.alternating`), each step sending n rank or
+        m rank elements per compressed matrix.
 
     Raises:
       ValueError: a setting out of range, naming the setting and its accepted values.
 
     The module docstring (`gf_tf.reducers.lowrank`) gives the step. Two all-reduces per step
-    carry the factors (the P's of every matrix, then the Q's, one buffer per wire format), plus
-    the dense remainder's packs and, on a scaled wire, one control all-reduce.
+    carry the factors (the P's of every matrix, then the Q's, one buffer per wire format; one
+    with `alternate`), plus the dense remainder's packs and, on a scaled wire, one control
+    all-reduce.
     """
 
-    def __init__(self, rank: int = 2, min_compression: float = 2.0, seed: int = 0):
+    def __init__(self, rank: int = 2, min_compression: float = 2.0, seed: int = 0,
+                 alternate: bool = False):
         if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank < 1:
             raise ValueError(f"rank must be an integer >= 1, got {rank!r}")
         if (isinstance(min_compression, bool) or not isinstance(min_compression, numbers.Real)
@@ -157,7 +87,10 @@ class LowRank(Reducer):
                              f"{min_compression!r}")
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
             raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+        if not isinstance(alternate, bool):
+            raise ValueError(f"alternate must be True or False, got {alternate!r}")
         self.rank, self.min_compression, self.seed = int(rank), float(min_compression), int(seed)
+        self.alternate = alternate
 
     def compresses(self, n: int, m: int) -> bool:
         """An n x m matrix shrinks by at least `min_compression` at this rank."""
@@ -175,8 +108,20 @@ class LowRank(Reducer):
                 dense.append(position)
         return Layout(tuple(matrices), tuple(dims), tuple(dense))
 
+    @property
+    def factor_all_reduces(self) -> int:
+        """Factor all-reduces per step on each wire: 2 (the P's, then the Q's), 1 with `alternate`."""
+        return 1 if self.alternate else 2
+
+    def factor_elements(self, layout: Layout) -> float:
+        """Factor elements a step sends for a pack of `layout` (pure): (n + m) rank summed over
+        its matrices; with `alternate` the mean of a P step (n rank) and a Q step (m rank)."""
+        elements = sum((n + m) * self.rank for n, m in layout.dims)
+        return elements / 2 if self.alternate else elements
+
     def create_states(self, packs, devices):
-        """Per pack with compressed matrices its `LowRankState`, else None.
+        """Per pack with compressed matrices its `LowRankState`, else None; with `alternate`
+        and compressed matrices, the set's `LowRankSetState` (else None).
 
         Raises:
           ValueError: the set has matrices and this rank compresses none of them (the message
@@ -191,9 +136,13 @@ class LowRank(Reducer):
                 continue
             factors = [initial_factor(m, self.rank, self.seed, p, j)
                        for j, (_, m) in enumerate(layout.dims)]
+            p_shapes = [(n, self.rank) for n, _ in layout.dims] if self.alternate else None
             states.append(LowRankState(spec.key.replace("/", "_"), factors,
-                                       sum(n * m for n, m in layout.dims), devices))
-        return None, states
+                                       sum(n * m for n, m in layout.dims), devices, p_shapes))
+        shared = None
+        if self.alternate and any(s is not None for s in states):
+            shared = LowRankSetState(packs[0].key.replace("/", "_"), len(devices))
+        return shared, states
 
     def _check_useful(self, shapes) -> None:
         dims = [nm for nm in map(matrix_shape, shapes) if nm is not None]
@@ -208,18 +157,25 @@ class LowRank(Reducer):
                          f"{accepted}")
 
     def settings(self):
-        return [("low-rank rank", self.rank, lambda v: str(int(v))),
-                ("low-rank min_compression", self.min_compression, lambda v: f"{v:g}"),
-                ("low-rank seed", self.seed, lambda v: str(int(v)))]
+        """rank, min_compression and seed, then with `alternate` a fourth, "low-rank alternate"
+        = 1 (the handshake pads a two-collective worker's list with 0 there, so the two forms
+        never agree)."""
+        own = [("low-rank rank", self.rank, lambda v: str(int(v))),
+               ("low-rank min_compression", self.min_compression, lambda v: f"{v:g}"),
+               ("low-rank seed", self.seed, lambda v: str(int(v)))]
+        if self.alternate:
+            own.append(("low-rank alternate", 1, lambda v: str(bool(v))))
+        return own
 
     def cost(self, elements, wire_format):
         """The set modelled as one square matrix of `elements` (the planner knows no shapes): a
-        control vector on a scaled wire, then its P and its Q; dense when it would not shrink."""
+        control vector on a scaled wire, then its P and its Q (with `alternate` one of them);
+        dense when it would not shrink."""
         side = max(1, math.isqrt(int(elements)))
         if not self.compresses(side, side):
             return CostTerms((wire_format.wire_bytes * int(elements),))
-        factor = wire_format.wire_bytes * side * self.rank
-        return CostTerms(((8,) if wire_format.scaled else ()) + (factor, factor))
+        factors = (wire_format.wire_bytes * side * self.rank,) * self.factor_all_reduces
+        return CostTerms(((8,) if wire_format.scaled else ()) + factors)
 
     def reduce(self, step: StepInput):
         comm = step.comm
@@ -227,7 +183,7 @@ class LowRank(Reducer):
         layouts = [self.layout(pack.spec) for pack in step.packs]
         dense_packs = [_dense_part(pack, layout) for pack, layout in zip(step.packs, layouts)]
         dense_packs = [(p, part) for p, part in enumerate(dense_packs) if part is not None]
-        matrices = [_Matrix(p, position, n, m, j, offset)
+        matrices = [Matrix(p, position, n, m, j, offset)
                     for p, layout in enumerate(layouts)
                     for j, (position, (n, m), offset) in enumerate(
                         zip(layout.matrices, layout.dims, layout.offsets))]
@@ -245,7 +201,9 @@ class LowRank(Reducer):
         outputs = [[[None] * len(pack.spec.shapes) for _ in comm.replicas] for pack in step.packs]
         sent = Sent(dense_bytes=4 * sum(x.n * x.m for x in matrices),
                     figures={"compressed_elements": sum(x.n * x.m for x in matrices),
-                             "factor_elements": sum((x.n + x.m) * self.rank for x in matrices)})
+                             # the alternating form's factor depends on the step's phase
+                             "factor_elements": 0 if self.alternate else
+                             sum(self.factor_elements(layout) for layout in layouts)})
         finite = [tf.constant(True) for _ in comm.replicas]
         for (p, part), bounds in zip(dense_packs, controls):
             reduced, part_sent = DenseReducer.reduce_pack(part.spec, part.grads, bounds, comm)
@@ -255,20 +213,31 @@ class LowRank(Reducer):
                     outputs[p][i][position] = value
                 finite[i] = _all_finite(finite[i], tensors)
         commits = [[] for _ in comm.replicas]
+        if self.alternate and matrices:
+            with tf.device("/cpu:0"):
+                count = step.shared.steps[comm.replicas[0]].read_value()
+                sends_p = tf.equal(count % 2, 0)
+            for i, r in enumerate(comm.replicas):
+                commits[i].append((step.shared.steps[r], count + 1))
         for (wire_format, group), bounds in zip(wires.items(), controls[len(dense_packs):]):
-            sent += self._factors(step, group, [[m[index[x]] for x in group] for m in ms],
-                                  bounds, wire_format, sums, outputs, finite, commits)
+            group_ms = [[m[index[x]] for x in group] for m in ms]
+            if self.alternate:
+                sent += alternate_factors(step, group, group_ms, bounds, wire_format, sums,
+                                          self.rank, sends_p, outputs, finite, commits)
+            else:
+                sent += self._factors(step, group, group_ms, bounds, wire_format, sums, outputs,
+                                      finite, commits)
         comm.map(lambda r, ok, pairs: [v.assign(tf.where(ok, value, v.read_value()))
                                        for v, value in pairs], finite, commits)
         return outputs, sent
 
-    def _with_residual(self, pack: PackStep, x: _Matrix, r: int, grads) -> tf.Tensor:
+    def _with_residual(self, pack: PackStep, x: Matrix, r: int, grads) -> tf.Tensor:
         """Replica r's M: its gradient as float32 [n, m] plus its residual."""
         residual = pack.state.residuals[r][x.offset:x.offset + x.n * x.m]
         return (tf.reshape(tf.cast(grads[x.position], tf.float32), [x.n, x.m])
                 + tf.reshape(residual, [x.n, x.m]))
 
-    def _bounds(self, group: List[_Matrix], ms, step: StepInput, wire_format: wire.WireFormat,
+    def _bounds(self, group: List[Matrix], ms, step: StepInput, wire_format: wire.WireFormat,
                 comm) -> List[tf.Tensor]:
         """Per served replica float32 [2 k] for the k matrices of a wire: the bounds of their P's,
         then of their Q's (module docstring); [0] on an unscaled wire."""
@@ -278,14 +247,16 @@ class LowRank(Reducer):
         def bounds(r, m_list):
             p_bounds, q_bounds = [], []
             for x, m in zip(group, m_list):
-                q = step.packs[x.pack].state.qs[x.j][r]
-                p_bounds.append(tf.reduce_max(tf.norm(m, axis=1)) * tf.reduce_max(tf.norm(q, axis=0)))
+                # The alternating form multiplies by Q's orthonormal columns.
+                q_norm = 1.0 if self.alternate else tf.reduce_max(
+                    tf.norm(step.packs[x.pack].state.qs[x.j][r], axis=0))
+                p_bounds.append(tf.reduce_max(tf.norm(m, axis=1)) * q_norm)
                 q_bounds.append(tf.reduce_max(tf.norm(m, axis=0)))
             return tf.stack(p_bounds + q_bounds)
 
         return comm.map(bounds, ms)
 
-    def _factors(self, step: StepInput, group: List[_Matrix], ms, bounds, wire_format, sums,
+    def _factors(self, step: StepInput, group: List[Matrix], ms, bounds, wire_format, sums,
                  outputs, finite, commits) -> Sent:
         """The P and Q all-reduces of one wire's matrices; fills `outputs`, ANDs the factors'
         finiteness into `finite` and appends the state's new values to `commits` (per replica)."""
