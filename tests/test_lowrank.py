@@ -319,32 +319,35 @@ def test_a_step_issues_one_all_reduce_for_the_ps_and_one_for_the_qs(compression,
     assert len(outputs[0][1]) == len(SHAPES)
 
 
-@pytest.mark.slow   # 2 worker processes
-def test_two_workers_get_the_same_bits_and_match_the_model():
-    """2 workers, one replica each, FP16 wire: every step's reduced values are bitwise equal on
-    both workers, and so are the Q's they hold; each step matches the float64 model started from
-    the state the workers held before it (worker w's residual as replica w's)."""
+@pytest.mark.slow   # 2 and 3 worker processes
+@pytest.mark.parametrize("workers", [2, 3])
+def test_workers_get_the_same_bits_and_match_the_model(workers):
+    """2 and 3 workers, one replica each, FP16 wire: every step's reduced values are bitwise equal
+    on every worker, and so are the Q's they hold; each step matches the float64 model started
+    from the state the workers held before it (worker w's residual as replica w's)."""
     import cluster   # pylint: disable=import-outside-toplevel
-    results = cluster.run_workers("lowrank_worker.py", 2, ["--steps", "4"], timeout=150,
+    results = cluster.run_workers("lowrank_worker.py", workers, ["--steps", "4"], timeout=150,
                                   comm_timeout=30)
     assert all(r.ok for r in results), cluster.describe(results)
-    a, b = (r.result for r in results)
+    first, *others = (r.result for r in results)
     shapes = [(24, 16), (3, 3, 4, 8), (16,)]
     signature = [(tf.TensorShape(s), tf.float32) for s in shapes]
     (spec,) = gf_tf.packing.plan_packs(signature, 0, wire.FP16)
     reducer = LowRank(rank=2)
-    model = Model(reducer, spec, 2, fp16=True)
+    model = Model(reducer, spec, workers, fp16=True)
     for step in range(4):
         if step:
-            held = [_state_before(worker, step) for worker in (a, b)]
+            held = [_state_before(r.result, step) for r in results]
             for key in (k for k in held[0] if k.startswith("q")):
-                assert held[0][key].tobytes() == held[1][key].tobytes(), key
-            model.load({**held[0], "residual_r1": held[1]["residual_r0"]})
-        grads = [[worker[f"g{step}_{i}"] for i in range(len(shapes))] for worker in (a, b)]
+                assert all(h[key].tobytes() == held[0][key].tobytes() for h in held), key
+            model.load({**held[0], **{f"residual_r{w}": h["residual_r0"]
+                                      for w, h in enumerate(held)}})
+        grads = [[r.result[f"g{step}_{i}"] for i in range(len(shapes))] for r in results]
         want = model.step(grads)
         for i, expected in enumerate(want):
-            assert a[f"out{step}_{i}"].tobytes() == b[f"out{step}_{i}"].tobytes(), (step, i)
-            assert_close(a[f"out{step}_{i}"], expected, 1e-3)
+            key = f"out{step}_{i}"
+            assert all(other[key].tobytes() == first[key].tobytes() for other in others), (step, i)
+            assert_close(first[key], expected, 1e-3)
 
 
 def _state_before(worker, step):
