@@ -8,12 +8,16 @@ an error naming the fix under TF's own all-reduce. Runs with the cell's Keras fl
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from cluster import describe, run_process, run_workers
 
 from gf_tf.keras import flavour
+import gf_tf
 from csc_reference import NumpyCSC
+from gf_tf.reducers import LowRank
 from helpers import GRADIENT_SCALE
+from test_lowrank import Model
 
 pytestmark = pytest.mark.slow
 
@@ -59,16 +63,22 @@ def test_mirrored_multi_step_fit_matches_float64_sgd(steps_per_execution, unknow
     np.testing.assert_allclose(r["w1"], b, rtol=0, atol=2e-5)
 
 
-def test_mirrored_fp16_csc_multi_step_equals_single_step():
-    """Same packs, same CSC schedule: the multi-step loop gives bit-identical weights, and the
-    CSC step counter advanced once per training step (warm-up and top-k stayed in step)."""
-    one = _mirrored("--steps_per_execution=1", "--compression=fp16", "--density=0.25")
-    three = _mirrored("--steps_per_execution=3", "--compression=fp16", "--density=0.25")
+@pytest.mark.parametrize("reducer", [["--density=0.25"], ["--rank=1"]], ids=["csc", "lowrank"])
+def test_mirrored_fp16_multi_step_equals_single_step(reducer):
+    """Same packs, same reducer state: the multi-step loop gives bit-identical weights. CSC's step
+    counter advanced once per training step (warm-up and top-k stayed in step); the low-rank
+    reducer (rank 1: the 8x3 kernel compressed, the bias dense) ends with bit-identical Q's and
+    residuals."""
+    one = _mirrored("--steps_per_execution=1", "--compression=fp16", *reducer)
+    three = _mirrored("--steps_per_execution=3", "--compression=fp16", *reducer)
     steps = EPOCHS * EXAMPLES // BATCH
     for r in (one, three):
-        assert int(r["iterations"]) == steps == int(r["csc_step"]) == int(r["gf_steps"])
+        assert int(r["iterations"]) == steps == int(r["gf_steps"])
+        assert int(r["csc_step"]) == (steps if "--density=0.25" in reducer else -1)
     assert not np.array_equal(one["w0"], one["w0_init"])
-    for k in ("w0", "w1"):
+    state = [k for k in one if k.startswith(("residual_r", "q_r"))]
+    assert len(state) == (4 if "--rank=1" in reducer else 2)
+    for k in ("w0", "w1", *state):
         np.testing.assert_array_equal(three[k], one[k], err_msg=k)
 
 
@@ -170,6 +180,44 @@ def test_mirrored_gradient_accumulation_csc_residual_advances_once_per_applied_u
     for replica in range(2):
         assert np.any(residuals[replica])
         np.testing.assert_allclose(r[f"residual_r{replica}"], residuals[replica], rtol=0, atol=2e-5)
+
+
+class NumpyLowRank:
+    """test_lowrank.Model (float64 low-rank, no wire rounding) of the worker's one pack on 2
+    replicas, in NumpyCSC's interface: step(g [2, 27] in backprop order [b, w]) -> (the sum's
+    approximation [27],); residual: [2, 24], each replica's residual of the [8, 3] kernel."""
+
+    def __init__(self, rank):
+        signature = [(tf.TensorShape([8, 3]), tf.float32), (tf.TensorShape([3]), tf.float32)]
+        (spec,) = gf_tf.packing.plan_packs(signature, 0, gf_tf.wire.get(None))
+        self.model = Model(LowRank(rank=rank), spec, 2, fp16=False)
+
+    def step(self, g, density=None):   # pylint: disable=unused-argument
+        out = self.model.step([[gr[3:].reshape(8, 3), gr[:3]] for gr in g])
+        return (np.concatenate([out[1], out[0].ravel()]),)
+
+    @property
+    def residual(self):
+        return np.array([residuals[0].ravel() for residuals in self.model.residuals])
+
+
+@_NO_ACCUMULATION
+def test_mirrored_gradient_accumulation_low_rank_state_advances_once_per_applied_update():
+    """LowRank(rank=1) (the 8x3 kernel compressed, the bias dense), accumulation k = 2: weights,
+    each replica's residual and Q match the float64 model fed the averaged accumulated gradients
+    once every 2 micro-steps."""
+    r = _mirrored("--accumulation=2", "--compression=none", "--rank=1")
+    _assert_accumulated(r, 2)
+    reference = NumpyLowRank(rank=1)
+    w, b, residuals = _accumulation_reference(r, 2, reference)
+    dense_w, _, _ = _accumulation_reference(r, 2)
+    assert np.abs(w - dense_w).max() > 1e-3   # rank 1 sent less than the sum: the model matters
+    np.testing.assert_allclose(r["w0"], w, rtol=0, atol=2e-5)
+    np.testing.assert_allclose(r["w1"], b, rtol=0, atol=2e-5)
+    for replica in range(2):
+        assert np.any(residuals[replica])
+        np.testing.assert_allclose(r[f"residual_r{replica}"], residuals[replica], rtol=0, atol=2e-5)
+        np.testing.assert_allclose(r[f"q_r{replica}"], reference.model.qs[0], rtol=1e-5, atol=1e-5)
 
 
 def _workers(*args):
