@@ -2,8 +2,9 @@
 with GradientFlowAllReduce and under gf_tf.MultiWorkerMirroredStrategy (stock TF + Keras 3.15
 fail there; tf-keras works as it is), and Keras 3's `gradient_accumulation_steps > 1` trains there
 under a GradientFlowAllReduce (stock fails) with Keras's accumulation semantics, and fails at fit with
-an error naming the fix under TF's own all-reduce. Runs with the cell's Keras flavour
-(multistep_worker.py).
+an error naming the fix under TF's own all-reduce. The reducers' state (CSC's, and the low-rank
+reducer's Q's and residuals, checked against test_lowrank.Model) advances once per applied update.
+Runs with the cell's Keras flavour (multistep_worker.py).
 """
 
 import numpy as np
@@ -227,18 +228,29 @@ def _workers(*args):
     return [r.result for r in results]
 
 
-def test_multi_worker_multi_step_fit_matches_single_step_and_float64_sgd():
-    one = _workers("--steps_per_execution=1", "--compression=fp16", "--density=0.25")
-    three = _workers("--steps_per_execution=3", "--compression=fp16", "--density=0.25")
+@pytest.mark.parametrize("reducer", [["--density=0.25"], ["--rank=1"]], ids=["csc", "lowrank"])
+def test_multi_worker_multi_step_fit_equals_single_step(reducer):
+    """FP16 with CSC or LowRank(rank=1): steps_per_execution=3 ends with the weights (and the
+    reducer's residuals and Q's) of steps_per_execution=1, bitwise, the same on both workers."""
+    one = _workers("--steps_per_execution=1", "--compression=fp16", *reducer)
+    three = _workers("--steps_per_execution=3", "--compression=fp16", *reducer)
+    state = [k for k in one[0] if k.startswith(("residual_r", "q_r"))]
+    assert state
     for k in ("w0", "w1"):
         np.testing.assert_array_equal(one[0][k], one[1][k], err_msg=k)
         np.testing.assert_array_equal(three[0][k], three[1][k], err_msg=k)
-        np.testing.assert_array_equal(three[0][k], one[0][k], err_msg=k)
+    for worker in range(2):
+        for k in ("w0", "w1", *state):
+            np.testing.assert_array_equal(three[worker][k], one[worker][k], err_msg=k)
+    for r in one + three:
+        assert int(r["iterations"]) == int(r["gf_steps"]) == EPOCHS * EXAMPLES // BATCH
+
+
+def test_multi_worker_multi_step_dense_fit_matches_float64_sgd():
     dense = _workers("--steps_per_execution=4", "--compression=none")
     w, b = _sgd_reference(dense[0])
-    for r in dense + one + three:
-        assert int(r["iterations"]) == int(r["gf_steps"]) == EPOCHS * EXAMPLES // BATCH
     for r in dense:
+        assert int(r["iterations"]) == int(r["gf_steps"]) == EPOCHS * EXAMPLES // BATCH
         np.testing.assert_allclose(r["w0"], w, rtol=0, atol=2e-5)
         np.testing.assert_allclose(r["w1"], b, rtol=0, atol=2e-5)
 
@@ -276,3 +288,19 @@ def test_multi_worker_gradient_accumulation_matches_float64_with_fp16_and_csc():
     for worker in range(2):
         assert np.any(residuals[worker])
         np.testing.assert_allclose(sparse[worker]["residual_r0"], residuals[worker], rtol=0, atol=2e-5)
+
+
+@_NO_ACCUMULATION
+def test_multi_worker_gradient_accumulation_with_low_rank_matches_float64():
+    """2 workers, LowRank(rank=1), accumulation k = 2: the same weights on both, matching the
+    float64 model fed once per applied update, and each worker's residual its replica's there."""
+    results = _workers("--accumulation=2", "--compression=none", "--rank=1")
+    for k in ("w0", "w1", "q_r0"):
+        np.testing.assert_array_equal(results[0][k], results[1][k], err_msg=k)
+    reference = NumpyLowRank(rank=1)
+    w, b, residuals = _accumulation_reference(results[0], 2, reference)
+    for worker, r in enumerate(results):
+        _assert_accumulated(r, 2)
+        np.testing.assert_allclose(r["w0"], w, rtol=0, atol=2e-5)
+        np.testing.assert_allclose(r["w1"], b, rtol=0, atol=2e-5)
+        np.testing.assert_allclose(r["residual_r0"], residuals[worker], rtol=0, atol=2e-5)
