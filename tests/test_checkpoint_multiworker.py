@@ -18,7 +18,8 @@ pytestmark = pytest.mark.slow
 SCRIPT = "resume_worker.py"
 
 
-def _run(tmp_path, name, kill_after_epoch=-1, comm_timeout=60.0, selection="per_pack", reducer="csc"):
+def _run(tmp_path, name, kill_after_epoch=-1, comm_timeout=60.0, selection="per_pack",
+         reducer="csc"):
     backup, states = tmp_path / name / "backup", tmp_path / name / "states"
     os.makedirs(states, exist_ok=True)
     args = ["--backup_dir", str(backup), "--state_dir", str(states), "--epochs", "4",
