@@ -3,7 +3,7 @@ with GradientFlowAllReduce and under gf_tf.MultiWorkerMirroredStrategy (stock TF
 fail there; tf-keras works as it is), and Keras 3's `gradient_accumulation_steps > 1` trains there
 under a GradientFlowAllReduce (stock fails) with Keras's accumulation semantics, and fails at fit with
 an error naming the fix under TF's own all-reduce. The reducers' state (CSC's, and the low-rank
-reducer's Q's and residuals, checked against test_lowrank.Model) advances once per applied update.
+reducer's Q's and residuals, checked against lowrank_reference.Model) advances once per applied update.
 Runs with the cell's Keras flavour (multistep_worker.py).
 """
 
@@ -13,12 +13,12 @@ import tensorflow as tf
 
 from cluster import describe, run_process, run_workers
 
-from gf_tf.keras import flavour
 import gf_tf
-from csc_reference import NumpyCSC
+from gf_tf.keras import flavour
 from gf_tf.reducers import LowRank
+from csc_reference import NumpyCSC
 from helpers import GRADIENT_SCALE
-from test_lowrank import Model
+from lowrank_reference import Model
 
 pytestmark = pytest.mark.slow
 
@@ -184,7 +184,7 @@ def test_mirrored_gradient_accumulation_csc_residual_advances_once_per_applied_u
 
 
 class NumpyLowRank:
-    """test_lowrank.Model (float64 low-rank, no wire rounding) of the worker's one pack on 2
+    """lowrank_reference.Model (float64 low-rank, no wire rounding) of the worker's one pack on 2
     replicas, in NumpyCSC's interface: step(g [2, 27] in backprop order [b, w]) -> (the sum's
     approximation [27],); residual: [2, 24], each replica's residual of the [8, 3] kernel."""
 
