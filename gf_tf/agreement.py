@@ -65,7 +65,7 @@ def check_workers_agree(workers, settings: List[Setting], devices: Sequence[str]
     if problems:
         raise ValueError(
             "gf_tf.GradientFlowAllReduce settings differ across workers (every worker must "
-            "use the same compression, bytes_per_pack, sparsity and model): "
+            "use the same compression, bytes_per_pack, sparsity, reducer and model): "
             + "; ".join(problems))
 
 

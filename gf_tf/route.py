@@ -233,9 +233,24 @@ def settings(state: VariableSetState, reducer: Reducer) -> List[agreement.Settin
         ("trial against TensorFlow's own", int(set_plan.trial), lambda t: str(bool(t))),
         ("number of gradients", len(state.signature), lambda n: str(int(n))),
         ("gradient shapes/dtypes (CRC32)", zlib.crc32(shapes), hex_text),
-        ("reducer (CRC32 of its class name)", zlib.crc32(type(reducer).__qualname__.encode()),
-         hex_text),
+        ("reducer", _class_code(type(reducer)), _reducer_text),
     ] + own + padding
+
+
+def _class_code(cls: type) -> int:
+    """A reducer class as a handshake number: the CRC32 of its qualified name."""
+    return zlib.crc32(cls.__qualname__.encode())
+
+
+def _reducer_text(code) -> str:
+    """How the handshake prints a reducer: the name of the loaded Reducer class (gf_tf's own and
+    any this worker imported) with that code, else the code in hex."""
+    classes, todo = {}, [Reducer]
+    while todo:
+        cls = todo.pop()
+        classes[_class_code(cls)] = cls.__qualname__
+        todo.extend(cls.__subclasses__())
+    return classes.get(int(code), f"{hex_text(code)} (CRC32 of a class name not loaded here)")
 
 
 def _method_text(method: str) -> str:

@@ -1,6 +1,7 @@
-"""gf_tf.reducers.LowRank (PowerSGD) against a float64 NumPy model of the method: power iteration
-with a warm-started Q, Gram-Schmidt, error feedback; the dense path of small tensors; its settings'
-errors; non-finite steps; its state through BackupAndRestore.
+"""gf_tf.reducers.LowRank (PowerSGD) against a float64 NumPy model of the method
+(lowrank_reference.Model): power iteration with a warm-started Q, Gram-Schmidt, error feedback;
+the dense path of small tensors; its settings' errors; non-finite steps; its state through
+BackupAndRestore; bitwise equal results on 2 and 3 real workers.
 
 In-process: MirroredStrategy over logical CPUs (tests/conftest.py), ReductionToOneDevice.
 """
@@ -12,9 +13,10 @@ import tensorflow as tf
 import gf_tf
 from gf_tf import reducers, wire
 from gf_tf.reducers import LowRank
-from gf_tf.reducers.lowrank import initial_factor, matrix_shape
+from gf_tf.reducers.lowrank import matrix_shape
 from gf_tf.state import VariableSetState
 from helpers import DEVICES
+from lowrank_reference import Model
 from test_reducer_checkpoint import preempted_and_resumed
 
 # Two compressed matrices (a dense kernel and a conv kernel, [36, 6]) at rank 2; a bias and a
@@ -62,108 +64,6 @@ class Harness:
         counts = {int(v.numpy()) for v in variable_set.shared.steps}
         assert len(counts) == 1, counts
         return counts.pop()
-
-
-def gram_schmidt(p):
-    """Modified Gram-Schmidt of the columns of p, float64 (a zero column stays zero)."""
-    q = np.array(p, np.float64)
-    for j in range(q.shape[1]):
-        for k in range(j):
-            q[:, j] -= (q[:, k] @ q[:, j]) * q[:, k]
-        norm = np.linalg.norm(q[:, j])
-        q[:, j] = q[:, j] / norm if norm else 0.0
-    return q
-
-
-def on_wire(values, bound, fp16):
-    """Each replica's factor as it arrives in the sum: on the FP16 wire scaled by the power of
-    two of the all-reduced bound, rounded to float16 and scaled back."""
-    if not fp16:
-        return values
-    scale = wire.power_of_two_scale_np(bound)
-    return [np.float16(v * scale).astype(np.float64) / scale for v in values]
-
-
-class Model:
-    """The method in float64, in pack order: per compressed matrix its Q (and P, alternating
-    form) and per replica its residual; the other tensors summed."""
-
-    def __init__(self, reducer, spec, replicas, fp16):
-        self.reducer, self.fp16 = reducer, fp16
-        self.layout = reducer.layout(spec)
-        self.indices = spec.indices   # variable index of each pack position
-        self.qs = [initial_factor(m, reducer.rank, reducer.seed, 0, j).astype(np.float64)
-                   for j, (_, m) in enumerate(self.layout.dims)]
-        self.ps = [np.zeros((n, reducer.rank)) for n, _ in self.layout.dims]
-        self.count = 0   # the alternating form's steps
-        self.residuals = [[np.zeros((n, m)) for n, m in self.layout.dims] for _ in range(replicas)]
-
-    def load(self, arrays, count=0):
-        """Q (and P) and the residuals from the reducer's state arrays (`LowRankState.to_arrays`),
-        and the alternating form's step count."""
-        self.count = count
-        for j, (n, m) in enumerate(self.layout.dims):
-            self.qs[j] = arrays[f"q{j}_r0"].astype(np.float64)
-            if self.reducer.alternate:
-                self.ps[j] = arrays[f"p_factor{j}_r0"].astype(np.float64)
-        for r, residuals in enumerate(self.residuals):
-            flat = arrays[f"residual_r{r}"].astype(np.float64)
-            for j, offset in enumerate(self.layout.offsets):
-                n, m = self.layout.dims[j]
-                residuals[j] = flat[offset:offset + n * m].reshape(n, m)
-
-    def arrays(self):
-        """The model's state under the reducer's array keys."""
-        out = {f"q{j}_r{r}": q for j, q in enumerate(self.qs) for r in range(len(self.residuals))}
-        if self.reducer.alternate:
-            out.update({f"p_factor{j}_r{r}": p for j, p in enumerate(self.ps)
-                        for r in range(len(self.residuals))})
-        out.update({f"residual_r{r}": np.concatenate([res.ravel() for res in residuals])
-                    for r, residuals in enumerate(self.residuals)})
-        return out
-
-    def step(self, grads):
-        out = {}
-        for position in self.layout.dense:
-            i = self.indices[position]
-            out[i] = sum(g[i].astype(np.float64) for g in grads)
-        for j, (position, (n, m)) in enumerate(zip(self.layout.matrices, self.layout.dims)):
-            i = self.indices[position]
-            ms = [g[i].astype(np.float64).reshape(n, m) + res[j] for g, res in zip(grads, self.residuals)]
-            if self.reducer.alternate:
-                out[i] = self._alternate(j, ms).reshape(grads[0][i].shape)
-                continue
-            q = self.qs[j]
-            ps = [mm @ q for mm in ms]
-            bound = sum(np.linalg.norm(mm, axis=1).max() for mm in ms) * np.linalg.norm(q, axis=0).max()
-            p_hat = gram_schmidt(sum(on_wire(ps, bound, self.fp16)))
-            local_qs = [mm.T @ p_hat for mm in ms]
-            bound = sum(np.linalg.norm(mm, axis=0).max() for mm in ms)
-            self.qs[j] = sum(on_wire(local_qs, bound, self.fp16))
-            for res, mm, local_q in zip(self.residuals, ms, local_qs):
-                res[j] = mm - p_hat @ local_q.T
-            out[i] = (p_hat @ self.qs[j].T).reshape(grads[0][i].shape)
-        self.count += 1
-        return [out[i] for i in range(len(grads[0]))]
-
-    def _alternate(self, j, ms):
-        """Matrix j's ACP-SGD step: on an even count P = SUM M_r Q^, else Q = SUM M_r^T P^ (the
-        other factor orthogonalised); the reduced matrix; the residuals."""
-        if self.count % 2 == 0:
-            q_hat = gram_schmidt(self.qs[j])
-            local = [mm @ q_hat for mm in ms]
-            bound = sum(np.linalg.norm(mm, axis=1).max() for mm in ms)
-            self.ps[j] = sum(on_wire(local, bound, self.fp16))
-            for res, mm, p in zip(self.residuals, ms, local):
-                res[j] = mm - p @ q_hat.T
-            return self.ps[j] @ q_hat.T
-        p_hat = gram_schmidt(self.ps[j])
-        local = [mm.T @ p_hat for mm in ms]
-        bound = sum(np.linalg.norm(mm, axis=0).max() for mm in ms)
-        self.qs[j] = sum(on_wire(local, bound, self.fp16))
-        for res, mm, q in zip(self.residuals, ms, local):
-            res[j] = mm - p_hat @ q.T
-        return p_hat @ self.qs[j].T
 
 
 def gradients(rng, replicas, shapes=SHAPES, scale=1.0):
@@ -500,32 +400,35 @@ def test_the_alternating_form_declares_itself_and_costs_one_factor():
         LowRank(alternate="yes")
 
 
-@pytest.mark.slow   # 2 worker processes
-def test_two_workers_get_the_same_bits_and_match_the_model():
-    """2 workers, one replica each, FP16 wire: every step's reduced values are bitwise equal on
-    both workers, and so are the Q's they hold; each step matches the float64 model started from
-    the state the workers held before it (worker w's residual as replica w's)."""
+@pytest.mark.slow   # 2 and 3 worker processes
+@pytest.mark.parametrize("workers", [2, 3])
+def test_workers_get_the_same_bits_and_match_the_model(workers):
+    """2 and 3 workers, one replica each, FP16 wire: every step's reduced values are bitwise equal
+    on every worker, and so are the Q's they hold; each step matches the float64 model started
+    from the state the workers held before it (worker w's residual as replica w's)."""
     import cluster   # pylint: disable=import-outside-toplevel
-    results = cluster.run_workers("lowrank_worker.py", 2, ["--steps", "4"], timeout=150,
+    results = cluster.run_workers("lowrank_worker.py", workers, ["--steps", "4"], timeout=150,
                                   comm_timeout=30)
     assert all(r.ok for r in results), cluster.describe(results)
-    a, b = (r.result for r in results)
+    first, *others = (r.result for r in results)
     shapes = [(24, 16), (3, 3, 4, 8), (16,)]
     signature = [(tf.TensorShape(s), tf.float32) for s in shapes]
     (spec,) = gf_tf.packing.plan_packs(signature, 0, wire.FP16)
     reducer = LowRank(rank=2)
-    model = Model(reducer, spec, 2, fp16=True)
+    model = Model(reducer, spec, workers, fp16=True)
     for step in range(4):
         if step:
-            held = [_state_before(worker, step) for worker in (a, b)]
+            held = [_state_before(r.result, step) for r in results]
             for key in (k for k in held[0] if k.startswith("q")):
-                assert held[0][key].tobytes() == held[1][key].tobytes(), key
-            model.load({**held[0], "residual_r1": held[1]["residual_r0"]})
-        grads = [[worker[f"g{step}_{i}"] for i in range(len(shapes))] for worker in (a, b)]
+                assert all(h[key].tobytes() == held[0][key].tobytes() for h in held), key
+            model.load({**held[0], **{f"residual_r{w}": h["residual_r0"]
+                                      for w, h in enumerate(held)}})
+        grads = [[r.result[f"g{step}_{i}"] for i in range(len(shapes))] for r in results]
         want = model.step(grads)
         for i, expected in enumerate(want):
-            assert a[f"out{step}_{i}"].tobytes() == b[f"out{step}_{i}"].tobytes(), (step, i)
-            assert_close(a[f"out{step}_{i}"], expected, 1e-3)
+            key = f"out{step}_{i}"
+            assert all(other[key].tobytes() == first[key].tobytes() for other in others), (step, i)
+            assert_close(first[key], expected, 1e-3)
 
 
 def _state_before(worker, step):

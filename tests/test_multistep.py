@@ -2,18 +2,23 @@
 with GradientFlowAllReduce and under gf_tf.MultiWorkerMirroredStrategy (stock TF + Keras 3.15
 fail there; tf-keras works as it is), and Keras 3's `gradient_accumulation_steps > 1` trains there
 under a GradientFlowAllReduce (stock fails) with Keras's accumulation semantics, and fails at fit with
-an error naming the fix under TF's own all-reduce. Runs with the cell's Keras flavour
-(multistep_worker.py).
+an error naming the fix under TF's own all-reduce. The reducers' state (CSC's, and the low-rank
+reducer's Q's and residuals, checked against lowrank_reference.Model) advances once per applied update.
+Runs with the cell's Keras flavour (multistep_worker.py).
 """
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from cluster import describe, run_process, run_workers
 
+import gf_tf
 from gf_tf.keras import flavour
+from gf_tf.reducers import LowRank
 from csc_reference import NumpyCSC
 from helpers import GRADIENT_SCALE
+from lowrank_reference import Model
 
 pytestmark = pytest.mark.slow
 
@@ -59,16 +64,22 @@ def test_mirrored_multi_step_fit_matches_float64_sgd(steps_per_execution, unknow
     np.testing.assert_allclose(r["w1"], b, rtol=0, atol=2e-5)
 
 
-def test_mirrored_fp16_csc_multi_step_equals_single_step():
-    """Same packs, same CSC schedule: the multi-step loop gives bit-identical weights, and the
-    CSC step counter advanced once per training step (warm-up and top-k stayed in step)."""
-    one = _mirrored("--steps_per_execution=1", "--compression=fp16", "--density=0.25")
-    three = _mirrored("--steps_per_execution=3", "--compression=fp16", "--density=0.25")
+@pytest.mark.parametrize("reducer", [["--density=0.25"], ["--rank=1"]], ids=["csc", "lowrank"])
+def test_mirrored_fp16_multi_step_equals_single_step(reducer):
+    """Same packs, same reducer state: the multi-step loop gives bit-identical weights. CSC's step
+    counter advanced once per training step (warm-up and top-k stayed in step); the low-rank
+    reducer (rank 1: the 8x3 kernel compressed, the bias dense) ends with bit-identical Q's and
+    residuals."""
+    one = _mirrored("--steps_per_execution=1", "--compression=fp16", *reducer)
+    three = _mirrored("--steps_per_execution=3", "--compression=fp16", *reducer)
     steps = EPOCHS * EXAMPLES // BATCH
     for r in (one, three):
-        assert int(r["iterations"]) == steps == int(r["csc_step"]) == int(r["gf_steps"])
+        assert int(r["iterations"]) == steps == int(r["gf_steps"])
+        assert int(r["csc_step"]) == (steps if "--density=0.25" in reducer else -1)
     assert not np.array_equal(one["w0"], one["w0_init"])
-    for k in ("w0", "w1"):
+    state = [k for k in one if k.startswith(("residual_r", "q_r"))]
+    assert len(state) == (4 if "--rank=1" in reducer else 2)
+    for k in ("w0", "w1", *state):
         np.testing.assert_array_equal(three[k], one[k], err_msg=k)
 
 
@@ -172,6 +183,44 @@ def test_mirrored_gradient_accumulation_csc_residual_advances_once_per_applied_u
         np.testing.assert_allclose(r[f"residual_r{replica}"], residuals[replica], rtol=0, atol=2e-5)
 
 
+class NumpyLowRank:
+    """lowrank_reference.Model (float64 low-rank, no wire rounding) of the worker's one pack on 2
+    replicas, in NumpyCSC's interface: step(g [2, 27] in backprop order [b, w]) -> (the sum's
+    approximation [27],); residual: [2, 24], each replica's residual of the [8, 3] kernel."""
+
+    def __init__(self, rank):
+        signature = [(tf.TensorShape([8, 3]), tf.float32), (tf.TensorShape([3]), tf.float32)]
+        (spec,) = gf_tf.packing.plan_packs(signature, 0, gf_tf.wire.get(None))
+        self.model = Model(LowRank(rank=rank), spec, 2, fp16=False)
+
+    def step(self, g, density=None):   # pylint: disable=unused-argument
+        out = self.model.step([[gr[3:].reshape(8, 3), gr[:3]] for gr in g])
+        return (np.concatenate([out[1], out[0].ravel()]),)
+
+    @property
+    def residual(self):
+        return np.array([residuals[0].ravel() for residuals in self.model.residuals])
+
+
+@_NO_ACCUMULATION
+def test_mirrored_gradient_accumulation_low_rank_state_advances_once_per_applied_update():
+    """LowRank(rank=1) (the 8x3 kernel compressed, the bias dense), accumulation k = 2: weights,
+    each replica's residual and Q match the float64 model fed the averaged accumulated gradients
+    once every 2 micro-steps."""
+    r = _mirrored("--accumulation=2", "--compression=none", "--rank=1")
+    _assert_accumulated(r, 2)
+    reference = NumpyLowRank(rank=1)
+    w, b, residuals = _accumulation_reference(r, 2, reference)
+    dense_w, _, _ = _accumulation_reference(r, 2)
+    assert np.abs(w - dense_w).max() > 1e-3   # rank 1 sent less than the sum: the model matters
+    np.testing.assert_allclose(r["w0"], w, rtol=0, atol=2e-5)
+    np.testing.assert_allclose(r["w1"], b, rtol=0, atol=2e-5)
+    for replica in range(2):
+        assert np.any(residuals[replica])
+        np.testing.assert_allclose(r[f"residual_r{replica}"], residuals[replica], rtol=0, atol=2e-5)
+        np.testing.assert_allclose(r[f"q_r{replica}"], reference.model.qs[0], rtol=1e-5, atol=1e-5)
+
+
 def _workers(*args):
     results = run_workers("multistep_worker.py", num_workers=2, timeout=180, comm_timeout=60,
                           args=[f"--epochs={EPOCHS}", f"--examples={EXAMPLES}", *args])
@@ -179,18 +228,29 @@ def _workers(*args):
     return [r.result for r in results]
 
 
-def test_multi_worker_multi_step_fit_matches_single_step_and_float64_sgd():
-    one = _workers("--steps_per_execution=1", "--compression=fp16", "--density=0.25")
-    three = _workers("--steps_per_execution=3", "--compression=fp16", "--density=0.25")
+@pytest.mark.parametrize("reducer", [["--density=0.25"], ["--rank=1"]], ids=["csc", "lowrank"])
+def test_multi_worker_multi_step_fit_equals_single_step(reducer):
+    """FP16 with CSC or LowRank(rank=1): steps_per_execution=3 ends with the weights (and the
+    reducer's residuals and Q's) of steps_per_execution=1, bitwise, the same on both workers."""
+    one = _workers("--steps_per_execution=1", "--compression=fp16", *reducer)
+    three = _workers("--steps_per_execution=3", "--compression=fp16", *reducer)
+    state = [k for k in one[0] if k.startswith(("residual_r", "q_r"))]
+    assert state
     for k in ("w0", "w1"):
         np.testing.assert_array_equal(one[0][k], one[1][k], err_msg=k)
         np.testing.assert_array_equal(three[0][k], three[1][k], err_msg=k)
-        np.testing.assert_array_equal(three[0][k], one[0][k], err_msg=k)
+    for worker in range(2):
+        for k in ("w0", "w1", *state):
+            np.testing.assert_array_equal(three[worker][k], one[worker][k], err_msg=k)
+    for r in one + three:
+        assert int(r["iterations"]) == int(r["gf_steps"]) == EPOCHS * EXAMPLES // BATCH
+
+
+def test_multi_worker_multi_step_dense_fit_matches_float64_sgd():
     dense = _workers("--steps_per_execution=4", "--compression=none")
     w, b = _sgd_reference(dense[0])
-    for r in dense + one + three:
-        assert int(r["iterations"]) == int(r["gf_steps"]) == EPOCHS * EXAMPLES // BATCH
     for r in dense:
+        assert int(r["iterations"]) == int(r["gf_steps"]) == EPOCHS * EXAMPLES // BATCH
         np.testing.assert_allclose(r["w0"], w, rtol=0, atol=2e-5)
         np.testing.assert_allclose(r["w1"], b, rtol=0, atol=2e-5)
 
@@ -228,3 +288,19 @@ def test_multi_worker_gradient_accumulation_matches_float64_with_fp16_and_csc():
     for worker in range(2):
         assert np.any(residuals[worker])
         np.testing.assert_allclose(sparse[worker]["residual_r0"], residuals[worker], rtol=0, atol=2e-5)
+
+
+@_NO_ACCUMULATION
+def test_multi_worker_gradient_accumulation_with_low_rank_matches_float64():
+    """2 workers, LowRank(rank=1), accumulation k = 2: the same weights on both, matching the
+    float64 model fed once per applied update, and each worker's residual its replica's there."""
+    results = _workers("--accumulation=2", "--compression=none", "--rank=1")
+    for k in ("w0", "w1", "q_r0"):
+        np.testing.assert_array_equal(results[0][k], results[1][k], err_msg=k)
+    reference = NumpyLowRank(rank=1)
+    w, b, residuals = _accumulation_reference(results[0], 2, reference)
+    for worker, r in enumerate(results):
+        _assert_accumulated(r, 2)
+        np.testing.assert_allclose(r["w0"], w, rtol=0, atol=2e-5)
+        np.testing.assert_allclose(r["w1"], b, rtol=0, atol=2e-5)
+        np.testing.assert_allclose(r["residual_r0"], residuals[worker], rtol=0, atol=2e-5)

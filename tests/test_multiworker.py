@@ -100,6 +100,22 @@ def test_mismatched_settings_fail_fast_naming_setting_and_workers():
         assert r.seconds < TIMEOUT
 
 
+@pytest.mark.parametrize("worker_args, mismatch", [
+    ([["--reducer", "lowrank", "--rank", "2"], ["--reducer", "lowrank", "--rank", "1"]],
+     "low-rank rank: worker 0 = 2, worker 1 = 1"),
+    ([["--reducer", "lowrank"], []], "reducer: worker 0 = LowRank, worker 1 = DenseReducer"),
+])
+def test_a_worker_with_another_reducer_or_rank_fails_fast_naming_it(worker_args, mismatch):
+    results = cluster.run_workers("fit_worker.py", 2, [], timeout=TIMEOUT,
+                                  comm_timeout=COMM_TIMEOUT, per_worker_args=worker_args)
+    for r in results:
+        assert r.returncode not in (0, None), cluster.describe(results)
+        assert "settings differ across workers" in r.output, cluster.describe(results)
+        assert mismatch in r.output, cluster.describe(results)
+        assert "InternalError" not in r.output
+        assert r.seconds < TIMEOUT
+
+
 def test_mixed_float16_with_loss_scale_optimizer_two_workers():
     results = run_fit("--mixed_precision")
     assert_identical_across_workers(results)

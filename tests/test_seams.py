@@ -62,3 +62,27 @@ def test_no_file_in_gf_tf_names_the_extensions():
     for path in package.rglob("*.py"):
         text = path.read_text()
         assert not [name for name in NAMES if name in text], path
+
+
+def test_the_handshake_names_a_reducer_by_its_class_where_the_class_is_loaded():
+    """The handshake's reducer row, printed from the number the table carries: the class name of
+    any loaded Reducer (gf_tf's and one of our own), and the CRC32 of the name for a class this
+    worker never loaded (a peer's own)."""
+    import types
+    import zlib
+    from gf_tf import route
+    from gf_tf.plan import Forecast, Plan, Planned
+    from gf_tf.reducers import DenseReducer, LowRank
+    from test_reducer_checkpoint import RoundingWithFeedback
+    state = types.SimpleNamespace(signature=(), planned=Planned(Plan("fp16", 0, "ring"), Forecast()))
+
+    def row(reducer):
+        ((_, code, show),) = [s for s in route.settings(state, reducer) if s[0] == "reducer"]
+        return float(code), show
+
+    reducers = [DenseReducer(), LowRank(), RoundingWithFeedback()]
+    shown = [show(code) for code, show in map(row, reducers)]
+    assert shown == ["DenseReducer", "LowRank", "RoundingWithFeedback"]
+    _, show = row(LowRank())
+    peers_own = zlib.crc32(b"APeersOwnReducer")
+    assert show(float(peers_own)) == f"{peers_own:08x} (CRC32 of a class name not loaded here)"

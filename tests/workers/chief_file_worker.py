@@ -27,7 +27,7 @@ from gf_tf import checkpoint
 
 tf.config.experimental.enable_op_determinism()
 rank = worker_util.task_index()
-gradient_flow, strategy = worker_util.csc_checkpoint_strategy()
+gradient_flow, strategy = worker_util.checkpoint_strategy()
 x, y = worker_util.regression_data(16 * 4)
 dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
 

@@ -4,8 +4,9 @@ gf_tf.MultiWorkerMirroredStrategy (TF_CONFIG, one CPU per worker).
 
 Writes the initial and final weights (w0_init, w1_init, w0, w1), the data (x, y), the
 optimizer's step count (applied updates; micro_steps: Keras's `_iterations`, the batches seen
-under gradient accumulation), the CSC step counter (-1 without CSC) and local replica r's CSC
-residual (residual_r{r}, the pack's elements in backprop order), the gradient all-reduces
+under gradient accumulation), the CSC step counter (-1 without CSC) and local replica r's
+residual (residual_r{r}: CSC's, the pack's elements in backprop order; the low-rank reducer's,
+the kernel's [8, 3] elements) and with --rank the low-rank Q (q_r{r}), the gradient all-reduces
 GradientFlow carried (gf_steps), or `error` (the message
 of the ValueError fit raised, e.g. for --accumulation).
 """
@@ -24,6 +25,8 @@ parser.add_argument("--accumulation", type=int, default=0, help="gradient_accumu
 parser.add_argument("--chunk_size", type=int, default=4, help="CSC chunk size")
 parser.add_argument("--warmup_steps", type=int, default=3, help="CSC dense warm-up steps")
 parser.add_argument("--momentum", type=float, default=0.9, help="CSC momentum correction")
+parser.add_argument("--rank", type=int, default=0,
+                    help="gf_tf.reducers.LowRank(rank=...); 0: the default reducer")
 parser.add_argument("--stock_all_reduce", action="store_true",
                     help="MirroredStrategy with TF's own cross-device ops (no GradientFlow)")
 parser.add_argument("--examples", type=int, default=112)   # 7 global batches of 16
@@ -48,7 +51,8 @@ sparsity = (gf_tf.ChunkSparsity(density=args.density, chunk_size=args.chunk_size
                                 warmup_steps=args.warmup_steps, momentum=args.momentum)
             if args.density else None)
 gradient_flow = gf_tf.GradientFlowAllReduce(
-    compression=None if args.compression == "none" else args.compression, sparsity=sparsity)
+    compression=None if args.compression == "none" else args.compression, sparsity=sparsity,
+    reducer=gf_tf.reducers.LowRank(rank=args.rank) if args.rank else None)
 if MULTI_WORKER:
     strategy = gf_tf.MultiWorkerMirroredStrategy(
         communication_options=worker_util.communication_options(), gradient_flow=gradient_flow)
@@ -73,10 +77,14 @@ except ValueError as e:
     worker_util.write_result(error=str(e))
     raise SystemExit(0)
 csc_step, residuals = -1, {}
-if sparsity:
+if sparsity or args.rank:
     (variable_set,) = gradient_flow.states().values()
-    csc_step = int(variable_set.pack_states[0].step.numpy())
-    residuals = {f"residual_r{r}": v.numpy() for r, v in enumerate(variable_set.pack_states[0].residuals)}
+    pack_state = variable_set.pack_states[0]
+    residuals = {f"residual_r{r}": v.numpy() for r, v in enumerate(pack_state.residuals)}
+if sparsity:
+    csc_step = int(pack_state.step.numpy())
+if args.rank:
+    residuals.update({f"q_r{r}": v.numpy() for r, v in enumerate(pack_state.qs[0])})
 micro_steps = getattr(optimizer, "_iterations", optimizer.iterations).numpy()   # pylint: disable=protected-access
 worker_util.write_result(x=x, y=y, iterations=int(optimizer.iterations.numpy()), csc_step=csc_step,
                          micro_steps=int(micro_steps), **residuals,

@@ -115,13 +115,22 @@ def collective_reduces(model):
     return found
 
 
-def csc_checkpoint_strategy(selection="per_pack"):
-    """(GradientFlowAllReduce, gf_tf.MultiWorkerMirroredStrategy) of the checkpoint workers:
-    CSC at density 0.1 in chunks of 16, 3 warm-up steps, momentum correction 0.5."""
+def checkpoint_strategy(reducer="csc", selection="per_pack"):
+    """(GradientFlowAllReduce, gf_tf.MultiWorkerMirroredStrategy) of the checkpoint workers.
+
+    reducer "csc": CSC at density 0.1 in chunks of 16, 3 warm-up steps, momentum correction 0.5,
+    chunks chosen by `selection`; "lowrank": gf_tf.reducers.LowRank(rank=2) on the FP16 wire in
+    one pack, ring all-reduce.
+    """
     import gf_tf  # pylint: disable=import-outside-toplevel
-    sparsity = gf_tf.ChunkSparsity(density=0.1, chunk_size=16, warmup_steps=3, momentum=0.5,
-                                   selection=selection)
-    gradient_flow = gf_tf.GradientFlowAllReduce(sparsity=sparsity)
+    if reducer == "lowrank":
+        gradient_flow = gf_tf.GradientFlowAllReduce(compression="fp16", bytes_per_pack=0,
+                                                    algorithm="ring",
+                                                    reducer=gf_tf.reducers.LowRank(rank=2))
+    else:
+        sparsity = gf_tf.ChunkSparsity(density=0.1, chunk_size=16, warmup_steps=3, momentum=0.5,
+                                       selection=selection)
+        gradient_flow = gf_tf.GradientFlowAllReduce(sparsity=sparsity)
     strategy = gf_tf.MultiWorkerMirroredStrategy(communication_options=communication_options(),
                                                  gradient_flow=gradient_flow)
     return gradient_flow, strategy

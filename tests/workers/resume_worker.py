@@ -1,11 +1,14 @@
-"""One worker of a 2-worker Keras fit with CSC (--selection) and gf_tf.checkpoint.BackupAndRestore.
+"""One worker of a 2-worker Keras fit with gf_tf.checkpoint.BackupAndRestore and --reducer: CSC
+(--selection) or gf_tf.reducers.LowRank(rank=2) (worker_util.checkpoint_strategy).
 
 --kill_after_epoch k: at the end of epoch k (after the backup callback ran),
-worker 1 SIGKILLs itself. Every worker writes its CSC state (residuals, velocity,
-step counter; with selection="ahead" also the scores and bound) at the end of epoch k to --state_dir/epoch<k>_worker<i>.npz. A run
+worker 1 SIGKILLs itself. Every worker writes its reducer state at the end of epoch k to
+--state_dir/epoch<k>_worker<i>.npz: CSC's residuals, velocity and step counter (with
+selection="ahead" also the scores and bound); the low-rank reducer's arrays by
+`VariablesState.to_arrays` key (p0_q0_r0, p0_residual_r0, ...). A run
 started over an existing backup records the state as restored (right when the
 variable set's state is created, before the first step) and writes it with the
-final weights to GF_TF_RESULT.
+final weights and the final state (final_<key>) to GF_TF_RESULT.
 """
 
 import argparse
@@ -26,6 +29,7 @@ parser.add_argument("--kill_after_epoch", type=int, default=-1)
 parser.add_argument("--steps_per_epoch", type=int, default=4)
 parser.add_argument("--global_batch", type=int, default=16)
 parser.add_argument("--selection", default="per_pack")
+parser.add_argument("--reducer", default="csc", choices=["csc", "lowrank"])
 args = parser.parse_args()
 
 import gf_tf  # after argparse: fail fast on bad flags
@@ -33,7 +37,7 @@ from gf_tf import checkpoint
 
 tf.config.experimental.enable_op_determinism()
 rank = worker_util.task_index()
-gradient_flow, strategy = worker_util.csc_checkpoint_strategy(args.selection)
+gradient_flow, strategy = worker_util.checkpoint_strategy(args.reducer, args.selection)
 
 x, y = worker_util.regression_data(args.global_batch * args.steps_per_epoch)
 with strategy.scope():
@@ -44,6 +48,8 @@ with strategy.scope():
 
 
 def snapshot(state):
+    if args.reducer == "lowrank":
+        return state.to_arrays()
     pack = state.pack_states[0]
     out = {"steps": np.array([int(s.numpy()) for s in pack.steps]),
            "residual": pack.residuals[0].numpy(), "velocity": pack.velocities[0].numpy()}
@@ -80,6 +86,8 @@ history = model.fit(dataset, epochs=args.epochs, verbose=0, shuffle=False,
                                gf_tf.GradientFlowStats(gradient_flow)])
 result = {f"w{i}": w for i, w in enumerate(model.get_weights())}
 result.update({f"restored_{k}": v for k, v in Recorder.restored.items()})
+(final_state,) = gradient_flow.states().values()
+result.update({f"final_{k}": v for k, v in snapshot(final_state).items()})
 result["epochs_run"] = np.array(history.epoch)
 result["selected_chunks"] = np.array(history.history["gf_selected_chunks_per_step"])
 result.update({f"comm_{k}": np.array(v) for k, v in gradient_flow.stats.totals().items()})
