@@ -225,7 +225,7 @@ class Reducer:
         raise NotImplementedError
 
 
-def local_variable(initial_value, device: str, name: str) -> tf.Variable:
+def local_variable(initial_value: Any, device: str, name: str) -> tf.Variable:
     """A variable for a reducer's state: plain, non-trainable, on `device`, even when created
     inside `strategy.scope()` (where `tf.Variable` would become a MirroredVariable, and Keras
     enters that scope around `fit`).
