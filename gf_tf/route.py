@@ -83,15 +83,17 @@ def run(orchestrator: Orchestrator, call: Call) -> List[List]:
     planned, signature, pack_specs = orchestrator.plan_set(signature)
     devices = list(call.strategy.extended.worker_devices)
     reducer = orchestrator.reducer
+    # Before the reducer's state exists: a reducer may refuse this set (a rank that compresses
+    # nothing), and a peer with other settings must then hear which setting differs.
+    if call.replicas[0] == 0 and orchestrator.workers is not None:
+        agreement.check_workers_agree(orchestrator.workers, settings(signature, planned, reducer),
+                                      devices, orchestrator.cross_ops, call.options)
     state = orchestrator.states.get(list(call.variables), signature, pack_specs,
                                     lambda specs: reducer.create_states(specs, devices))
     if state.planned != planned:
         state.planned = planned
         _log.info("gf_tf: variable set [%s] travels as %s", state.set_name,
                   plan.PlanReport(*planned).describe())
-    if call.replicas[0] == 0 and orchestrator.workers is not None:
-        agreement.check_workers_agree(orchestrator.workers, settings(state, orchestrator.reducer),
-                                      devices, orchestrator.cross_ops, call.options)
     comm = _communicator(orchestrator, call, planned.plan, devices)
     results = [[None] * len(signature) for _ in grads]
     choice = _choice(orchestrator, state, call, packable, comm, devices)
@@ -210,13 +212,17 @@ def _sent_by_tf(grads) -> Sent:
                 sent_bytes=sum(n * g.dtype.size for n, g in zip(elements, grads)))
 
 
-def settings(state: VariableSetState, reducer: Reducer) -> List[agreement.Setting]:
+def settings(signature, planned: plan.Planned, reducer: Reducer) -> List[agreement.Setting]:
     """The fields every worker must agree on, as (name, number, how to print it): the plan,
     the gradients, the reducer's type and its own settings padded to MAX_REDUCER_SETTINGS
-    (the handshake has a fixed width, so it cannot itself mismatch)."""
+    (the handshake has a fixed width, so it cannot itself mismatch).
+
+    Args:
+      signature: per gradient its packable signature (shape, dtype) or None, as `run` has it.
+      planned: the set's `gf_tf.plan.Planned`."""
     shapes = repr([None if s is None else (tuple(s[0].as_list()), s[1].name)
-                   for s in state.signature]).encode()
-    set_plan = state.planned.plan
+                   for s in signature]).encode()
+    set_plan = planned.plan
     methods = (plan.TF_OWN,) + tuple(f.method for f in wire.FORMATS.values())
     algorithms = list(collectives.ALGORITHMS)
     own = list(reducer.settings())
@@ -231,7 +237,7 @@ def settings(state: VariableSetState, reducer: Reducer) -> List[agreement.Settin
         ("algorithm", algorithms.index(set_plan.algorithm), lambda a: repr(algorithms[int(a)])),
         ("overlap groups", set_plan.groups, lambda g: str(int(g))),
         ("trial against TensorFlow's own", int(set_plan.trial), lambda t: str(bool(t))),
-        ("number of gradients", len(state.signature), lambda n: str(int(n))),
+        ("number of gradients", len(signature), lambda n: str(int(n))),
         ("gradient shapes/dtypes (CRC32)", zlib.crc32(shapes), hex_text),
         ("reducer", _class_code(type(reducer)), _reducer_text),
     ] + own + padding

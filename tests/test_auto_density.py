@@ -295,7 +295,6 @@ def _vector_sums(operations):
 
 
 def test_settings_handshake_names_auto():
-    from types import SimpleNamespace
     from gf_tf import route
     from gf_tf.plan import Forecast, Plan, Planned
     from gf_tf.reducers import MAX_REDUCER_SETTINGS, DenseReducer
@@ -310,8 +309,8 @@ def test_settings_handshake_names_auto():
     assert DenseReducer().settings() == []
 
     def reducer_columns(reducer):
-        state = SimpleNamespace(signature=(), planned=Planned(Plan("fp16", 0, "ring"), Forecast()))
-        return [number for _, number, _ in route.settings(state, reducer)[-MAX_REDUCER_SETTINGS:]]
+        planned = Planned(Plan("fp16", 0, "ring"), Forecast())
+        return [number for _, number, _ in route.settings((), planned, reducer)[-MAX_REDUCER_SETTINGS:]]
     assert reducer_columns(DenseReducer()) == [0.0] * MAX_REDUCER_SETTINGS
     assert reducer_columns(gf_tf.ChunkSparsity(density="auto").reducer())[0] == -1.0
 

@@ -68,16 +68,15 @@ def test_the_handshake_names_a_reducer_by_its_class_where_the_class_is_loaded():
     """The handshake's reducer row, printed from the number the table carries: the class name of
     any loaded Reducer (gf_tf's and one of our own), and the CRC32 of the name for a class this
     worker never loaded (a peer's own)."""
-    import types
     import zlib
     from gf_tf import route
     from gf_tf.plan import Forecast, Plan, Planned
     from gf_tf.reducers import DenseReducer, LowRank
     from test_reducer_checkpoint import RoundingWithFeedback
-    state = types.SimpleNamespace(signature=(), planned=Planned(Plan("fp16", 0, "ring"), Forecast()))
+    planned = Planned(Plan("fp16", 0, "ring"), Forecast())
 
     def row(reducer):
-        ((_, code, show),) = [s for s in route.settings(state, reducer) if s[0] == "reducer"]
+        ((_, code, show),) = [s for s in route.settings((), planned, reducer) if s[0] == "reducer"]
         return float(code), show
 
     reducers = [DenseReducer(), LowRank(), RoundingWithFeedback()]
