@@ -63,6 +63,8 @@ METHODS: Dict[str, List[str]] = {
     "csc_1": ["--compression", "fp16", "--density", "0.01", "--selection", "per_pack"],
     "csc_1_ahead": ["--compression", "fp16", "--density", "0.01", "--selection", "ahead"],
     "csc_auto": ["--compression", "fp16", "--density", "auto", "--selection", "per_pack"],
+    "csc_1_mc": ["--compression", "fp16", "--density", "0.01", "--selection", "per_pack",
+                 "--momentum_correction"],   # the paper's momentum correction instead of the optimizer's
     "lowrank_1": ["--compression", "fp16", "--density", "1", "--reducer", "lowrank", "--rank", "1"],
     "lowrank_2": ["--compression", "fp16", "--density", "1", "--reducer", "lowrank", "--rank", "2"],
     "lowrank_4": ["--compression", "fp16", "--density", "1", "--reducer", "lowrank", "--rank", "4"],

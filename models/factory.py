@@ -121,6 +121,23 @@ def uses_csc(density: Union[float, str]) -> bool:
     return density != 1.0
 
 
+def split_momentum(momentum: float, momentum_correction: bool,
+                   density: Union[float, str]) -> Tuple[float, float]:
+    """(CSC momentum correction, optimizer momentum) for --momentum and --momentum_correction.
+
+    With CSC (`uses_csc(density)`) and momentum_correction the momentum goes into
+    `gf_tf.ChunkSparsity(momentum=)` and the optimizer runs plain SGD (DGC's
+    momentum correction, the paper's setting); otherwise the optimizer keeps it and
+    CSC, if any, is plain error feedback. Raises ValueError naming --momentum
+    unless 0 <= momentum < 1.
+    """
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"--momentum must be in [0, 1), got {momentum!r}")
+    if momentum_correction and uses_csc(density):
+        return momentum, 0.0
+    return 0.0, momentum
+
+
 def build_gradient_flow(compression: str = "fp16", bytes_per_pack: Union[int, str] = 4 << 20,
                         density: Union[float, str] = 1.0, chunk_size: int = 1024,
                         warmup_steps: int = 0, momentum: float = 0.0, selection: str = "per_pack",

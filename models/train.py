@@ -90,8 +90,11 @@ flags.DEFINE_integer("epochs", 10, "training epochs")
 flags.DEFINE_integer("steps_per_epoch", 0, "steps per epoch; 0 = one pass over the training set")
 flags.DEFINE_integer("batch_size", 64, "global batch size (all replicas of all workers)")
 flags.DEFINE_float("learning_rate", 0.05, "peak learning rate (SGD with --momentum, cosine decay)")
-flags.DEFINE_float("momentum", 0.9, "SGD momentum; with CSC (--density < 1 or auto) applied as CSC momentum "
-                   "correction before the all-reduce, the optimizer then being plain SGD")
+flags.DEFINE_float("momentum", 0.9, "SGD momentum, in the optimizer (with CSC too, which then runs plain error "
+                   "feedback), or in CSC with --momentum_correction")
+flags.DEFINE_bool("momentum_correction", False, "with CSC (--density < 1 or auto): apply --momentum as DGC's "
+                  "momentum correction inside ChunkSparsity (the paper's setting), the optimizer then "
+                  "being plain SGD")
 flags.DEFINE_string("mixed_precision", "none", "Keras dtype policy: none, mixed_float16, mixed_bfloat16")
 flags.DEFINE_string("model_dir", "", "TensorBoard logs, checkpoints, BackupAndRestore state; '' = none. "
                     "Must be visible to every worker (same host or shared storage) for resuming")
@@ -233,17 +236,16 @@ def main(argv):
     factory.configure_local_devices(num_devices)
     factory.set_precision(FLAGS.mixed_precision)
     keras.utils.set_random_seed(FLAGS.seed)
+    csc_momentum, optimizer_momentum = factory.split_momentum(
+        FLAGS.momentum, FLAGS.momentum_correction, factory.parse_density(FLAGS.density))
     gradient_flow = factory.build_gradient_flow(
         FLAGS.compression, FLAGS.bytes_per_pack, FLAGS.density, FLAGS.chunk_size, FLAGS.warmup_steps,
-        FLAGS.momentum, FLAGS.selection, algorithm=FLAGS.algorithm, overlap=FLAGS.overlap,
+        csc_momentum, FLAGS.selection, algorithm=FLAGS.algorithm, overlap=FLAGS.overlap,
         scoring=FLAGS.scoring, reducer=FLAGS.reducer, rank=FLAGS.rank,
         lowrank_alternate=FLAGS.lowrank_alternate)
     if FLAGS.tf_all_reduce_dtype != "float32" and gradient_flow is not None:
         raise ValueError(f"--tf_all_reduce_dtype {FLAGS.tf_all_reduce_dtype} is TensorFlow's own all-reduce: "
                          f"give it with --compression none --density 1 (no GradientFlow)")
-    # With CSC the momentum lives in ChunkSparsity (momentum correction), not in the optimizer.
-    csc = gradient_flow is not None and gradient_flow.sparsity is not None
-    optimizer_momentum = 0.0 if csc else FLAGS.momentum
     strategy = factory.build_strategy(strategy_name, num_devices, gradient_flow,
                                       FLAGS.collective_timeout, FLAGS.startup_timeout,
                                       FLAGS.heartbeat_timeout)
@@ -330,7 +332,8 @@ def main(argv):
 
 _TRAIN_FLAGS = ("model", "dataset", "data_dir", "strategy", "num_devices", "compression",
                 "bytes_per_pack", "algorithm", "overlap", "density", "chunk_size", "warmup_steps",
-                "selection", "scoring", "tf_all_reduce_dtype", "curve", "epochs", "steps_per_epoch", "batch_size", "learning_rate", "momentum",
+                "selection", "scoring", "tf_all_reduce_dtype", "curve", "epochs", "steps_per_epoch",
+                "batch_size", "learning_rate", "momentum", "momentum_correction",
                 "mixed_precision", "model_dir", "seed", "collective_timeout", "startup_timeout",
                 "heartbeat_timeout")
 

@@ -69,6 +69,17 @@ def test_gradient_flow_follows_the_flags():
     assert factory.uses_csc("auto") and factory.uses_csc(0.5) and not factory.uses_csc(1.0)
 
 
+@pytest.mark.parametrize("momentum_correction, density, expected", [
+    (False, 0.01, (0.0, 0.9)),     # the default: CSC is plain error feedback, the optimizer has the momentum
+    (False, "auto", (0.0, 0.9)),
+    (True, 0.01, (0.9, 0.0)),      # DGC's momentum correction inside ChunkSparsity, plain SGD
+    (True, "auto", (0.9, 0.0)),
+    (True, 1.0, (0.0, 0.9)),       # no CSC: nothing to correct
+])
+def test_momentum_goes_to_the_optimizer_unless_csc_corrects_it(momentum_correction, density, expected):
+    assert factory.split_momentum(0.9, momentum_correction, density) == expected
+
+
 def test_reducer_lowrank_flag_gives_the_low_rank_reducer():
     lowrank = factory.build_gradient_flow("none", reducer="lowrank", rank=4)
     assert isinstance(lowrank.reducer, gf_tf.reducers.LowRank) and lowrank.reducer.rank == 4
@@ -115,6 +126,7 @@ def test_bad_flag_value_exits_2_with_the_valid_values():
     ("--batch_size", "0", "--batch_size must be >= 1, got 0"),
     ("--seed", "-1", "--seed must be >= 0, got -1"),
     ("--collective_timeout", "0", "--collective_timeout must be > 0 seconds"),
+    ("--momentum", "1", "--momentum must be in [0, 1), got 1.0"),
 ])
 def test_out_of_range_numbers_exit_2_with_one_line_naming_the_flag(flag, value, message):
     env = {**os.environ, "PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
