@@ -7,7 +7,7 @@ r"""Time to accuracy: tasks x methods x seeds x N x link, each run a real `gf-tf
 
 Every run trains `python -m models.train --dataset TASK --curve` (the dataset's model,
 the trainer's defaults: 10 epochs, batch 64, SGD lr 0.05 cosine, momentum 0.9, CSC
-after 20 dense warm-up steps) on N workers launched by `gf-tf-run`, with the flags of
+after 50 dense warm-up steps) on N workers launched by `gf-tf-run`, with the flags of
 its method (METHODS). On an emulated link (a rate in Mbit/s, root) each worker runs in
 its own network namespace behind a token bucket, as in benchmarks.fit
 (benchmarks.netem.EmulatedCluster, `gf-tf-run` given the task TF_CONFIG names);

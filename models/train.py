@@ -70,7 +70,7 @@ flags.DEFINE_enum("overlap", "false", ["auto", "true", "false"],
 flags.DEFINE_string("density", "0.01", "fraction of chunks sent per step after warm-up (CSC); 1 = dense; "
                     "auto = chosen each step from the measured compute and all-reduce time")
 flags.DEFINE_integer("chunk_size", 1024, "CSC chunk size in elements")
-flags.DEFINE_integer("warmup_steps", 20, "dense steps before CSC starts")
+flags.DEFINE_integer("warmup_steps", 50, "dense steps before CSC starts")
 flags.DEFINE_enum("selection", "per_pack", ["per_pack", "global", "ahead"],
                   "CSC top-k: per_pack (k chunks of each pack), global (K chunks over the whole "
                   "model) or ahead (each pack's k chosen at the step before: one collective a step)")
