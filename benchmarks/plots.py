@@ -54,7 +54,7 @@ DEFAULT_PROJECTION = [os.path.join(RESULTS, f"2026-12-03-projection-{name}.json"
                       for name in ("fitted", "local-0.01", "alpha-10us")]
 DEFAULT_OUT_DIR = os.path.join(REPO_ROOT, "docs", "img")
 FIGURES = ("speed-vs-tf.png", "bytes-vs-density.png", "projection.png")
-DEFAULT_CONVERGENCE: List[str] = [os.path.join(RESULTS, "2026-12-03-convergence.json")]
+DEFAULT_CONVERGENCE: List[str] = [os.path.join(RESULTS, "2026-12-04-convergence.json")]
 CONVERGENCE_METHODS = ("tf_fp32", "tf_fp16", "gf_fp16", "default", "csc_1", "csc_1_ahead", "csc_auto")
 N_STYLES = {2: "-", 3: "-.", 4: "--", 8: ":"}
 
