@@ -4,6 +4,7 @@ r"""Time to accuracy: tasks x methods x seeds x N x link, each run a real `gf-tf
     sudo python -m benchmarks.convergence --quick              # mnist1d_wide, tf_fp32 and csc_1, seed 0, N=2, 100 Mbit/s
     sudo python -m benchmarks.convergence --report             # the whole matrix, dated report in benchmarks/results/
     python -m benchmarks.convergence --tasks digits --methods tf_fp32,default --seeds 0 --workers 2 --links none
+    python -m benchmarks.convergence --merge a.json b.json --out all.json   # summarize earlier outputs, run nothing
 
 Every run trains `python -m models.train --dataset TASK --curve` (the dataset's model,
 the trainer's defaults: 10 epochs, batch 64, SGD lr 0.05 cosine, momentum 0.9, CSC
@@ -304,6 +305,16 @@ def tables(cells: List[Dict]) -> str:
     return "\n".join(out)
 
 
+def merge_runs(payloads: Sequence[Dict]) -> List[Dict]:
+    """The runs of several `benchmarks.convergence` JSON payloads, in order; a later payload's run of the
+    same task, N, link, method and seed replaces an earlier one (a cell re-run after a change)."""
+    keyed: Dict[tuple, Dict] = {}
+    for payload in payloads:
+        for r in payload["runs"]:
+            keyed[(r["task"], r["workers"], r["rate_mbit"], r["method"], r["seed"])] = r
+    return list(keyed.values())
+
+
 def describe(runs: List[Run]) -> str:
     """The matrix's axes, size and estimated time (what --dry-run prints)."""
     axes = [sorted({r[i] for r in runs}, key=lambda x: (x is None, str(x))) for i in range(5)]
@@ -327,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--report", action="store_true",
                         help="write benchmarks/results/<date>-convergence.{md,json} from this run")
     parser.add_argument("--plots", action="store_true", help="draw the figures into docs/img/ (benchmarks.plots)")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="run nothing: summarize the runs of these JSON outputs (a later file's run of "
+                             "the same task, N, link, method and seed replaces an earlier one)")
     return parser
 
 
@@ -343,21 +357,42 @@ def main(argv=None) -> int:
         axes["workers"] = [int(n) for n in args.workers.split(",")]
     if args.links:
         axes["links"] = parse_rates(args.links)
-    runs = matrix(**axes)
-    print(describe(runs), flush=True)
-    if args.dry_run:
-        for run in runs:
-            print(f"  {run[0]:13s} N={run[1]} {report.link_label(run[2]):12s} {run[3]:12s} seed {run[4]}  "
-                  f"~{estimate_run_seconds(run):.0f} s")
-        return 0
-    if os.geteuid() == 0 or any(r[2] is not None for r in runs):
-        netem.require_root()
     command = "python -m benchmarks.convergence " + " ".join(sys.argv[1:] if argv is None else argv)
-    meta = report.machine_description(command)
-    started = time.time()
-    results = run_matrix(runs, args.timeout, say=lambda s: print(s, flush=True))
-    meta["wall_seconds"] = time.time() - started
-    meta["load_average_at_end"] = os.getloadavg()
+    parts = ""
+    if args.merge:
+        payloads = []
+        for path in args.merge:
+            with open(path) as f:
+                payloads.append(json.load(f))
+        results = merge_runs(payloads)
+        meta = report.machine_description(command)
+        meta["merged"] = [{key: p["meta"].get(key) for key in ("command", "date_utc", "git_commit", "wall_seconds",
+                                                             "load_average_at_start", "load_average_at_end")}
+                          for p in payloads]
+        meta["wall_seconds"] = sum(p["meta"]["wall_seconds"] for p in payloads)
+        meta["load_average_at_end"] = os.getloadavg()
+        axes = {name: sorted({r[key] for r in results}, key=lambda x: (x is None, str(x)))
+                for name, key in (("tasks", "task"), ("methods", "method"), ("seeds", "seed"),
+                                  ("workers", "workers"), ("links", "rate_mbit"))}
+        parts = "Runs merged from:\n\n" + "".join(
+            f"- `{p['command']}`: started {p['date_utc']}, commit {p['git_commit']}, wall "
+            f"{p['wall_seconds'] / 60:.1f} min, load average {p['load_average_at_start'][0]:.1f} at start, "
+            f"{p['load_average_at_end'][0]:.1f} at end\n" for p in meta["merged"]) + "\n"
+    else:
+        runs = matrix(**axes)
+        print(describe(runs), flush=True)
+        if args.dry_run:
+            for run in runs:
+                print(f"  {run[0]:13s} N={run[1]} {report.link_label(run[2]):12s} {run[3]:12s} seed {run[4]}  "
+                      f"~{estimate_run_seconds(run):.0f} s")
+            return 0
+        if os.geteuid() == 0 or any(r[2] is not None for r in runs):
+            netem.require_root()
+        meta = report.machine_description(command)
+        started = time.time()
+        results = run_matrix(runs, args.timeout, say=lambda s: print(s, flush=True))
+        meta["wall_seconds"] = time.time() - started
+        meta["load_average_at_end"] = os.getloadavg()
     cells = summarize(results)
     payload = {"meta": meta, "axes": axes, "runs": results, "cells": cells}
     text = tables(cells)
@@ -373,7 +408,7 @@ def main(argv=None) -> int:
                     f"x{meta['logical_cpus']}, TF {meta['tensorflow']}, commit {meta['git_commit']}, "
                     f"wall {meta['wall_seconds'] / 60:.1f} min; load average at start "
                     f"{meta['load_average_at_start'][0]:.1f}, at end {meta['load_average_at_end'][0]:.1f}.\n\n"
-                    f"{text}")
+                    f"{parts}{text}")
         print(f"report: {stem}.md")
     report.write_json(out, payload)
     print(f"JSON: {out}")

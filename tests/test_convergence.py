@@ -2,6 +2,7 @@
 its dry run, every method's models.train flags, and one real 2-worker cell (slow)."""
 
 import copy
+import json
 import os
 import tempfile
 
@@ -63,6 +64,28 @@ def test_summary_sets_the_target_from_tf_fp32_and_reports_each_cell():
     text = convergence.tables(list(cells.values()))
     assert "mnist1d, N=2, 100 Mbit/s: target 90.00%" in text and "load average 1.5-2.5" in text
     assert "not reached" in text and "20.0 s" in text and "-1.50" in text
+
+
+def test_merge_summarizes_earlier_outputs_and_a_later_run_replaces_an_earlier_one(tmp_path, capsys):
+    meta = {"command": "c", "date_utc": "d", "git_commit": "g", "wall_seconds": 60.0,
+            "load_average_at_start": [1.0, 1.0, 1.0], "load_average_at_end": [2.0, 2.0, 2.0]}
+    first = {"meta": meta, "runs": [_run("tf_fp32", 0, 0.90, [(1.0, 0.90)]),
+                                    _run("csc_1", 0, 0.50, [(1.0, 0.50)])]}
+    second = {"meta": {**meta, "wall_seconds": 30.0}, "runs": [_run("csc_1", 0, 0.895, [(0.5, 0.895)])]}
+    paths = []
+    for i, payload in enumerate((first, second)):
+        paths.append(str(tmp_path / f"{i}.json"))
+        with open(paths[-1], "w") as f:
+            json.dump(payload, f)
+    out = tmp_path / "all.json"
+    assert convergence.main(["--merge", *paths, "--out", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    assert sorted((r["method"], r["final_accuracy"]) for r in merged["runs"]) == [("csc_1", 0.895), ("tf_fp32", 0.90)]
+    csc = next(c for c in merged["cells"] if c["method"] == "csc_1")
+    assert csc["time_to_target_s"] == 0.5 and csc["vs_tf_fp32_points"] == pytest.approx(-0.5)
+    assert merged["meta"]["wall_seconds"] == 90.0 and len(merged["meta"]["merged"]) == 2
+    printed = capsys.readouterr().out
+    assert "csc_1" in printed and "0.5 s" in printed
 
 
 def test_the_matrix_is_every_combination_with_tf_fp32_first_in_each_group():
