@@ -156,13 +156,18 @@ def median_time_to_target(times: Sequence[Optional[float]]) -> Optional[float]:
     return None if None in middle else statistics.mean(middle)
 
 
+def cell_key(run: Dict) -> tuple:
+    """A run's cell: (task, N, link in Mbit/s or None, method)."""
+    return run["task"], run["workers"], run["rate_mbit"], run["method"]
+
+
 def summarize(runs: List[Dict]) -> List[Dict]:
     """Per cell (task, N, link, method) over its seeds' runs: final accuracy median and range, its
     difference to tf_fp32, the target, the median time to target, bytes per step, load average."""
     cells: Dict[tuple, List[Dict]] = {}
     for r in runs:
         if "error" not in r:
-            cells.setdefault((r["task"], r["workers"], r["rate_mbit"], r["method"]), []).append(r)
+            cells.setdefault(cell_key(r), []).append(r)
     base = {k[:3]: statistics.median(x["final_accuracy"] for x in v)
             for k, v in cells.items() if k[3] == BASELINE}
     out = []
@@ -311,7 +316,7 @@ def merge_runs(payloads: Sequence[Dict]) -> List[Dict]:
     keyed: Dict[tuple, Dict] = {}
     for payload in payloads:
         for r in payload["runs"]:
-            keyed[(r["task"], r["workers"], r["rate_mbit"], r["method"], r["seed"])] = r
+            keyed[(*cell_key(r), r["seed"])] = r
     return list(keyed.values())
 
 

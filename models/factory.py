@@ -128,11 +128,8 @@ def split_momentum(momentum: float, momentum_correction: bool,
     With CSC (`uses_csc(density)`) and momentum_correction the momentum goes into
     `gf_tf.ChunkSparsity(momentum=)` and the optimizer runs plain SGD (DGC's
     momentum correction, the paper's setting); otherwise the optimizer keeps it and
-    CSC, if any, is plain error feedback. Raises ValueError naming --momentum
-    unless 0 <= momentum < 1.
+    CSC, if any, is plain error feedback.
     """
-    if not 0.0 <= momentum < 1.0:
-        raise ValueError(f"--momentum must be in [0, 1), got {momentum!r}")
     if momentum_correction and uses_csc(density):
         return momentum, 0.0
     return 0.0, momentum

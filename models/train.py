@@ -210,6 +210,8 @@ def _check_flag_ranges():
     for name in ("collective_timeout", "startup_timeout", "heartbeat_timeout"):
         if FLAGS[name].value is not None and FLAGS[name].value <= 0:
             raise ValueError(f"--{name} must be > 0 seconds, got {FLAGS[name].value}")
+    if not 0.0 <= FLAGS.momentum < 1.0:
+        raise ValueError(f"--momentum must be in [0, 1), got {FLAGS.momentum}")
 
 
 def main(argv):
