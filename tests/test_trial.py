@@ -22,15 +22,32 @@ def test_gradient_flow_is_kept_only_when_measured_faster(tf_s, gf_s, kept):
     assert trial.keep(tf_s, gf_s) == kept
 
 
-@pytest.mark.parametrize("tf_costs,gf_costs,kept", [
-    ([3.0, 3.0, 9.0, 3.0, 3.0], [1.0, 1.0, 1.0, 1.0, 1.0], trial.GRADIENT_FLOW),
-    ([1.0, 2.0, 1.0, 1.0, 1.0], [3.0, 3.0, 3.0, 3.0, 3.0], trial.TF_OWN),
-    ([1.0, 1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.1, 0.1], trial.TF_OWN),   # medians equal
+@pytest.mark.parametrize("tf_s,gf_s,decides", [
+    (1.0, 0.59, True),
+    (1.0, 0.6, False),           # at CLEAR: not clear enough
+    (0.59, 1.0, True),
+    (1.0, 0.9, False),
+    (1.0, 0.0, False),           # nothing measured
+    (np.nan, 0.1, False),
+    (np.inf, 0.1, False),
+])
+def test_the_early_look_decides_only_a_clear_outcome(tf_s, gf_s, decides):
+    assert trial.clear(tf_s, gf_s) == decides
+
+
+@pytest.mark.parametrize("tf_costs,gf_costs,kept,runs", [
+    # GradientFlow clearly faster at the early look: the trial ends there.
+    ([3.0, 3.0, 9.0, 3.0, 3.0], [1.0, 1.0, 1.0, 1.0, 1.0], trial.GRADIENT_FLOW, trial.FIRST_LOOK),
+    ([1.0, 2.0, 1.0, 1.0, 1.0], [3.0, 3.0, 3.0, 3.0, 3.0], trial.TF_OWN, trial.FIRST_LOOK),
+    # Not clear at the early look: all SAMPLES, medians of all of them.
+    ([1.0, 1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.1, 0.1], trial.TF_OWN, trial.SAMPLES),   # medians equal
+    ([1.0, 1.0, 1.0, 1.0, 1.0], [0.625, 0.625, 0.75, 0.875, 0.875], trial.GRADIENT_FLOW, trial.SAMPLES),
+    ([1.0, 1.0, 1.0, 1.0, 1.0], [0.875, 0.875, 1.0, 1.0, 1.0], trial.TF_OWN, trial.SAMPLES),   # not 5% faster
 ])
 def test_candidates_run_untimed_then_in_turn_and_the_faster_median_is_kept(
-        tf_costs, gf_costs, kept, capsys):
-    """The candidates advance a fake clock by their cost; the 'all-reduce' is the mean of
-    identical workers."""
+        tf_costs, gf_costs, kept, runs, capsys):
+    """The candidates advance a fake clock by their cost (binary fractions: the clock's
+    differences are exact); the 'all-reduce' is the mean of identical workers."""
     now, ran, reduced = [0.0], [], []
 
     def candidate(index, costs):
@@ -47,12 +64,14 @@ def test_candidates_run_untimed_then_in_turn_and_the_faster_median_is_kept(
 
     decision = trial.measure([candidate(0, tf_costs), candidate(1, gf_costs)], all_reduce_mean,
                              "fake set", lambda: now[0])
-    assert ran == [0] * trial.UNTIMED + [1] * trial.UNTIMED + [0, 1] * trial.SAMPLES
-    assert len(reduced) == 1   # one collective
-    np.testing.assert_array_equal(reduced[0], [np.median(tf_costs), np.median(gf_costs)])
-    assert decision == trial.Decision(kept, np.median(tf_costs), np.median(gf_costs))
+    assert ran == [0] * trial.UNTIMED + [1] * trial.UNTIMED + [0, 1] * runs
+    medians = [np.median(tf_costs[:runs]), np.median(gf_costs[:runs])]
+    assert len(reduced) == (1 if runs == trial.FIRST_LOOK else 2)   # the early look, then the end
+    np.testing.assert_array_equal(reduced[-1], medians)
+    assert decision == trial.Decision(kept, *medians)
     kept_text = "GradientFlow" if kept == trial.GRADIENT_FLOW else "TensorFlow's own all-reduce"
-    assert capsys.readouterr().err.strip().endswith(f"it travels as {kept_text}")
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"medians of {runs} runs): it travels as {kept_text}"), err
 
 
 def _bytes(wire, elements, tensors):

@@ -17,12 +17,17 @@ traced with the one kept:
                   keeps the same candidate. The GradientFlow wire is kept only if
                   its mean is below KEEP_IF of TF's own: never slower than not
                   installing us.
+  early look      after FIRST_LOOK timed runs of each, the medians so far are
+                  all-reduced the same way; where one candidate's mean is below
+                  CLEAR of the other's, the trial ends there, with that one kept.
+                  The runs it saves are the costly ones: a set large enough to be
+                  bandwidth-bound, whose FP16 wire is near half TF's seconds.
 
-Cost: (UNTIMED + SAMPLES) all-reduces by each candidate, once per variable set,
-while its step is traced. The step itself carries only the kept candidate:
-nothing of the trial runs in it (carrying both behind a `tf.switch_case` costs
-CPU time in every step). The decision lives in the set's state
-(`gf_tf.state.VariableSetState.trial`): a
+Cost: (UNTIMED + SAMPLES) all-reduces by each candidate, or (UNTIMED + FIRST_LOOK)
+when the early look is clear, once per variable set, while its step is traced.
+The step itself carries only the kept candidate: nothing of the trial runs in
+it (carrying both behind a `tf.switch_case` costs CPU time in every step). The
+decision lives in the set's state (`gf_tf.state.VariableSetState.trial`): a
 retrace keeps it, and nothing changes it afterwards. It is not checkpointed: a
 restored run measures again.
 
@@ -45,6 +50,8 @@ TF_OWN, GRADIENT_FLOW = 0, 1    # the candidates' indices
 UNTIMED = 1                      # untimed runs of each candidate
 SAMPLES = 5                      # timed runs of each candidate
 KEEP_IF = 0.95                   # GradientFlow's mean seconds must be below this share of TF's
+FIRST_LOOK = 2                   # timed runs of each before the early look
+CLEAR = 0.6                      # the early look decides where one mean is below this share of the other's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,10 +70,20 @@ def keep(tf_seconds: float, gf_seconds: float) -> int:
     return GRADIENT_FLOW if faster else TF_OWN
 
 
+def clear(tf_seconds: float, gf_seconds: float) -> bool:
+    """Whether the early look may decide: both figures positive and finite, and one below
+    CLEAR x the other."""
+    figures = np.array([tf_seconds, gf_seconds], np.float64)
+    if not (np.all(np.isfinite(figures)) and np.all(figures > 0.0)):
+        return False
+    return gf_seconds < CLEAR * tf_seconds or tf_seconds < CLEAR * gf_seconds
+
+
 def measure(candidates: Sequence[Callable[[], object]],
             all_reduce_mean: Callable[[np.ndarray], np.ndarray], set_name: str,
             clock: Callable[[], float] = time.perf_counter) -> Decision:
     """Times the candidates (module docstring) and decides, the same on every worker. Eager.
+    Every worker ends at the same run: the early look is decided on all-reduced figures.
 
     Args:
       candidates: [TF's own, GradientFlow's]: each runs one all-reduce of the set's shapes
@@ -83,18 +100,21 @@ def measure(candidates: Sequence[Callable[[], object]],
         for _ in range(UNTIMED):
             candidate()
     seconds = [[] for _ in candidates]
-    for _ in range(SAMPLES):
+    for runs in range(1, SAMPLES + 1):
         for mine, candidate in zip(seconds, candidates):
             start = clock()
             candidate()
             mine.append(clock() - start)
-    tf_s, gf_s = (float(x) for x in all_reduce_mean(
-        np.array([statistics.median(s) for s in seconds], np.float64)))
+        if runs == FIRST_LOOK or runs == SAMPLES:
+            tf_s, gf_s = (float(x) for x in all_reduce_mean(
+                np.array([statistics.median(s) for s in seconds], np.float64)))
+            if clear(tf_s, gf_s):
+                break
     decision = Decision(keep(tf_s, gf_s), tf_s, gf_s)
     kept = "GradientFlow" if decision.choice == GRADIENT_FLOW else "TensorFlow's own all-reduce"
     print(f"gf_tf: variable set [{set_name}] measured {1e3 * gf_s:.3f} ms per all-reduce with "
           f"GradientFlow against {1e3 * tf_s:.3f} ms with TensorFlow's own (mean of the workers' "
-          f"medians): it travels as {kept}", file=sys.stderr, flush=True)
+          f"medians of {runs} runs): it travels as {kept}", file=sys.stderr, flush=True)
     return decision
 
 
