@@ -25,6 +25,8 @@ Per cell (task, N, link, method), over the seeds:
   time to tgt  median seconds until the accuracy first reaches the target: tf_fp32's
                median final accuracy in that (task, N, link) minus 1 point; "not reached"
                when fewer than half the seeds reach it within the run
+  time / fp32  per seed the time to target over tf_fp32's (paired: same data order and
+               initial weights), median over the seeds; "not reached" as above
   bytes/step   mean bytes a worker put into gradient all-reduces per step (warm-up included)
 The 1-minute load average of the machine (min-max over the cell's runs) goes beside each
 table: the runs are CPU-bound on 2 cores and other jobs slow them.
@@ -161,28 +163,42 @@ def cell_key(run: Dict) -> tuple:
     return run["task"], run["workers"], run["rate_mbit"], run["method"]
 
 
+def paired_time_ratio(times: Dict[int, Optional[float]], base: Dict[int, Optional[float]]) -> Optional[float]:
+    """Median over the seeds where tf_fp32 reached the target of time / tf_fp32's time, per seed
+    (paired: a seed is the same data order and initial weights in both); a seed this method did
+    not reach counts as slower than any; None if that median is not reached or no seed pairs.
+
+    times, base: seed -> seconds to target, or None (not reached)."""
+    return median_time_to_target([None if times[s] is None else times[s] / base[s]
+                                  for s in sorted(times) if base.get(s) is not None])
+
+
 def summarize(runs: List[Dict]) -> List[Dict]:
     """Per cell (task, N, link, method) over its seeds' runs: final accuracy median and range, its
-    difference to tf_fp32, the target, the median time to target, bytes per step, load average."""
+    difference to tf_fp32, the target, the median time to target and its paired ratio to tf_fp32's
+    (`paired_time_ratio`), bytes per step, load average."""
     cells: Dict[tuple, List[Dict]] = {}
     for r in runs:
         if "error" not in r:
             cells.setdefault(cell_key(r), []).append(r)
     base = {k[:3]: statistics.median(x["final_accuracy"] for x in v)
             for k, v in cells.items() if k[3] == BASELINE}
+    times = {k: {r["seed"]: time_to_target(r["curve"], base[k[:3]] - TARGET_MARGIN) for r in rs}
+             for k, rs in cells.items() if k[:3] in base}
     out = []
     for (task, n, rate, method), rs in cells.items():
         accuracies = [r["final_accuracy"] for r in rs]
         reference = base.get((task, n, rate))
-        target = None if reference is None else reference - TARGET_MARGIN
-        times = [time_to_target(r["curve"], target) for r in rs] if target is not None else []
+        mine, base_times = times.get((task, n, rate, method), {}), times.get((task, n, rate, BASELINE), {})
         out.append({"task": task, "workers": n, "rate_mbit": rate, "method": method, "seeds": len(rs),
                     "final_accuracy_median": statistics.median(accuracies),
                     "final_accuracy_min": min(accuracies), "final_accuracy_max": max(accuracies),
                     "vs_tf_fp32_points": None if reference is None
                     else 100 * (statistics.median(accuracies) - reference),
-                    "target": target, "times_to_target_s": times,
-                    "time_to_target_s": median_time_to_target(times),
+                    "target": None if reference is None else reference - TARGET_MARGIN,
+                    "times_to_target_s": [mine[r["seed"]] for r in rs] if mine else [],
+                    "time_to_target_s": median_time_to_target(list(mine.values())),
+                    "time_vs_tf_fp32": paired_time_ratio(mine, base_times) if mine else None,
                     "bytes_per_step": statistics.median(r["sent_bytes_per_step"] for r in rs),
                     "seconds_median": statistics.median(r["curve"][-1]["seconds"] for r in rs),
                     "load_average_1min": [min(r["load_average_1min"] for r in rs),
@@ -285,6 +301,12 @@ def _time_cell(seconds: Optional[float], target: Optional[float]) -> str:
     return "not reached" if seconds is None else f"{seconds:.1f} s"
 
 
+def _ratio_cell(ratio: Optional[float], target: Optional[float]) -> str:
+    if target is None:
+        return "-"
+    return "not reached" if ratio is None else f"{ratio:.2f}x"
+
+
 def tables(cells: List[Dict]) -> str:
     """One Markdown table per (task, N, link), methods in METHODS order, the load average above it."""
     order = list(METHODS)
@@ -300,12 +322,13 @@ def tables(cells: List[Dict]) -> str:
                    + f" (tf_fp32's median final accuracy - 1 point); 1-min load average "
                    f"{min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores\n")
         out.append(report.markdown_table(
-            ["method", "seeds", "final acc %", "range %", "vs fp32 pt", "time to target", "train s",
-             "bytes/step"],
+            ["method", "seeds", "final acc %", "range %", "vs fp32 pt", "time to target", "time / fp32",
+             "train s", "bytes/step"],
             [[c["method"], c["seeds"], 100 * c["final_accuracy_median"],
               f"{100 * c['final_accuracy_min']:.2f}-{100 * c['final_accuracy_max']:.2f}",
               None if c["vs_tf_fp32_points"] is None else f"{c['vs_tf_fp32_points']:+.2f}",
-              _time_cell(c["time_to_target_s"], c["target"]), c["seconds_median"],
+              _time_cell(c["time_to_target_s"], c["target"]), _ratio_cell(c["time_vs_tf_fp32"], c["target"]),
+              c["seconds_median"],
               f"{c['bytes_per_step']:,.0f}"] for c in rows]) + "\n")
     return "\n".join(out)
 

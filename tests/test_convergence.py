@@ -60,10 +60,24 @@ def test_summary_sets_the_target_from_tf_fp32_and_reports_each_cell():
     assert csc["vs_tf_fp32_points"] == pytest.approx(-1.5)
     assert csc["times_to_target_s"] == [6.0, None, None] and csc["time_to_target_s"] is None
     assert base["times_to_target_s"] == [20.0, 20.0, 20.0] and base["time_to_target_s"] == 20.0
+    assert csc["time_vs_tf_fp32"] is None and base["time_vs_tf_fp32"] == 1.0
     assert csc["bytes_per_step"] == 60.0 and csc["load_average_1min"] == [1.5, 2.5]
     text = convergence.tables(list(cells.values()))
     assert "mnist1d, N=2, 100 Mbit/s: target 90.00%" in text and "load average 1.5-2.5" in text
-    assert "not reached" in text and "20.0 s" in text and "-1.50" in text
+    assert "not reached" in text and "20.0 s" in text and "-1.50" in text and "1.00x" in text
+
+
+@pytest.mark.parametrize("times, base, expected", [
+    ({0: 5.0, 1: 12.0, 2: 9.0}, {0: 10.0, 1: 10.0, 2: 10.0}, 0.9),   # per seed 0.5, 1.2, 0.9
+    ({0: 9.0, 1: 11.0, 2: 8.0}, {0: 11.0, 1: 10.0, 2: 8.0}, 1.0),    # paired, not median over median (9/10)
+    ({0: 5.0, 1: None, 2: 6.0}, {0: 10.0, 1: 10.0, 2: 10.0}, 0.6),    # "not reached" sorts last
+    ({0: 5.0, 1: None, 2: None}, {0: 10.0, 1: 10.0, 2: 10.0}, None),
+    ({0: 5.0, 1: 4.0}, {0: 10.0, 1: None}, 0.5),                       # tf_fp32 did not reach it: seed left out
+    ({0: 5.0}, {1: 10.0}, None),                                       # no seed pairs
+])
+def test_paired_time_ratio_is_the_median_of_per_seed_ratios(times, base, expected):
+    ratio = convergence.paired_time_ratio(times, base)
+    assert ratio == (None if expected is None else pytest.approx(expected))
 
 
 def test_merge_summarizes_earlier_outputs_and_a_later_run_replaces_an_earlier_one(tmp_path, capsys):
