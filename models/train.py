@@ -131,11 +131,11 @@ def _throughput_callback(global_batch_size):
     return Throughput()
 
 
-def _curve_callback(model, source, batch_size, bytes_sent, evaluate: bool):
-    """A Keras callback recording, after every epoch, the test accuracy (evaluated when
-    `evaluate`, else None), the training seconds since the first step began (evaluation
-    time excluded) and `bytes_sent()`, the bytes this worker has put into gradient
-    all-reduces so far."""
+def _curve_callback(test_accuracy, bytes_sent):
+    """A Keras callback recording, after every epoch, the test accuracy (`test_accuracy()`, or
+    None when `test_accuracy` is None), the training seconds since the first step began
+    (evaluation time excluded) and `bytes_sent()`, the bytes this worker has put into
+    gradient all-reduces so far."""
     import keras
 
     class Curve(keras.callbacks.Callback):
@@ -150,7 +150,7 @@ def _curve_callback(model, source, batch_size, bytes_sent, evaluate: bool):
         def on_epoch_end(self, epoch, logs=None):
             seconds = time.perf_counter() - self.start - self.paused
             began = time.perf_counter()
-            accuracy = _test_accuracy(model, source, batch_size) if evaluate else None
+            accuracy = None if test_accuracy is None else test_accuracy()
             self.paused += time.perf_counter() - began
             self.points.append({"epoch": epoch + 1, "seconds": seconds, "bytes_sent": bytes_sent(),
                                 "test_accuracy": accuracy})
@@ -185,18 +185,24 @@ def _bytes_per_step(gradient_flow, model, history, tf_all_reduce_dtype="float32"
     return result
 
 
-def _test_accuracy(model, source, batch_size) -> float:
-    """Top-1 accuracy on the whole test split, computed locally (no collectives)."""
+def _test_accuracy(model, source, batch_size):
+    """A function returning the model's top-1 accuracy on the whole test split, computed locally
+    (no collectives). Its prediction is one tf.function, traced at the first call (and once more
+    for a smaller last batch), not at every evaluation."""
     import numpy as np
     import tensorflow as tf
     from models import datasets
 
     predict = tf.function(lambda x: tf.argmax(model(x, training=False), axis=-1, output_type=tf.int32))
-    correct = total = 0
-    for x, y in datasets.input_pipeline(source, datasets.TEST, batch_size):
-        correct += int(np.sum(predict(x).numpy() == y.numpy()))
-        total += int(y.shape[0])
-    return correct / total
+
+    def accuracy() -> float:
+        correct = total = 0
+        for x, y in datasets.input_pipeline(source, datasets.TEST, batch_size):
+            correct += int(np.sum(predict(x).numpy() == y.numpy()))
+            total += int(y.shape[0])
+        return correct / total
+
+    return accuracy
 
 
 _AT_LEAST = {"epochs": 1, "batch_size": 1, "num_devices": 1, "steps_per_epoch": 0, "seed": 0}
@@ -276,10 +282,12 @@ def main(argv):
 
     throughput = _throughput_callback(FLAGS.batch_size)
     callbacks = [throughput]
+    test_accuracy = _test_accuracy(model, source, FLAGS.batch_size)
     if FLAGS.curve:
-        curve = _curve_callback(model, source, FLAGS.batch_size, lambda: _bytes_sent(
-            gradient_flow, model, int(model.optimizer.iterations.numpy()), FLAGS.tf_all_reduce_dtype),
-            evaluate=is_chief)   # the others wait for the chief in the next step's all-reduce
+        curve = _curve_callback(
+            test_accuracy if is_chief else None,   # the others wait for the chief in the next step's all-reduce
+            lambda: _bytes_sent(gradient_flow, model, int(model.optimizer.iterations.numpy()),
+                                FLAGS.tf_all_reduce_dtype))
         callbacks.append(curve)
     if gradient_flow is not None:
         callbacks.append(gf_tf.GradientFlowStats(gradient_flow))  # before TensorBoard, which logs it
@@ -302,7 +310,7 @@ def main(argv):
     history = model.fit(train_data, epochs=FLAGS.epochs, steps_per_epoch=steps, callbacks=callbacks,
                         shuffle=False, verbose=2 if is_chief else 0)
 
-    accuracy = _test_accuracy(model, source, FLAGS.batch_size)
+    accuracy = test_accuracy()
     comm = _bytes_per_step(gradient_flow, model, history, FLAGS.tf_all_reduce_dtype)
     images_per_second = throughput.images_per_second()
     sent, dense, last = (comm["sent_bytes_per_step"], comm["dense_bytes_per_step"],
