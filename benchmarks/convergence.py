@@ -81,19 +81,20 @@ BASELINE = "tf_fp32"
 class Task:
     """A models.train dataset and what the time estimate needs: trainable parameters of its
     model, steps per epoch at batch 64, and the seconds per step of 2 workers on 2 cores over
-    loopback (rounded up from this machine's runs: about 0.04-0.05 s under a load average of 4)."""
+    loopback (this machine's unshaped runs, rounded up: 0.038, 0.017 and 0.03 s)."""
     params: int
     steps_per_epoch: int
     compute_s_per_step: float
 
 
 TASKS: Dict[str, Task] = {
-    "digits": Task(params=544_618, steps_per_epoch=22, compute_s_per_step=0.06),
-    "mnist1d": Task(params=7_785, steps_per_epoch=62, compute_s_per_step=0.05),
-    "mnist1d_wide": Task(params=1_101_834, steps_per_epoch=62, compute_s_per_step=0.06),
+    "digits": Task(params=544_618, steps_per_epoch=22, compute_s_per_step=0.04),
+    "mnist1d": Task(params=7_785, steps_per_epoch=62, compute_s_per_step=0.02),
+    "mnist1d_wide": Task(params=1_101_834, steps_per_epoch=62, compute_s_per_step=0.03),
 }
 EPOCHS = 10            # models.train's default
-START_SECONDS = 25.0   # per run: start-up, tracing, the data, 10 evaluations
+START_SECONDS = 5.0    # per run, plus START_SECONDS_PER_WORKER x N: start-up, tracing, the data, 10 evaluations
+START_SECONDS_PER_WORKER = 3.5
 
 Run = Tuple[str, int, Optional[float], str, int]   # (task, N, rate_mbit or None, method, seed)
 
@@ -134,7 +135,7 @@ def estimate_run_seconds(run: Run) -> float:
     t = TASKS[task]
     link = 0.0 if rate is None else 2 * (n - 1) / n * payload_bytes_per_step(task, method) * 8 / (rate * 0.95e6)
     compute = t.compute_s_per_step * max(1.0, n / 2)
-    return START_SECONDS + 1.5 * n + EPOCHS * t.steps_per_epoch * (compute + link)
+    return START_SECONDS + START_SECONDS_PER_WORKER * n + EPOCHS * t.steps_per_epoch * (compute + link)
 
 
 def time_to_target(curve: Sequence[Dict], target: float) -> Optional[float]:
