@@ -197,9 +197,9 @@ def summarize(runs: List[Dict]) -> List[Dict]:
                     "vs_tf_fp32_points": None if reference is None
                     else 100 * (statistics.median(accuracies) - reference),
                     "target": None if reference is None else reference - TARGET_MARGIN,
-                    "times_to_target_s": [mine[r["seed"]] for r in rs] if mine else [],
+                    "times_to_target_s": list(mine.values()),
                     "time_to_target_s": median_time_to_target(list(mine.values())),
-                    "time_vs_tf_fp32": paired_time_ratio(mine, base_times) if mine else None,
+                    "time_vs_tf_fp32": paired_time_ratio(mine, base_times),
                     "bytes_per_step": statistics.median(r["sent_bytes_per_step"] for r in rs),
                     "seconds_median": statistics.median(r["curve"][-1]["seconds"] for r in rs),
                     "load_average_1min": [min(r["load_average_1min"] for r in rs),
