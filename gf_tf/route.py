@@ -170,7 +170,9 @@ def _communicator(orchestrator: Orchestrator, call: Call, set_plan: plan.Plan,
     return Communicator(collectives.get(set_plan.algorithm).build(context),
                         call.strategy.num_replicas_in_sync,
                         call.reduce_op == tf.distribute.ReduceOp.MEAN, call.replicas,
-                        context.devices)
+                        context.devices,
+                        plan.latency_bytes(set_plan.algorithm, orchestrator.num_workers,
+                                           orchestrator.costs))
 
 
 def reduce_packs(reducer: Reducer, state: VariableSetState, grads, comm: Communicator,

@@ -56,13 +56,14 @@ def test_bad_auto_arguments_name_the_argument(kwargs, message):
 
 
 def test_rungs_are_the_ladder_above_the_floor_then_the_floor():
-    assert AUTO_LADDER == (0.25, 0.1, 0.03, 0.01, 0.003, 0.001)
+    assert AUTO_LADDER == (1.0, 0.25, 0.1, 0.03, 0.01, 0.003, 0.001)
     # The default floor is DEFAULT_DENSITY (0.01): the ladder's rungs below it are left out.
-    assert gf_tf.ChunkSparsity(density="auto").rungs() == (0.25, 0.1, 0.03, 0.01)
+    assert gf_tf.ChunkSparsity(density="auto").rungs() == (1.0, 0.25, 0.1, 0.03, 0.01)
     assert gf_tf.ChunkSparsity(density="auto", min_density=0.001).rungs() == AUTO_LADDER
-    assert gf_tf.ChunkSparsity(density="auto", min_density=0.01).rungs() == (0.25, 0.1, 0.03, 0.01)
+    assert gf_tf.ChunkSparsity(density="auto", min_density=0.01).rungs() == \
+        (1.0, 0.25, 0.1, 0.03, 0.01)
     assert gf_tf.ChunkSparsity(density="auto", min_density=0.005).rungs() == \
-        (0.25, 0.1, 0.03, 0.01, 0.005)
+        (1.0, 0.25, 0.1, 0.03, 0.01, 0.005)
     assert gf_tf.ChunkSparsity(density="auto", min_density=1.0).rungs() == (1.0,)
     assert gf_tf.ChunkSparsity(density=0.02).rungs() == (0.02,)
 
@@ -140,6 +141,19 @@ def test_rule_falls_to_the_floor_without_a_valid_measurement(figures):
     assert int(choose_rung(*figures, RUNG_BYTES, budget=0.5)) == 3
 
 
+@pytest.mark.parametrize("latency_bytes, expected", [
+    (0.0, 3),       # 1.0 s measured at 128 B: 8, 4, 2, 1 s; only the floor (nothing fits)
+    (384.0, 2),     # 1.0 s over 128 + 384 B: 2, 1, 0.5 (tie: fits) s
+    (896.0, 1),     # over 1024 B: 1, 0.5 (tie) s
+    (1920.0, 0),    # over 2048 B: 0.5 s (tie) at 1024 B
+])
+def test_rule_leaves_the_links_latency_bytes_out_of_a_rungs_price(latency_bytes, expected):
+    """A latency-bound measurement: 1 s at 128 bytes, mostly fixed cost. Priced over
+    128 + latency_bytes, denser rungs fit the 0.5 s budget."""
+    rung = choose_rung(1.0, 1.0, 128.0, RUNG_BYTES, budget=0.5, latency_bytes=latency_bytes)
+    assert int(rung) == expected
+
+
 def test_rule_with_equal_rung_bytes_picks_the_first_of_them():
     # Small packs: several densities give the same k, hence the same bytes.
     assert int(choose_rung(1.0, 0.5, 512.0, (512.0, 512.0, 256.0), budget=0.5)) == 0
@@ -199,9 +213,10 @@ def test_replicas_with_different_figures_pick_the_rung_of_the_mean_and_match_num
 def test_first_sparse_step_after_a_dense_warmup_uses_the_warmup_measurement():
     """2 dense warm-up steps (all 100 chunks: 412 + 1600 = 2012 bytes) measure 0.5 s of
     communication per 1 s of compute; at budget 0.05 the prediction for the floor,
-    0.5 x 428 / 2012 = 0.106 s, does not fit: floor. At budget 0.5: 25 chunks,
-    0.5 x 812 / 2012 = 0.2 s, fits."""
-    for budget, sparse_k in ((0.05, 1), (0.5, 25)):
+    0.5 x 428 / 2012 = 0.106 s, does not fit: floor. At budget 0.25: 25 chunks,
+    0.5 x 812 / 2012 = 0.2 s, fits (dense, 0.5 s, does not). At budget 0.5 the dense rung,
+    0.5 s, fits (a tie)."""
+    for budget, sparse_k, density in ((0.05, 1, 0.001), (0.25, 25, 0.25), (0.5, C, 1.0)):
         csc = gf_tf.ChunkSparsity(density="auto", chunk_size=CS, warmup_steps=2,
                                   auto_budget=budget, min_density=0.001)
         run = Runner(2, csc, compression=None)
@@ -213,8 +228,31 @@ def test_first_sparse_step_after_a_dense_warmup_uses_the_warmup_measurement():
             ks.append(int(now["selected_chunks"] - before["selected_chunks"]))
             before = now
         assert ks == [C, C, sparse_k], budget
-        assert run.gfar.stats.result()["density"] == \
-            pytest.approx((2 * 1.0 + (0.001 if sparse_k == 1 else 0.25)) / 3)
+        assert run.gfar.stats.result()["density"] == pytest.approx((2 * 1.0 + density) / 3)
+
+
+def test_a_latency_bound_link_keeps_the_dense_rung(monkeypatch):
+    """As the test above at budget 0.05 (the floor from bytes alone), with the link's
+    latency worth 38,228 bytes (19 x 2012; the planner's `latency_bytes`, injected here):
+    the dense steps' 0.5 s is priced 0.5 x 2012 / 40240 = 0.025 s <= 0.05 s, so every step
+    stays dense, and the reduced gradient is the replicas' sum (float64 reference)."""
+    monkeypatch.setattr(gf_tf.plan, "latency_bytes", lambda algorithm, workers, costs: 38228.0)
+    csc = gf_tf.ChunkSparsity(density="auto", chunk_size=CS, warmup_steps=2, auto_budget=0.05,
+                              min_density=0.001)
+    run = Runner(2, csc, compression=None)
+    run.gfar.reducer.clock = FakeClock(compute=[1.0, 1.0], comm=[0.5, 0.5])
+    rng = np.random.default_rng(5)
+    ks, before = [], run.gfar.stats.totals()
+    for _ in range(4):
+        grads = [rng.normal(size=N).astype(np.float32) for _ in range(2)]
+        out = run([[g] for g in grads])
+        now = run.gfar.stats.totals()
+        ks.append(int(now["selected_chunks"] - before["selected_chunks"]))
+        before = now
+        np.testing.assert_allclose(out[0][0], grads[0].astype(np.float64) + grads[1],
+                                   rtol=1e-6, atol=1e-7)
+    assert ks == [C] * 4
+    assert run.gfar.stats.result()["density"] == 1.0
 
 
 @pytest.mark.parametrize("min_density, k, visit_steps", [
@@ -260,13 +298,13 @@ def test_auto_travels_in_two_collectives_per_step():
     holds exactly one chunk all-reduce, and one branch runs per step."""
     sizes = [12, 8, 20]     # 3, 2, 5 chunks of 4: k = (1, 1, 2) at 0.25, (1, 1, 1) below
     gfar, strategy, step = three_pack_step(
-        gf_tf.ChunkSparsity(density="auto", chunk_size=4, auto_budget=1.0), sizes,
+        gf_tf.ChunkSparsity(density="auto", chunk_size=4, auto_budget=0.75), sizes,
         clock=FakeClock(compute=[1.0, 1.0], comm=[0.5, 0.5]))
 
     rng = np.random.default_rng(5)
     refs = [NumpyCSC(n, 2, 4) for n in sizes]
-    # Step 0: the floor; then 0.5 s measured per 1 s of compute fits the top rung
-    # (0.5 x 116 / 100 bytes = 0.58 s <= 1 s).
+    # Step 0: the floor; then 0.5 s measured per 1 s of compute fits the 0.25 rung
+    # (0.5 x 116 / 100 bytes = 0.58 s <= 0.75 s) and not the dense one (0.5 x 212 / 116 bytes).
     for ks in [(1, 1, 1), (1, 1, 2), (1, 1, 2)]:
         grads = [rng.normal(size=(2, n)).astype(np.float32) for n in sizes]
         values = [strategy.experimental_distribute_values_from_function(
@@ -284,7 +322,8 @@ def test_auto_travels_in_two_collectives_per_step():
     assert len(cases) == 1
     branch_sums = [_vector_sums(graph._get_function(fn.name).graph.get_operations())  # pylint: disable=protected-access
                    for fn in cases[0].get_attr("branches")]
-    assert sorted(branch_sums) == [[("float32", 12)], [("float32", 16)]], branch_sums
+    assert sorted(branch_sums) == [[("float32", 12)], [("float32", 16)], [("float32", 40)]], \
+        branch_sums
     assert gfar.stats.totals()["selected_chunks"] == 3 + 4 + 4
 
 
@@ -333,17 +372,18 @@ def _keras_auto(clock):
 
 def test_fit_save_and_restore_with_auto(tmp_path):
     """195 parameters, 25 chunks of 8, float16 wire; 2 dense steps (502 bytes) measure 0.5 s
-    per 1 s of compute, so at budget 1 s the top rung (k=7, 224 bytes) fits from step 2 on.
-    The timing state is not checkpointed: after load_weights the step counter goes on (no
-    second warm-up) and the first step, unmeasured, takes the floor (k=1)."""
+    per 1 s of compute, so at budget 1 s the dense rung (0.5 s) fits and every step stays
+    dense. The timing state is not checkpointed: after load_weights the step counter goes on
+    (no second warm-up) and the first step, unmeasured, takes the floor (k=1); from its 0.5 s
+    the 0.25 rung (k=7, 224 bytes) fits and dense (0.5 x 502 / 224 s) does not."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 8)).astype(np.float32)
     y = (x @ rng.normal(size=(8, 3))).astype(np.float32)
     gfar, model = _keras_auto(FakeClock([1.0, 1.0], [0.5, 0.5]))
     history = model.fit(x, y, batch_size=16, epochs=1, verbose=0,
                         callbacks=[gf_tf.GradientFlowStats(gfar)])
-    assert history.history["gf_selected_chunks_per_step"] == [(25 + 25 + 7 + 7) / 4]
-    assert history.history["gf_density"] == [pytest.approx((1 + 1 + 0.25 + 0.25) / 4)]
+    assert history.history["gf_selected_chunks_per_step"] == [25]
+    assert history.history["gf_density"] == [1.0]
     path = str(tmp_path / "auto.weights.h5")
     model.save_weights(path)
 

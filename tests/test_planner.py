@@ -31,6 +31,19 @@ def test_ring_and_recursive_doubling_by_hand():
         planner.collective_seconds("tree", 1, 2, GIGABIT)
 
 
+def test_latency_bytes_are_the_latency_seconds_over_the_seconds_per_byte():
+    # ring at N=4: 6 hops of 1.5 ms against 2*3/4 of each byte at 8 ns.
+    assert planner.latency_bytes("ring", 4, GIGABIT) == pytest.approx(6 * 1.5e-3 / (1.5 * 8e-9))
+    # recursive doubling at N=8: 3 rounds of 2 hops against 3 crossings of each byte.
+    assert planner.latency_bytes("recursive_doubling", 8, GIGABIT) == pytest.approx(
+        3 * 2 * 1.5e-3 / (3 * 8e-9))
+    # Nothing measured, no peers, or free bytes: 0 (density="auto" prices by bytes alone).
+    assert planner.latency_bytes("ring", 4, None) == 0.0
+    assert planner.latency_bytes("ring", 1, GIGABIT) == 0.0
+    free = make_costs(hop_s=1.5e-3, round_s=3e-3, byte_s=0.0, copy_s=1e-9, fp16_s=2e-9)
+    assert planner.latency_bytes("ring", 4, free) == 0.0
+
+
 def test_predicted_seconds_by_hand():
     e, t, n = 270_000, 65, 8
     tf32 = planner.predict_seconds("tf", "ring", e, t, n, GIGABIT)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from cluster import describe, run_workers
+from gf_tf.csc import AUTO_LADDER
 
 # slow: every test starts 2 worker processes (tests/workers/csc_fit_worker.py).
 pytestmark = pytest.mark.slow
@@ -129,11 +130,10 @@ def test_auto_density_with_the_real_clock_stays_in_lockstep():
     _assert_identical_weights(a, b)
     np.testing.assert_array_equal(a["per_step"], b["per_step"])
     np.testing.assert_array_equal(a["per_step_density"], b["per_step_density"])
-    rungs = (0.25, 0.1, 0.03, 0.01, 0.003, 0.001)
     for r in (a, b):
         assert r["per_step_density"][:2].tolist() == [1.0, 1.0]       # dense warm-up
         for d, k in zip(r["per_step_density"][2:], r["per_step"][2:, 2]):
-            rung = min(rungs, key=lambda x: abs(x - d))
+            rung = min(AUTO_LADDER, key=lambda x: abs(x - d))
             assert d == pytest.approx(rung, rel=1e-12) and k == _auto_k(rung, c)
         assert np.all(np.isfinite(r["residual"]))
 

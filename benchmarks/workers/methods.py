@@ -174,7 +174,7 @@ def gradient_flow_kwargs(method: str) -> Dict[str, object]:
 def largest_density(method: str) -> float:
     """The most a CSC method may send, as a fraction (for time budgets): "auto" -> its top rung."""
     density = CSC_DENSITY[method]
-    return 0.25 if density == "auto" else density   # gf_tf.csc.AUTO_LADDER[0]
+    return 1.0 if density == "auto" else density   # gf_tf.csc.AUTO_LADDER[0]: a dense step
 
 
 def make_strategy(method: str, timeout_seconds: float, keras_fit: bool = False,

@@ -14,8 +14,9 @@ from gf_tf import tf_internal
 from gf_tf.csc.density import FixedDensity
 
 AUTO = "auto"
-AUTO_LADDER = (0.25, 0.1, 0.03, 0.01, 0.003, 0.001)
-"""The densities density="auto" chooses from (those above `min_density`, then `min_density`)."""
+AUTO_LADDER = (1.0, 0.25, 0.1, 0.03, 0.01, 0.003, 0.001)
+"""The densities density="auto" chooses from (those above `min_density`, then `min_density`);
+1.0 sends every chunk (a dense step)."""
 # The figures each replica adds to the step's control all-reduce.
 TIMING_FIGURES = ("compute_seconds", "comm_seconds", "comm_bytes")
 
@@ -27,8 +28,13 @@ def timestamp(replica: int, event: str) -> tf.Tensor:
 
 
 def choose_rung(compute_seconds, comm_seconds, comm_bytes, rung_bytes: Sequence[float],
-                budget: float) -> tf.Tensor:
+                budget: float, latency_bytes: float = 0.0) -> tf.Tensor:
     """density="auto"'s rule: the rung whose predicted communication fits the budget.
+
+    The measured seconds are shared out over the bytes sent plus `latency_bytes`, the
+    bytes the link could have carried in the all-reduce's fixed latency: a rung is
+    priced by what its own bytes add, t_m * bytes / (b + latency_bytes), so a
+    latency-bound link can afford a denser rung than its bytes alone suggest.
 
     Args:
       compute_seconds: float32 scalar, mean compute seconds t_c of a step.
@@ -38,10 +44,12 @@ def choose_rung(compute_seconds, comm_seconds, comm_bytes, rung_bytes: Sequence[
       rung_bytes: bytes each rung sends per step, rungs from the largest
         density to the floor (non-increasing).
       budget: communication seconds allowed per compute second (> 0).
+      latency_bytes: bytes, >= 0: `gf_tf.plan.latency_bytes` of the planner's measured
+        costs (0.0, the default, prices by bytes alone).
 
     Returns:
       int32 scalar: the first (largest-density) rung i with
-      t_m * rung_bytes[i] / b <= budget * t_c (equality fits); the last rung
+      t_m * rung_bytes[i] / (b + latency_bytes) <= budget * t_c (equality fits); the last rung
       (the floor) if none fits or nothing was measured (t_c, t_m or b not
       positive and finite). The same inputs give the same rung on every
       replica: decide on all-reduced figures only.
@@ -50,7 +58,8 @@ def choose_rung(compute_seconds, comm_seconds, comm_bytes, rung_bytes: Sequence[
     comm_seconds = tf.convert_to_tensor(comm_seconds, tf.float32)
     comm_bytes = tf.convert_to_tensor(comm_bytes, tf.float32)
     floor = len(rung_bytes) - 1
-    predicted = comm_seconds * (tf.constant(rung_bytes, tf.float32) / comm_bytes)
+    predicted = comm_seconds * (tf.constant(rung_bytes, tf.float32) /
+                                (comm_bytes + tf.constant(latency_bytes, tf.float32)))
     fits = predicted <= budget * compute_seconds
     figures = tf.stack([compute_seconds, comm_seconds, comm_bytes])
     measured = tf.reduce_all(tf.math.is_finite(figures) & (figures > 0.0))
@@ -108,11 +117,11 @@ def figures(state: AutoState, clock, grads, comm) -> List[tf.Tensor]:
 
 
 def rung(all_reduced_figures: tf.Tensor, num_replicas: int, rung_bytes: Sequence[int],
-         budget: float) -> tf.Tensor:
+         budget: float, latency_bytes: float) -> tf.Tensor:
     """int32 rung of `choose_rung` from the first served replica's all-reduced figures
     (their means: the same sums on every replica)."""
     mean = all_reduced_figures / num_replicas
-    return choose_rung(mean[0], mean[1], mean[2], rung_bytes, budget)
+    return choose_rung(mean[0], mean[1], mean[2], rung_bytes, budget, latency_bytes)
 
 
 def clocked(buffers: Sequence[tf.Tensor], clock, comm):
@@ -176,11 +185,13 @@ class AutoDensity(FixedDensity):
         """`figures` of the set's `AutoState`."""
         return figures(shared.auto, clock, grads, comm)
 
-    def index(self, stage, current, plans, timing, num_replicas, warmup_steps):
-        """The warm-up's `stage`, then len(staged plans) + this step's `rung`."""
+    def index(self, stage, current, plans, timing, comm, warmup_steps):
+        """The warm-up's `stage`, then len(staged plans) + this step's `rung` (priced with
+        the communicator's `latency_bytes`)."""
         staged = sum(plan.first_step is not None for plan in plans)
-        chosen = rung(timing, num_replicas,
-                      [plan.sent_bytes for plan in plans if plan.first_step is None], self.budget)
+        chosen = rung(timing, comm.num_replicas,
+                      [plan.sent_bytes for plan in plans if plan.first_step is None], self.budget,
+                      comm.latency_bytes)
         return tf.where(current >= warmup_steps, staged + chosen, stage)
 
     def clocked(self, buffers, clock, comm):

@@ -45,9 +45,9 @@ class FixedDensity:
         del shared, clock, grads
         return no_control(comm)
 
-    def index(self, stage, current, plans, timing, num_replicas: int, warmup_steps: int):
+    def index(self, stage, current, plans, timing, comm, warmup_steps: int):
         """int32 index of the step's candidate plan: the schedule's `stage`."""
-        del current, plans, timing, num_replicas, warmup_steps
+        del current, plans, timing, comm, warmup_steps
         return stage
 
     def clocked(self, buffers: Sequence, clock, comm):

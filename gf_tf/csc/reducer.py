@@ -222,8 +222,8 @@ class CSCReducer(Reducer):
         with tf.device("/cpu:0"):
             current = step.shared.steps[step.comm.replicas[0]].read_value()
             stage = tf.reduce_sum(tf.cast(current >= tf.constant(staged, tf.int64), tf.int32)) - 1
-            return self.density_rule.index(stage, current, plans, timing[0],
-                                           step.comm.num_replicas, self.sparsity.warmup_steps)
+            return self.density_rule.index(stage, current, plans, timing[0], step.comm,
+                                           self.sparsity.warmup_steps)
 
     def _accumulate(self, pack: PackStep, comm: Communicator) -> Accumulated:
         state = pack.state

@@ -125,10 +125,12 @@ class ChunkSparsity:
         scoring other than "error_feedback" is given without selection="ahead".
 
     density="auto": after the warm-up, each step picks one rung of `rungs()` (static k per
-    pack per rung, so the rungs are branches of one `tf.switch_case`): the largest density
-    whose predicted chunk all-reduce costs at most `auto_budget` of the compute time, from
-    the previous step's timing, which rides in the step's control all-reduce so every
-    replica picks the same rung (`choose_rung`, `gf_tf.csc.auto.AutoDensity`). The model,
+    pack per rung, so the rungs are branches of one `tf.switch_case`; rung 1.0 is a dense
+    step): the largest density whose bytes, priced from the previous step's timing, cost at
+    most `auto_budget` of the compute time (the link's fixed latency, measured by the
+    planner's probe, is left out of the price). The timing rides in the step's control
+    all-reduce so every replica picks the same rung (`choose_rung`,
+    `gf_tf.csc.auto.AutoDensity`). The model,
     what is measured and why the floor bounds convergence: docs/csc.md, section
     "density="auto"". The chosen density is `GradientFlowStats`' `gf_density`.
 

@@ -14,12 +14,12 @@ import numpy as np
 
 from gf_tf import collectives, packing, wire
 from gf_tf.plan import planner
-from gf_tf.plan.planner import AUTO, DEFAULT_BYTES_PER_PACK
+from gf_tf.plan.planner import AUTO, DEFAULT_BYTES_PER_PACK, latency_bytes
 from gf_tf.plan.records import TF_OWN, Costs, Forecast, Plan, Planned, PlanReport
 from gf_tf.reducers.base import Reducer
 
 __all__ = ["AUTO", "DEFAULT_BYTES_PER_PACK", "TF_OWN", "Costs", "Forecast", "Plan", "PlanReport",
-           "Planned", "SetPlan", "Settings", "plan_set"]
+           "Planned", "SetPlan", "Settings", "latency_bytes", "plan_set"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -95,6 +95,20 @@ def collective_seconds(algorithm: str, nbytes: float, workers: int, costs: Costs
                                               costs.byte_s)
 
 
+def latency_bytes(algorithm: str, workers: int, costs: Optional[Costs]) -> float:
+    """Bytes one all-reduce of `algorithm` over `workers` could carry in its latency term: the
+    latency seconds over the seconds per byte (`gf_tf.collectives.Algorithm`'s alpha-beta
+    cost). 0.0 without measured costs or peers, or when a byte costs nothing.
+
+    Used by density="auto" (`gf_tf.csc.choose_rung`) to leave a latency-bound all-reduce's fixed
+    cost out of what a denser rung would add."""
+    if costs is None or workers <= 1:
+        return 0.0
+    fixed = collective_seconds(algorithm, 0.0, workers, costs)
+    per_byte = collective_seconds(algorithm, 1.0, workers, costs) - fixed
+    return fixed / per_byte if per_byte > 0.0 else 0.0
+
+
 def predict_seconds(method: str, algorithm: str, elements: float, tensors: float, workers: int,
                     costs: Costs, packs: float = 1, groups: int = 1) -> float:
     """Predicted seconds of one step's all-reduce of `elements` float32 gradients in `tensors`

@@ -66,12 +66,15 @@ class Communicator:
       replicas: indices (among this worker's replicas) of the served replicas:
         all of them on the merge-call path, one on the replica-context path.
       devices: per served replica, its device (where its per-replica work runs).
+      latency_bytes: bytes one all_reduce_sum could carry in its latency term
+        (`gf_tf.plan.latency_bytes` of the planner's measured costs; 0.0: not measured).
     """
     all_reduce_sum: Callable[[List[tf.Tensor]], List[tf.Tensor]]
     num_replicas: int
     mean: bool
     replicas: Tuple[int, ...]
     devices: Tuple[str, ...]
+    latency_bytes: float = 0.0
 
     @property
     def postscale(self) -> float:
