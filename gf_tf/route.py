@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from gf_tf import agreement, collectives, packing, plan, tf_internal, wire
 from gf_tf.agreement import hex_text
+from gf_tf.collectives import deadline as deadline_lib
 from gf_tf.plan import trial
 from gf_tf.reducers import MAX_REDUCER_SETTINGS, Communicator, PackStep, Reducer, Sent, StepInput
 from gf_tf.state import StateRegistry, VariableSetState
@@ -63,7 +64,10 @@ class Call:
     replicas: the served replicas' indices among this worker's. tf_sum: TensorFlow's own
     SUM all-reduce of one 1-D tensor per served replica (`gf_tf.collectives.ring.tf_sum`).
     others(indices): the strategy's all-reduce (the caller's reduce_op) of those
-    gradients, per index per served replica."""
+    gradients, per index per served replica. options: the caller's CommunicationOptions
+    (the eager handshake and trial run with them); step_options: what the step's own
+    collectives run with (`gf_tf.collectives.deadline.in_step_options`, no timeout: `deadline`,
+    a StepWatch or None, keeps it)."""
     strategy: tf.distribute.Strategy
     grads: List[List]
     replicas: tuple
@@ -72,12 +76,16 @@ class Call:
     tf_sum: Callable
     others: Callable
     options: object
+    step_options: object = None
+    deadline: Optional[deadline_lib.StepWatch] = None
 
 
 def run(orchestrator: Orchestrator, call: Call) -> List[List]:
     """Per served replica the reduced gradient list (packs through the reducer, the rest
-    through `others`, one batch per dtype)."""
+    through `others`, one batch per dtype), counted in and out by the call's deadline."""
     grads = call.grads
+    if call.deadline is not None:
+        call.deadline.begin(grads)
     signature = [packing.packable_signature([g[i] for g in grads]) for i in range(len(grads[0]))]
     packable = [i for i, entry in enumerate(signature) if entry is not None]
     planned, signature, pack_specs = orchestrator.plan_set(signature)
@@ -106,6 +114,8 @@ def run(orchestrator: Orchestrator, call: Call) -> List[List]:
     reduce_by_tf(grads, rest, call.others, results)
     if packable and call.replicas[0] == 0:
         orchestrator.stats.update(**vars(sent))
+    if call.deadline is not None:
+        call.deadline.end(results)
     return results
 
 
@@ -116,16 +126,17 @@ def run_merged(orchestrator: Orchestrator, strategy, per_replica, variables, red
     grads = [tf_internal.local_values(v) for v in per_replica]
     num_local = len(grads[0])
     tf_internal.check_not_xla_across_devices(num_local)
+    step_options, watch = deadline_lib.for_step(strategy, options)
 
     def others(indices):
         pairs = [(per_replica[i], per_replica[i]) for i in indices]
         return [tf_internal.local_values(r)
-                for r in strategy.extended.batch_reduce_to(reduce_op, pairs, options)]
+                for r in strategy.extended.batch_reduce_to(reduce_op, pairs, step_options)]
 
     results = run(orchestrator, Call(
         strategy, [[g[r] for g in grads] for r in range(num_local)], tuple(range(num_local)),
-        variables, reduce_op, collectives.ring.tf_sum(orchestrator.cross_ops, options), others,
-        options))
+        variables, reduce_op, collectives.ring.tf_sum(orchestrator.cross_ops, step_options),
+        others, options, step_options, watch))
     return [tf_internal.mirrored([results[r][i] for r in range(num_local)])
             for i in range(len(per_replica))]
 
@@ -143,14 +154,16 @@ def run_in_replica(orchestrator: Orchestrator, replica_ctx, grads, variables, re
         raise ValueError("gf_tf: the replica id is not known while tracing; the replica-context "
                          "gradient all-reduce needs a static one (tf.distribute strategies give it)")
 
+    step_options, watch = deadline_lib.for_step(replica_ctx.strategy, options)
+
     def others(indices):
         return [[r] for r in replica_ctx.all_reduce(reduce_op, [grads[i] for i in indices],
-                                                    options)]
+                                                    step_options)]
 
-    tf_sum = collectives.ring.tf_sum(orchestrator.cross_ops, options, int(replica_id))
+    tf_sum = collectives.ring.tf_sum(orchestrator.cross_ops, step_options, int(replica_id))
     served = (int(replica_id) % num_local,)
     return run(orchestrator, Call(replica_ctx.strategy, [list(grads)], served, variables,
-                                  reduce_op, tf_sum, others, options))[0]
+                                  reduce_op, tf_sum, others, options, step_options, watch))[0]
 
 
 def run_locally(orchestrator: Orchestrator, strategy, grads, variables, reduce_op) -> list:
@@ -166,7 +179,7 @@ def _communicator(orchestrator: Orchestrator, call: Call, set_plan: plan.Plan,
                   devices) -> Communicator:
     context = collectives.Context(call.tf_sum, orchestrator.cross_ops, orchestrator.workers,
                                   tuple(devices[r] for r in call.replicas),
-                                  len(call.replicas) == len(devices), call.options)
+                                  len(call.replicas) == len(devices), call.step_options)
     return Communicator(collectives.get(set_plan.algorithm).build(context),
                         call.strategy.num_replicas_in_sync,
                         call.reduce_op == tf.distribute.ReduceOp.MEAN, call.replicas,

@@ -23,12 +23,19 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
       cluster_resolver (tf.distribute.cluster_resolver.ClusterResolver | None): as
         for `tf.distribute.MultiWorkerMirroredStrategy` (default: TF_CONFIG).
       communication_options (tf.distribute.experimental.CommunicationOptions | None):
-        as for `tf.distribute.MultiWorkerMirroredStrategy`. Set
-        `CommunicationOptions(timeout_seconds=...)` so a lost worker fails fast.
+        as for `tf.distribute.MultiWorkerMirroredStrategy`. `timeout_seconds` ends a step
+        that waits that long for a stuck peer (`DeadlineExceededError`). TensorFlow starts
+        one thread per collective that carries a timeout, which sleeps the whole timeout
+        (tensorflow#62466): (collectives a second) x timeout threads, tens of thousands on a
+        fast step. So gf_tf's collectives of a gradient step, and the scalar logs of
+        `model.fit`, carry none: one watchdog thread per process keeps the step's deadline
+        (`gf_tf.collectives.deadline`). Every other collective (metrics read at an epoch's
+        end, SyncBatchNorm, your own, TF's gradient all-reduce with `gradient_flow=None`)
+        keeps the timeout and its thread.
       gradient_flow (GradientFlowAllReduce | None): the `gf_tf.GradientFlowAllReduce`
         carrying the gradients (default: `GradientFlowAllReduce()`, the planner), or
         None for plain TensorFlow all-reduce. The strategy's own CollectiveAllReduce
-        is wrapped, so instance keys, RING/NCCL and timeouts stay TensorFlow's.
+        is wrapped, so instance keys and RING/NCCL stay TensorFlow's.
         Create it outside any strategy scope; one instance serves one strategy.
       peer_startup_timeout (float | None): seconds every worker waits at start-up
         for peers that have not started; then it fails with a message naming them

@@ -15,7 +15,8 @@ pieces used for that:
   (GradientFlowAllReduce overrides the same methods, as TF's contract asks),
 - `MirroredStrategy.extended._collective_ops` (the ops TF uses by default),
 - `MultiWorkerMirroredStrategy.extended._cross_device_ops` (replaced after
-  construction, before anything is traced),
+  construction, before anything is traced) and `._communication_options` (the timeout
+  its collectives merge in),
 - `resource_variable_ops.ResourceVariable` (CSC state outside the strategy's
   variable creator),
 - `control_flow_util.GraphOrParentsInXlaContext` (XLA graphs use the composite ops),
@@ -31,7 +32,9 @@ pieces used for that:
 - `context.context().configure_coordination_service` and `coordination_config_pb2`
   (how long workers wait for a peer that never starts; the leader is `gf_tf.cluster`'s,
   which mirrors `multi_worker_util.coordination_leader`); `context.context().wait_at_barrier`
-  (workers leave together, `gf_tf.worker.exit_together`).
+  (workers leave together, `gf_tf.worker.exit_together`);
+  `context.context().abort_collective_ops` (a step's deadline, `gf_tf.collectives.deadline`,
+  ends the collectives that wait for a stuck peer, as TF's own health check does).
 
 This module imports nothing of gf_tf.
 """
@@ -143,6 +146,24 @@ def pair_broadcast_recv(shape, dtype, group_key: int, instance_key, timeout: flo
 def merged_collective_options(ops: tf.distribute.CrossDeviceOps, options):
     """`options` (CommunicationOptions or None) over the CollectiveAllReduce's own, as TF merges them."""
     return ops._options.merge(options)  # pylint: disable=protected-access
+
+
+def collective_timeout(strategy: tf.distribute.Strategy, options) -> float:
+    """Seconds of `timeout_seconds` a collective of `strategy` runs with, given `options`
+    (CommunicationOptions or None) merged over the strategy's `communication_options`, as
+    TF merges them; 0 for none (also for strategies without communication options)."""
+    own = getattr(strategy.extended, "_communication_options", None)  # pylint: disable=protected-access
+    merged = own.merge(options) if own is not None else options
+    return float(getattr(merged, "timeout_seconds", None) or 0)
+
+
+def abort_collectives(code: int, message: str) -> None:
+    """Ends every pending and later collective of this process with `code` and `message`
+    (`context.context().abort_collective_ops`, what TF's MultiWorkerMirroredStrategy calls when its
+    health check loses a peer); the collectives stay broken until the process ends."""
+    check_tf_version()
+    from tensorflow.python.eager import context  # pylint: disable=import-outside-toplevel
+    context.context().abort_collective_ops(code, message)
 
 
 def default_cross_device_ops(strategy: tf.distribute.Strategy) -> tf.distribute.CrossDeviceOps:

@@ -99,7 +99,9 @@ flags.DEFINE_string("mixed_precision", "none", "Keras dtype policy: none, mixed_
 flags.DEFINE_string("model_dir", "", "TensorBoard logs, checkpoints, BackupAndRestore state; '' = none. "
                     "Must be visible to every worker (same host or shared storage) for resuming")
 flags.DEFINE_integer("seed", 0, "random seed (weights, data order, dropout)")
-flags.DEFINE_float("collective_timeout", 300.0, "seconds before a stuck all-reduce fails")
+flags.DEFINE_float("collective_timeout", 300.0, "seconds a training step waits for a stuck peer before it fails "
+                   "(one watchdog thread per worker keeps it for gf_tf's steps; TensorFlow's own collectives "
+                   "carry it each, with a sleeping thread per collective: tensorflow#62466)")
 flags.DEFINE_float("startup_timeout", 300.0, "seconds a worker waits for peers that have not started. "
                    "5 minutes because a cluster's workers (pods, hosts started by hand) can start "
                    "minutes apart; TensorFlow alone waits forever. Meanwhile it prints the peers it "

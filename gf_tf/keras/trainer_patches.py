@@ -11,6 +11,7 @@ import threading
 import tensorflow as tf
 
 from gf_tf import cluster
+from gf_tf.collectives import deadline
 from gf_tf.keras import multi_step
 from gf_tf.keras.flavour import keras3_minor, keras_module
 from gf_tf.keras.optimizer_patches import accumulates_under_gradient_flow
@@ -59,10 +60,24 @@ def patched_reduce_per_replica(original):
             parts = (strategy.experimental_local_results(v)
                      if isinstance(v, tf.distribute.DistributedValues) else [v])
             if all(isinstance(x, tf.Tensor) and x.shape.rank == 0 for x in parts):
-                return strategy.reduce("MEAN", v, axis=None)
+                return mean_of_scalar_log(strategy, v, parts)
             return original(v, strategy, reduction)
         return tf.nest.map_structure(reduce_one, values)
     return reduce_per_replica
+
+
+def mean_of_scalar_log(strategy, value, parts):
+    """`strategy.reduce("MEAN", value, axis=None)` of a scalar log, under the step's deadline:
+    the collective carries no timeout, the process's watchdog keeps it (one sleeping thread per
+    timed collective would pile up at every step of every fit: gf_tf.collectives.deadline)."""
+    options, step_watch = deadline.for_step(strategy)
+    if step_watch is not None:
+        step_watch.begin(parts)
+    mean = strategy.experimental_local_results(
+        strategy.extended.reduce_to(tf.distribute.ReduceOp.MEAN, value, value, options))[0]
+    if step_watch is not None:
+        step_watch.end(mean)
+    return mean
 
 
 def refuse_gradient_accumulation(model, accumulation_patch_applies) -> None:
