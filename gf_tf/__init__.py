@@ -9,7 +9,6 @@ Public API:
   keras    the Keras wing: install() (the fixes for multi-worker fit and the gradient hook),
            keras.checkpoint (CSC state in checkpoints), keras.backup (BackupAndRestore,
            load_weights_from_chief); the core imports no Keras
-  checkpoint, keras_compat, sparsity  deprecated names of parts of the Keras wing
   ops      pack/unpack, abs_max and the chunk ops (compiled, with a composite-TF fallback)
   wire, collectives, reducers, plan  the registries of wire formats, all-reduce algorithms
            and reducers, and the planner (docs/api/extending.md)
@@ -63,8 +62,7 @@ _EXPORTS = {
     "GradientFlowStats": "gf_tf.keras.callbacks",
     "all_reduce_gradients": "gf_tf.gradients",
 }
-_SUBMODULES = ("checkpoint", "collectives", "keras", "keras_compat", "launch", "ops", "plan",
-               "reducers", "sparsity", "wire", "worker")
+_SUBMODULES = ("collectives", "csc", "keras", "launch", "ops", "plan", "reducers", "wire", "worker")
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES)
 

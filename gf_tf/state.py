@@ -133,7 +133,7 @@ class StateRegistry:
 
         It runs eagerly under the registry's lock, before the state's first use,
         so it may assign the state's variables (a deferred checkpoint restore,
-        gf_tf.checkpoint) or raise to stop the trace.
+        gf_tf.keras.checkpoint) or raise to stop the trace.
         """
         self._listeners.append(weakref.WeakMethod(listener))
 

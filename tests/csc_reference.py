@@ -14,7 +14,7 @@ from gf_tf.csc import selected_chunk_count
 
 
 class NumpyCSC:
-    """The algorithm of gf_tf/sparsity.py in float64, for one pack (no wire rounding)."""
+    """The algorithm of gf_tf/csc in float64, for one pack (no wire rounding)."""
 
     def __init__(self, n, num_replicas, chunk_size, momentum=0.0):
         self.n, self.cs, self.m = n, chunk_size, momentum

@@ -18,7 +18,7 @@ import pytest
 import tensorflow as tf
 
 import gf_tf
-from gf_tf.sparsity import AUTO_LADDER, choose_rung
+from gf_tf.csc import AUTO_LADDER, choose_rung
 from csc_reference import NumpyCSC, NumpyGlobalCSC
 from helpers import DEVICES, Runner, all_ops, only_state, pack_states, three_pack_step
 

@@ -1,4 +1,4 @@
-"""CSC state (residuals, velocities, step counters) in Keras checkpoints: gf_tf.checkpoint.
+"""CSC state (residuals, velocities, step counters) in Keras checkpoints: gf_tf.keras.checkpoint.
 
 In-process, 2 replicas of a MirroredStrategy over logical CPUs. The 2-worker
 SIGKILL / BackupAndRestore run is in tests/test_checkpoint_multiworker.py.
@@ -13,7 +13,8 @@ import pytest
 import tensorflow as tf
 
 import gf_tf
-from gf_tf import checkpoint
+from gf_tf.keras import backup, checkpoint
+from gf_tf.keras.checkpoint_checks import CheckpointMismatchError
 from gf_tf.strategy import WorkerInfo
 
 DEVICES = [d.name for d in tf.config.list_logical_devices("CPU")]
@@ -128,7 +129,7 @@ def _refused_at_load(path, **kw):
     """load_weights (no step) into a model built with `kw`: the CheckpointMismatchError's message."""
     gfar, model = _setup(**kw)
     model.optimizer.build(model.trainable_variables)
-    with pytest.raises(checkpoint.CheckpointMismatchError) as error:
+    with pytest.raises(CheckpointMismatchError) as error:
         model.load_weights(path)
     assert gfar.states() == {}   # reported before any step
     return str(error.value)
@@ -182,7 +183,7 @@ def test_another_variable_list_is_refused_at_load_weights(tmp_path):
     model.optimizer.build(model.trainable_variables)
     (saved,) = saved_gfar.states()
     now = model.trainable_variables
-    with pytest.raises(checkpoint.CheckpointMismatchError) as error:
+    with pytest.raises(CheckpointMismatchError) as error:
         model.load_weights(path)   # reported here, before any step
     assert str(error.value).startswith(
         f"gf_tf: cannot restore the checkpoint's reducer state: it holds the state of [{saved}] "
@@ -224,7 +225,7 @@ def test_the_chiefs_file_on_another_worker_is_refused_with_the_recipe(tmp_path):
     _, _, path = _chief_file(tmp_path)
     gfar, model = _worker_1()
     model.optimizer.build(model.trainable_variables)
-    with pytest.raises(checkpoint.CheckpointMismatchError) as error:
+    with pytest.raises(CheckpointMismatchError) as error:
         model.load_weights(path)
     assert str(error.value).startswith(
         "gf_tf: cannot restore the checkpoint's reducer state: it holds worker 0's state and this is "
@@ -241,8 +242,8 @@ def test_load_weights_from_chief_resets_csc_state_with_a_warning(tmp_path, caplo
     chief_gfar, chief, path = _chief_file(tmp_path)
     chief_state = _snapshot(_state(chief_gfar))
     gfar, model = _worker_1()   # optimizer not built: load_weights_from_chief builds it
-    with caplog.at_level(logging.WARNING, logger="gf_tf.checkpoint"):
-        checkpoint.load_weights_from_chief(model, path)
+    with caplog.at_level(logging.WARNING, logger="gf_tf.keras"):
+        backup.load_weights_from_chief(model, path)
     assert (f"gf_tf: worker 1 loaded the chief's {path}: its reducer state (CSC: residuals and momentum) starts from "
             f"zero (step counters follow the chief's).") in caplog.text
     for a, b in zip(chief.get_weights(), model.get_weights()):
@@ -264,7 +265,7 @@ def test_checkpoint_without_csc_state_gives_a_warned_reset(tmp_path, caplog):
     _, model, _ = _trained(tmp_path, sparsity=False)
     path = str(tmp_path / "dense.weights.h5")
     model.save_weights(path)
-    with caplog.at_level(logging.WARNING, logger="gf_tf.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="gf_tf.keras"):
         gfar = _load_into(path)
     assert "holds no reducer state" in caplog.text
     assert _snapshot(_state(gfar))["steps"] == [1, 1]
@@ -272,7 +273,7 @@ def test_checkpoint_without_csc_state_gives_a_warned_reset(tmp_path, caplog):
 
 def test_csc_state_into_a_run_without_csc_is_ignored_with_a_warning(tmp_path, caplog):
     _, _, path = _trained(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="gf_tf.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="gf_tf.keras"):
         _load_into(path, sparsity=False)
     assert ("holds the state of the reducer gf_tf.csc.reducer.CSCReducer but this "
             "GradientFlowAllReduce's reducer gf_tf.reducers.dense.DenseReducer keeps none: the "
@@ -301,18 +302,18 @@ class _Interrupt(keras.callbacks.Callback):
 
 
 def test_backup_and_restore_resumes_csc_state(tmp_path):
-    """gf_tf.checkpoint.BackupAndRestore on one worker: after a crash at the end of
+    """gf_tf.keras.backup.BackupAndRestore on one worker: after a crash at the end of
     epoch 1 the restarted job restores the residuals, momentum and step counter
     and finishes with the weights of an uninterrupted run, bitwise."""
     x, y = _data()
     gfar_a, model_a = _setup()
     model_a.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
 
-    backup = str(tmp_path / "backup")
+    backup_dir = str(tmp_path / "backup")
     gfar_b, model_b = _setup()
     with pytest.raises(RuntimeError, match="simulated preemption"):
         model_b.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0,
-                    callbacks=[checkpoint.BackupAndRestore(backup), _Interrupt(epoch=1)])
+                    callbacks=[backup.BackupAndRestore(backup_dir), _Interrupt(epoch=1)])
     saved = _snapshot(_state(gfar_b))   # the backup was written at the end of epoch 1
     assert saved["steps"] == [8, 8]
 
@@ -322,7 +323,7 @@ def test_backup_and_restore_resumes_csc_state(tmp_path):
     model_c.optimizer.build(model_c.trainable_variables)   # attaches the checkpoint's listener
     gfar_c.state_registry.add_listener(recorder.record)
     history = model_c.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0,
-                          callbacks=[checkpoint.BackupAndRestore(backup),
+                          callbacks=[backup.BackupAndRestore(backup_dir),
                                      gf_tf.GradientFlowStats(gfar_c)])
     assert history.epoch == [2]
     assert restored["steps"] == [8, 8]

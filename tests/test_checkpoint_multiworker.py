@@ -2,7 +2,7 @@
 
 Real worker processes (tests/cluster.py, TF_CONFIG on 127.0.0.1), real
 collectives, Keras fit with gf_tf.ChunkSparsity (momentum correction, warm-up)
-and gf_tf.checkpoint.BackupAndRestore, TF op determinism on.
+and gf_tf.keras.backup.BackupAndRestore, TF op determinism on.
 """
 
 import os

@@ -115,10 +115,10 @@ def test_custom_loop_sums_and_means_of_counts_losses_and_accuracies_are_exact(se
         assert gfar.stats.result()["steps"] == 0    # nothing went through GradientFlow
 
 
-def test_keras_compat_is_reachable_as_readme_says():
+def test_the_keras_wing_is_reachable_from_the_package_as_the_docs_say():
     import gf_tf as fresh   # pylint: disable=reimported
-    fresh.keras_compat.install()
-    assert "keras_compat" in dir(fresh)
+    fresh.keras.install()
+    assert "keras" in dir(fresh) and "keras_compat" not in dir(fresh)
 
 
 # --- state per variable set ------------------------------------------------------------

@@ -12,8 +12,8 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "gf_tf"
 
-# Above the core: the package face, the strategy, the Keras wing (and its old names), the launcher.
-ABOVE_CORE = {"gf_tf", "gf_tf.strategy", "gf_tf.keras_compat", "gf_tf.checkpoint", "gf_tf.launch"}
+# Above the core: the package face, the strategy, the launcher.
+ABOVE_CORE = {"gf_tf", "gf_tf.strategy", "gf_tf.launch"}
 KERAS_ROOTS = ("keras", "tf_keras")
 
 
@@ -80,7 +80,6 @@ def test_the_core_imports_no_keras_and_nothing_above_it():
 
 
 ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
-RE_EXPORTS = ("gf_tf.sparsity", "gf_tf.keras_compat", "gf_tf.checkpoint")
 
 
 def _layers():
@@ -99,8 +98,6 @@ def _layers():
     for row, cell in enumerate(rows):
         for path in cell.replace("`", "").split(","):
             layer[_module_name(PACKAGE / path.strip())] = row
-    for name in RE_EXPORTS:   # the re-export modules sit with the face
-        layer[name] = 0
     return layer
 
 

@@ -131,7 +131,7 @@ def test_mixed_float16_with_loss_scale_optimizer_two_workers():
 
 
 def test_an_inf_on_worker_1_alone_is_skipped_by_both_workers_and_halves_the_loss_scale_once():
-    """Every worker takes the same finite/non-finite branch (gf_tf.keras_compat), so none hangs."""
+    """Every worker takes the same finite/non-finite branch (gf_tf.keras), so none hangs."""
     results = run_fit("--mixed_precision", "--inf_on_worker", "1", "--inf_step", "1")
     assert_identical_across_workers(results)
     for r in results:

@@ -196,7 +196,7 @@ def test_state_into_a_reducer_without_state_is_ignored_with_a_warning(tmp_path, 
     _, _, path = _trained(tmp_path, reducer=RoundingWithFeedback())
     gfar, model = _setup(sparsity=False)
     model.optimizer.build(model.trainable_variables)
-    with caplog.at_level(logging.WARNING, logger="gf_tf.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="gf_tf.keras"):
         model.load_weights(path)
     assert (f"holds the state of the reducer {__name__}.RoundingWithFeedback but this "
             f"GradientFlowAllReduce's reducer gf_tf.reducers.dense.DenseReducer keeps none: the "

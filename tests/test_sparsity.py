@@ -18,7 +18,7 @@ import pytest
 import tensorflow as tf
 
 import gf_tf
-from gf_tf.sparsity import select_chunks, selected_chunk_count
+from gf_tf.csc import select_chunks, selected_chunk_count
 
 from csc_reference import NumpyCSC, NumpyGlobalCSC, chunks_zero, flatten, pack_order
 from helpers import DEVICES, Runner, all_ops, only_state, pack_states, three_pack_step
@@ -406,7 +406,7 @@ class _Interrupt(keras.callbacks.Callback):
 
 
 def test_backup_and_restore_resumes_csc_state_without_a_second_warmup(tmp_path):
-    """CSC state is checkpointed with the optimizer (gf_tf.checkpoint): a restarted
+    """CSC state is checkpointed with the optimizer (gf_tf.keras.checkpoint): a restarted
     job (new process: new strategy, GradientFlowAllReduce and ChunkSparsity)
     resumes from the backup of epoch 0 with its residuals and step counter, so
     the warm-up is not run again."""

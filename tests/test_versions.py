@@ -1,4 +1,4 @@
-"""The supported matrix is written once (tf_internal, keras_compat) and enforced with clear errors;
+"""The supported matrix is written once (tf_internal, gf_tf.keras.flavour) and enforced with clear errors;
 the Keras wing (gf_tf/keras/) is the one place that knows Keras, and the core imports none of it."""
 
 import importlib
@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import gf_tf
-from gf_tf import keras_compat, tf_internal
+from gf_tf import tf_internal
 from gf_tf.keras import flavour, patches
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,14 +33,14 @@ def test_untested_tensorflow_fails_naming_the_supported_range(version):
 
 def test_the_tested_versions_are_the_matrix():
     assert tf_internal.TESTED_TF_VERSIONS == SUPPORTED_TF
-    assert keras_compat.TESTED_TF_KERAS_VERSIONS == SUPPORTED_TF
-    assert keras_compat.TESTED_KERAS_VERSIONS == TESTED_KERAS3
+    assert flavour.TESTED_TF_KERAS_VERSIONS == SUPPORTED_TF
+    assert flavour.TESTED_KERAS_VERSIONS == TESTED_KERAS3
 
 
 @pytest.mark.parametrize("minor", TESTED_KERAS3)
 def test_every_tested_keras3_minor_passes_the_check(minor):
-    keras_compat.check_keras_version(f"{minor}.0", tf_keras=False)
-    keras_compat.check_keras_version(f"{minor}.9", tf_keras=False)
+    flavour.check_keras_version(f"{minor}.0", tf_keras=False)
+    flavour.check_keras_version(f"{minor}.9", tf_keras=False)
 
 
 @pytest.mark.parametrize("version", ["3.5.0", "3.16.0", "4.0.0", "2.15.0"])   # no cell passed
@@ -48,14 +48,14 @@ def test_untested_keras3_fails_naming_the_tested_ones(monkeypatch, version):
     monkeypatch.delenv(flavour.KERAS_UNDER_TEST_ENV, raising=False)   # a keras3.N cell sets it
     tested = re.escape(", ".join(TESTED_KERAS3))
     with pytest.raises(RuntimeError, match=rf"tested with Keras {tested} only; found Keras {version}"):
-        keras_compat.check_keras_version(version, tf_keras=False)
+        flavour.check_keras_version(version, tf_keras=False)
 
 
 def test_a_matrix_cell_accepts_its_own_keras3_minor_and_no_other(monkeypatch):
     monkeypatch.setenv(flavour.KERAS_UNDER_TEST_ENV, "3.16")   # what noxfile sets in a keras3.16 cell
-    keras_compat.check_keras_version("3.16.2", tf_keras=False)
+    flavour.check_keras_version("3.16.2", tf_keras=False)
     with pytest.raises(RuntimeError, match="found Keras 3.5.0"):
-        keras_compat.check_keras_version("3.5.0", tf_keras=False)
+        flavour.check_keras_version("3.5.0", tf_keras=False)
 
 
 @pytest.mark.parametrize("running, applies", [("3.6.0", (True, True, False)), ("3.7.1", (True, False, True)),
@@ -70,26 +70,26 @@ def test_a_keras3_patch_applies_within_its_since_before_minors(monkeypatch, runn
 
 def test_tf_keras_must_match_the_tensorflow_minor_version():
     running = ".".join(tf.__version__.split(".")[:2])
-    keras_compat.check_keras_version(running + ".0", tf_keras=True)
+    flavour.check_keras_version(running + ".0", tf_keras=True)
     other = "2.18" if running != "2.18" else "2.19"
     with pytest.raises(RuntimeError, match=rf"found tf-keras {other}\.0 with TensorFlow {tf.__version__}"):
-        keras_compat.check_keras_version(other + ".0", tf_keras=True)
+        flavour.check_keras_version(other + ".0", tf_keras=True)
     with pytest.raises(RuntimeError, match="tested with tf-keras 2.18, 2.19, 2.20, 2.21"):
-        keras_compat.check_keras_version("2.15.1", tf_keras=True)
+        flavour.check_keras_version("2.15.1", tf_keras=True)
 
 
 def test_the_running_versions_pass():
     tf_internal.check_tf_version()
-    keras_compat.check_keras_version()
+    flavour.check_keras_version()
 
 
 def test_flavour_follows_tf_use_legacy_keras(monkeypatch):
     monkeypatch.setenv("TF_USE_LEGACY_KERAS", "1")
-    assert keras_compat.uses_tf_keras() and keras_compat.flavour() == "tf-keras"
+    assert flavour.uses_tf_keras() and flavour.flavour() == "tf-keras"
     monkeypatch.setenv("TF_USE_LEGACY_KERAS", "0")
-    assert not keras_compat.uses_tf_keras() and keras_compat.flavour() == "keras"
+    assert not flavour.uses_tf_keras() and flavour.flavour() == "keras"
     monkeypatch.delenv("TF_USE_LEGACY_KERAS")
-    assert keras_compat.flavour() == "keras"
+    assert flavour.flavour() == "keras"
 
 
 # --- the Keras wing and the core ---------------------------------------------------------
@@ -101,7 +101,7 @@ import numpy as np
 import tensorflow as tf
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-import gf_tf, gf_tf.cross_device_ops, gf_tf.reducers, gf_tf.ops, gf_tf.stats, gf_tf.sparsity, gf_tf.csc
+import gf_tf, gf_tf.cross_device_ops, gf_tf.reducers, gf_tf.ops, gf_tf.stats, gf_tf.csc
 loaded = [m for m, module in sys.modules.items() if module is not None and (
     m == "keras" or m.startswith(("keras.", "tf_keras", "gf_tf.keras")))]
 print("keras modules:", loaded)
@@ -168,11 +168,6 @@ def test_the_private_keras_names_gf_tf_overrides_exist_and_are_overridden():
             assert issubclass(ours, keras_name), override
 
 
-def test_the_old_module_names_are_the_keras_wing():
-    from gf_tf import checkpoint  # pylint: disable=import-outside-toplevel
-    from gf_tf.keras import backup, callbacks, checkpoint as wing_checkpoint  # pylint: disable=import-outside-toplevel
-    assert keras_compat.install is patches.install and keras_compat.flavour is flavour.flavour
-    assert keras_compat.in_multi_worker_mode is patches.in_multi_worker_mode
-    assert checkpoint.BackupAndRestore is backup.BackupAndRestore
-    assert checkpoint.attach is wing_checkpoint.attach and checkpoint.of is wing_checkpoint.of
+def test_the_package_face_names_the_keras_wing_s_callback():
+    from gf_tf.keras import callbacks  # pylint: disable=import-outside-toplevel
     assert gf_tf.GradientFlowStats is callbacks.GradientFlowStats

@@ -25,7 +25,7 @@ from gf_tf import tf_internal
 from gf_tf.keras import checkpoint_format
 from gf_tf.keras.checkpoint import STATS_PREFIX, of
 
-_log = logging.getLogger("gf_tf.checkpoint")   # the checkpoint's logger: one name to filter
+_log = logging.getLogger(__name__)
 
 
 def _is_counter(key: str, value) -> bool:

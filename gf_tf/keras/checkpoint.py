@@ -60,7 +60,7 @@ from gf_tf.keras.flavour import check_keras_version
 ATTRIBUTE = "_gf_tf_checkpoint"
 STATS_PREFIX = "comm_"   # the keys of the CommStats totals
 
-_log = logging.getLogger("gf_tf.checkpoint")   # the name log filters know (its deprecated alias)
+_log = logging.getLogger(__name__)
 
 
 class _Held:

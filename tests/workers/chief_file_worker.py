@@ -1,5 +1,5 @@
 """One worker of a 2-worker job that follows TF's multi-worker guide: only the chief saves, every
-worker loads the chief's file (gf_tf.checkpoint.load_weights_from_chief), then trains on.
+worker loads the chief's file (gf_tf.keras.backup.load_weights_from_chief), then trains on.
 
 After one epoch of CSC, the chief writes --dir/chief.weights.h5 (the other worker waits for it).
 Each worker then builds a fresh model and tries plain `model.load_weights` (recorded: the error
@@ -23,7 +23,7 @@ parser.add_argument("--dir", required=True)
 args = parser.parse_args()
 
 import gf_tf  # after argparse: fail fast on bad flags
-from gf_tf import checkpoint
+from gf_tf.keras import backup as checkpoint
 
 tf.config.experimental.enable_op_determinism()
 rank = worker_util.task_index()
@@ -75,7 +75,7 @@ except ValueError as e:
 warnings = []
 handler = logging.Handler()
 handler.emit = lambda record_: warnings.append(record_.getMessage())
-logging.getLogger("gf_tf.checkpoint").addHandler(handler)
+logging.getLogger("gf_tf.keras").addHandler(handler)
 checkpoint.load_weights_from_chief(second, path)
 loaded = second.get_weights()
 recorder = Recorder()

@@ -19,7 +19,7 @@ parser.add_argument("--steps_per_execution", type=int, default=1)
 args = parser.parse_args()
 
 import gf_tf  # after argparse: fail fast on bad flags
-from gf_tf import keras_compat
+from gf_tf.keras import flavour as keras_flavour
 
 gradient_flow = gf_tf.GradientFlowAllReduce(
     compression="fp16",
@@ -53,8 +53,8 @@ history = model.fit(dataset, epochs=args.epochs, verbose=0,
 # Local evaluation (a direct call, no collectives): every worker scores the whole test set.
 accuracy = float(np.mean(np.argmax(model(x_test, training=False).numpy(), axis=1) == y_test))
 worker_util.write_result(
-    accuracy=accuracy, flavour=keras_compat.flavour(), keras_version=keras_compat.keras_module().__version__,
+    accuracy=accuracy, flavour=keras_flavour.flavour(), keras_version=keras_flavour.keras_module().__version__,
     compression_ratio=np.array(history.history["gf_compression_ratio"], np.float64),
     loss=np.array(history.history["loss"], np.float64),
     **{f"w{i}": w for i, w in enumerate(model.get_weights())})
-print("done", keras_compat.flavour(), accuracy, history.history)
+print("done", keras_flavour.flavour(), accuracy, history.history)

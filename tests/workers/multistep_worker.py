@@ -43,9 +43,9 @@ if not MULTI_WORKER:
 
 import gf_tf  # pylint: disable=wrong-import-position
 import worker_util  # pylint: disable=wrong-import-position
-from gf_tf import keras_compat  # pylint: disable=wrong-import-position
+from gf_tf.keras import flavour as keras_flavour  # pylint: disable=wrong-import-position
 
-keras = keras_compat.keras_module()   # tf-keras under TF_USE_LEGACY_KERAS=1, else Keras 3
+keras = keras_flavour.keras_module()   # tf-keras under TF_USE_LEGACY_KERAS=1, else Keras 3
 
 sparsity = (gf_tf.ChunkSparsity(density=args.density, chunk_size=args.chunk_size,
                                 warmup_steps=args.warmup_steps, momentum=args.momentum)

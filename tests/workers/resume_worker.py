@@ -1,4 +1,4 @@
-"""One worker of a 2-worker Keras fit with gf_tf.checkpoint.BackupAndRestore and --reducer: CSC
+"""One worker of a 2-worker Keras fit with gf_tf.keras.backup.BackupAndRestore and --reducer: CSC
 (--selection) or gf_tf.reducers.LowRank(rank=2) (worker_util.checkpoint_strategy).
 
 --kill_after_epoch k: at the end of epoch k (after the backup callback ran),
@@ -33,7 +33,7 @@ parser.add_argument("--reducer", default="csc", choices=["csc", "lowrank"])
 args = parser.parse_args()
 
 import gf_tf  # after argparse: fail fast on bad flags
-from gf_tf import checkpoint
+from gf_tf.keras import backup as checkpoint
 
 tf.config.experimental.enable_op_determinism()
 rank = worker_util.task_index()
@@ -77,7 +77,7 @@ class Recorder:
         Recorder.restored = snapshot(state)
 
 
-model.optimizer.build(model.trainable_variables)   # attaches gf_tf.checkpoint's listener first
+model.optimizer.build(model.trainable_variables)   # attaches gf_tf.keras.checkpoint's listener first
 recorder = Recorder()
 gradient_flow.state_registry.add_listener(recorder.record)
 dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.global_batch)
