@@ -67,7 +67,8 @@ flags.DEFINE_enum("algorithm", "auto", ["auto", "ring", "recursive_doubling"],
 flags.DEFINE_enum("overlap", "false", ["auto", "true", "false"],
                   "all-reduce packs in groups during backprop: auto (the planner decides), true, "
                   "false (one barrier)")
-flags.DEFINE_string("density", "0.01", "fraction of chunks sent per step after warm-up (CSC); 1 = dense; "
+flags.DEFINE_string("density", "0.01", "fraction of chunks sent per step after warm-up (CSC; with --reducer "
+                    "lowrank 1 unless given); 1 = dense; "
                     "auto = chosen each step from the measured compute and all-reduce time")
 flags.DEFINE_integer("chunk_size", 1024, "CSC chunk size in elements")
 flags.DEFINE_integer("warmup_steps", 50, "dense steps before CSC starts")
@@ -246,10 +247,12 @@ def main(argv):
     factory.configure_local_devices(num_devices)
     factory.set_precision(FLAGS.mixed_precision)
     keras.utils.set_random_seed(FLAGS.seed)
+    # The low-rank reducer replaces CSC: its run is dense (--density 1) unless --density is given.
+    density = FLAGS.density if FLAGS["density"].present or FLAGS.reducer == "default" else "1"
     csc_momentum, optimizer_momentum = factory.split_momentum(
-        FLAGS.momentum, FLAGS.momentum_correction, factory.parse_density(FLAGS.density))
+        FLAGS.momentum, FLAGS.momentum_correction, factory.parse_density(density))
     gradient_flow = factory.build_gradient_flow(
-        FLAGS.compression, FLAGS.bytes_per_pack, FLAGS.density, FLAGS.chunk_size, FLAGS.warmup_steps,
+        FLAGS.compression, FLAGS.bytes_per_pack, density, FLAGS.chunk_size, FLAGS.warmup_steps,
         csc_momentum, FLAGS.selection, algorithm=FLAGS.algorithm, overlap=FLAGS.overlap,
         scoring=FLAGS.scoring, reducer=FLAGS.reducer, rank=FLAGS.rank,
         lowrank_alternate=FLAGS.lowrank_alternate)
@@ -264,7 +267,7 @@ def main(argv):
         f"chief: {is_chief}; gradient all-reduce: "
         f"{'TF ' + FLAGS.tf_all_reduce_dtype if gradient_flow is None else type(gradient_flow).__name__} "
         f"(compression {FLAGS.compression}, algorithm {FLAGS.algorithm}, overlap {FLAGS.overlap}, "
-        f"density {FLAGS.density}, warm-up {FLAGS.warmup_steps} steps)")
+        f"density {density}, warm-up {FLAGS.warmup_steps} steps)")
 
     model_name = factory.model_for(FLAGS.model, FLAGS.dataset)
     source = factory.load_dataset(FLAGS.dataset, FLAGS.data_dir, model_name, FLAGS.seed)

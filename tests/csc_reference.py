@@ -148,3 +148,19 @@ class NumpyAheadCSC:
         else:
             out = np.full_like(out, np.nan)
         return out, idx
+
+
+def spread_gradients(rng, shapes, order, num_replicas, chunk_size):
+    """Per replica a list of float32 gradients of `shapes` whose chunks (in pack `order`) have
+    norms kept apart by a random permutation of scales from 0.1 to 10 (no float32-vs-float64
+    near ties in top k)."""
+    n = sum(int(np.prod(s)) for s in shapes)
+    chunks = -(-n // chunk_size)
+    scale = rng.permutation(np.repeat(np.linspace(0.1, 10.0, chunks), chunk_size)[:n])
+    grads = []
+    for _ in range(num_replicas):
+        flat = (rng.normal(size=n) * scale).astype(np.float32)
+        parts = np.split(flat, np.cumsum([int(np.prod(shapes[i])) for i in order])[:-1])
+        by_index = dict(zip(order, parts))
+        grads.append([by_index[i].reshape(shapes[i]) for i in range(len(shapes))])
+    return grads

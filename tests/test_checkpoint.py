@@ -5,6 +5,7 @@ SIGKILL / BackupAndRestore run is in tests/test_checkpoint_multiworker.py.
 """
 
 import logging
+import math
 
 import h5py
 import keras
@@ -14,15 +15,15 @@ import tensorflow as tf
 
 import gf_tf
 from gf_tf.keras import backup, checkpoint
-from gf_tf.keras.checkpoint_checks import CheckpointMismatchError
+from gf_tf.keras.checkpoint_checks import CheckpointMismatchError, check_reducer
 from gf_tf.strategy import WorkerInfo
 
 DEVICES = [d.name for d in tf.config.list_logical_devices("CPU")]
 
 
 def _setup(seed=0, momentum=0.5, sparsity=True, devices=2, bytes_per_pack=4 << 20, hidden=16,
-           compression="fp16", reducer=None):
-    csc = gf_tf.ChunkSparsity(density=0.1, chunk_size=8, warmup_steps=2,
+           compression="fp16", reducer=None, density=0.1):
+    csc = gf_tf.ChunkSparsity(density=density, chunk_size=8, warmup_steps=2,
                               momentum=momentum) if sparsity and reducer is None else None
     gfar = gf_tf.GradientFlowAllReduce(sparsity=csc, bytes_per_pack=bytes_per_pack, compression=compression,
                                        reducer=reducer,
@@ -158,7 +159,7 @@ def test_another_pack_plan_is_refused_at_load_weights_naming_the_setting(tmp_pat
 def _shown(gfar):
     """The reducer as a mismatch names it: qualified class (settings as the handshake prints them)."""
     reducer = gfar.reducer
-    settings = ", ".join(f"{name} {text(number)}" for name, number, text in reducer.settings())
+    settings = ", ".join(f"{name} {text(number)}" for name, number, text in reducer.state_settings())
     return f"{type(reducer).__module__}.{type(reducer).__qualname__}({settings})"
 
 
@@ -172,6 +173,54 @@ def test_momentum_switched_off_is_refused_naming_both_reducers_settings(tmp_path
         f"gf_tf: cannot restore the checkpoint's reducer state: it was saved by the reducer "
         f"{_shown(gfar)} and this run's is {_shown(now)}. Resume with the same reducer and "
         f"settings.\n\n(Keras: 1 object(s)")
+
+
+@pytest.mark.parametrize("density", [0.05, 0.5, "auto"])
+def test_a_checkpoint_restores_into_another_density_and_continues_at_it(tmp_path, density):
+    """The density only chooses what a step sends: the residuals, velocities and step counters
+    saved at density 0.1 restore bitwise into a run at another density (or "auto"), which goes on
+    from the saved step at its own density (195 elements: 25 chunks of 8)."""
+    gfar, _, path = _trained(tmp_path)
+    saved, saved_totals = _snapshot(_state(gfar)), gfar.stats.totals()
+    gfar_b, model_b = _setup(seed=3, density=density)
+    restored = {}
+    recorder = _Recorder(restored)   # held here: the registry holds its listeners weakly
+    model_b.optimizer.build(model_b.trainable_variables)   # attaches the checkpoint's listener
+    gfar_b.state_registry.add_listener(recorder.record)
+    model_b.load_weights(path)
+    x, y = _data()
+    model_b.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert restored["steps"] == saved["steps"] == [4, 4]
+    for r in range(2):
+        np.testing.assert_array_equal(restored["residuals"][r], saved["residuals"][r])
+        np.testing.assert_array_equal(restored["velocities"][r], saved["velocities"][r])
+    assert _snapshot(_state(gfar_b))["steps"] == [8, 8]
+    chunks = gfar_b.stats.totals()["selected_chunks"] - saved_totals["selected_chunks"]
+    if density != "auto":
+        assert chunks == 4 * math.ceil(density * 25)
+    else:   # auto takes a rung from 1.0 down to its floor, 0.01 (1 chunk)
+        assert 4 * 1 <= chunks <= 4 * 25
+
+
+def test_an_auto_checkpoint_restores_into_a_fixed_density(tmp_path):
+    gfar, _, path = _trained(tmp_path, density="auto")
+    saved = _snapshot(_state(gfar))
+    gfar_b = _load_into(path, density=0.1)
+    assert _snapshot(_state(gfar_b))["steps"] == [s + 1 for s in saved["steps"]]
+
+
+def test_the_reducer_check_compares_the_state_settings_it_still_declares():
+    reducer = gf_tf.ChunkSparsity(density=0.25, chunk_size=8, momentum=0.5).reducer()
+    name = f"{type(reducer).__module__}.{type(reducer).__qualname__}"
+    # Saved with every handshake setting (density, CRC32 of all): nothing of it is a state setting.
+    check_reducer({"class": name, "settings": [["sparsity density", 0.5],
+                                               ["sparsity settings (CRC32)", 12345]]}, reducer)
+    check_reducer({"class": name, "settings": None}, reducer)   # format 1
+    with pytest.raises(CheckpointMismatchError, match=r"sparsity chunk_size 16, .* and this run's is "
+                                                      r".*sparsity chunk_size 8, sparsity momentum 0\.5, "
+                                                      r"sparsity selection \(CRC32\) 'per_pack'"):
+        check_reducer({"class": name, "settings": [["sparsity chunk_size", 16],
+                                                   ["sparsity momentum", 0.5]]}, reducer)
 
 
 def test_another_variable_list_is_refused_at_load_weights(tmp_path):

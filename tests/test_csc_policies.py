@@ -21,7 +21,7 @@ import tensorflow as tf
 import gf_tf
 from gf_tf.csc import PerPackSelection, policies
 
-from csc_reference import NumpyCSC, chunks_zero, flatten, pack_order
+from csc_reference import NumpyCSC, chunks_zero, flatten, pack_order, spread_gradients
 from helpers import Runner
 
 CSC = pathlib.Path(gf_tf.__file__).parent / "csc"
@@ -64,14 +64,7 @@ def test_a_policy_registered_from_outside_trains_as_its_numpy_model(quietest, mo
     model = NumpyQuietest(1030, replicas, cs, momentum)
     rng = np.random.default_rng(7)
     for _ in range(steps):
-        # Chunk scales keep the norms apart (no float32-vs-float64 near ties).
-        scale = rng.permutation(np.repeat(np.linspace(0.1, 10.0, 65), cs)[:1030])
-        grads = []
-        for _ in range(replicas):
-            flat = (rng.normal(size=1030) * scale).astype(np.float32)
-            parts = np.split(flat, np.cumsum([int(np.prod(shapes[i])) for i in order])[:-1])
-            by_index = dict(zip(order, parts))
-            grads.append([by_index[i].reshape(shapes[i]) for i in range(len(shapes))])
+        grads = spread_gradients(rng, shapes, order, replicas, cs)
         out = run(grads)
         ref, idx = model.step([flatten(g, order) for g in grads], density)
         assert len(idx) == 7

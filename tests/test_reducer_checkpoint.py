@@ -189,7 +189,8 @@ def test_another_reducer_class_is_refused_naming_both(tmp_path):
     _, _, path = _trained(tmp_path, reducer=RoundingWithFeedback())
     message = _refused_at_load(path)   # CSC (test_checkpoint._setup's)
     assert (f"it was saved by the reducer {__name__}.RoundingWithFeedback(rounding bits 6) and "
-            f"this run's is gf_tf.csc.reducer.CSCReducer(sparsity density 0.1, ") in message
+            f"this run's is gf_tf.csc.reducer.CSCReducer(sparsity chunk_size 8, sparsity momentum 0.5, "
+            f"sparsity selection (CRC32) 'per_pack')") in message
 
 
 def test_state_into_a_reducer_without_state_is_ignored_with_a_warning(tmp_path, caplog):

@@ -139,6 +139,18 @@ def test_out_of_range_numbers_exit_2_with_one_line_naming_the_flag(flag, value, 
     assert "Traceback" not in run.stderr.decode()
 
 
+def test_reducer_lowrank_trains_at_the_trainer_s_other_defaults():
+    """--reducer lowrank alone: the default CSC density gives way (the low-rank reducer replaces CSC)."""
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env.pop("TF_CONFIG", None)
+    run = subprocess.run([sys.executable, "-m", "models.train", "--reducer", "lowrank", "--dataset",
+                          "synthetic", "--epochs", "1", "--steps_per_epoch", "3"], env=env,
+                         capture_output=True, timeout=240, cwd=REPO_ROOT)
+    text = run.stdout.decode() + run.stderr.decode()
+    assert run.returncode == 0, text[-3000:]
+    assert "gradient all-reduce: GradientFlowAllReduce" in text and "density 1," in text, text[-3000:]
+
+
 def test_a_float16_tf_all_reduce_with_gradient_flow_exits_2_naming_the_flags():
     env = {**os.environ, "PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
     env.pop("TF_CONFIG", None)

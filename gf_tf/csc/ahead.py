@@ -80,15 +80,15 @@ class AheadSelection(PerPackSelection):
         del comm, accumulated
         return timing, None
 
-    def step(self, reducer, step, counts, accumulated, norms, plan):
+    def step(self, chunk_step, sparsity, step, counts, accumulated, norms, plan):
         """A sparse step (`sparse_step`, one collective per wire group, and its float32
         retries), or a dense one that all-reduces its norms first."""
         if plan.density < 1.0:
-            outputs, residual_l1, retries = sparse_step(reducer.sparsity, step, counts,
+            outputs, residual_l1, retries = sparse_step(sparsity, step, counts,
                                                         accumulated, plan)
             return outputs, residual_l1, [], [], {"float32_retries": retries}
         norms = fuse_controls(step.comm, [a.norms for a in accumulated])
-        return reducer.chunk_step(step, counts, accumulated, norms, plan)
+        return chunk_step(step, counts, accumulated, norms, plan)
 
     def dense_updates(self, state, replica, values, postscale, norms, comm, chunk_size):
         """A dense step chooses the next step's chunks: (scores, `dense_scores`) and (bound,

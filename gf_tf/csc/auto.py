@@ -6,17 +6,27 @@ the previous step's chunk all-reduce and the bytes b it sent (see
 every replica picks the same rung from the same sums (`choose_rung`).
 """
 
+import math
 from typing import List, Sequence
 
 import tensorflow as tf
 
 from gf_tf import tf_internal
-from gf_tf.csc.density import FixedDensity
+from gf_tf.csc.density import DensityRule
 
 AUTO = "auto"
 AUTO_LADDER = (1.0, 0.25, 0.1, 0.03, 0.01, 0.003, 0.001)
 """The densities density="auto" chooses from (those above `min_density`, then `min_density`);
 1.0 sends every chunk (a dense step)."""
+# The floor's default is the convergence bound: the fixed default density (0.01), the sparsest
+# that trains at models.train's defaults; the rule prices rungs by bytes only and knows nothing of
+# convergence. Top-k with error feedback sends a chunk once its residual is among the k largest,
+# so at density d every chunk can be sent within ceil(C / k) <= 1/d steps; a floor whose 1/d
+# exceeds a run's sparse steps leaves residuals stale and trains worse (docs/benchmarks.md).
+DEFAULT_MIN_DENSITY = 0.01
+"""`AutoDensity(min_density=)` (`ChunkSparsity(min_density=)`): the floor of density="auto"."""
+DEFAULT_AUTO_BUDGET = 0.05
+"""`AutoDensity(budget=)` (`ChunkSparsity(auto_budget=)`): communication seconds allowed per compute second."""
 # The figures each replica adds to the step's control all-reduce.
 TIMING_FIGURES = ("compute_seconds", "comm_seconds", "comm_bytes")
 
@@ -153,21 +163,35 @@ def record(state: AutoState, comm, started, done, sent_bytes) -> None:
         state.sent[r].assign(tf.cast(sent_bytes, tf.float32))
 
 
-class AutoDensity(FixedDensity):
+class AutoDensity(DensityRule):
     """density="auto": each sparse step takes one of `rungs()`, chosen by `choose_rung` from
     the previous step's timing, which rides in the step's control all-reduce (model:
     docs/csc.md, "density="auto"").
 
     Args:
-      min_density (float): the floor, in (0, 1].
-      budget (float): communication seconds allowed per compute second, > 0.
+      min_density (float): the floor, in (0, 1] (default DEFAULT_MIN_DENSITY, 0.01).
+      budget (float): communication seconds allowed per compute second, > 0 and finite
+        (default DEFAULT_AUTO_BUDGET, 0.05).
+
+    Raises:
+      ValueError: min_density or budget out of range (the message names
+        `ChunkSparsity`'s argument: min_density, auto_budget).
     """
+    value, code = AUTO, -1.0
     measures = True
     groupable = False   # the rule needs the whole step's timing: one barrier
 
-    def __init__(self, min_density: float, budget: float):
-        super().__init__(min_density)
-        self.value, self.code, self.budget = AUTO, -1.0, budget
+    def __init__(self, min_density: float = DEFAULT_MIN_DENSITY,
+                 budget: float = DEFAULT_AUTO_BUDGET):
+        if isinstance(min_density, bool) or not (isinstance(min_density, (int, float))
+                                                 and 0.0 < min_density <= 1.0):
+            raise ValueError(f"min_density must be a fraction in (0, 1] (the floor of "
+                             f"density=\"auto\"), got {min_density!r}")
+        if isinstance(budget, bool) or not (isinstance(budget, (int, float))
+                                            and 0.0 < budget < math.inf):
+            raise ValueError(f"auto_budget must be a number > 0 (communication seconds per "
+                             f"compute second), got {budget!r}")
+        self.floor, self.budget = float(min_density), float(budget)
 
     def rungs(self):
         """AUTO_LADDER's entries above the floor, then the floor."""

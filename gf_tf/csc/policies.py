@@ -11,7 +11,7 @@ from typing import Dict, Sequence, Union
 
 from gf_tf.csc.ahead import AheadSelection
 from gf_tf.csc.auto import AUTO, AutoDensity
-from gf_tf.csc.density import FixedDensity
+from gf_tf.csc.density import DensityRule, FixedDensity
 from gf_tf.csc.global_top_k import GlobalSelection
 from gf_tf.csc.per_pack import PerPackSelection
 from gf_tf.csc.selection import SelectionPolicy
@@ -61,16 +61,26 @@ def policy(name: str) -> SelectionPolicy:
     return POLICIES[name]
 
 
-def density_rule(density: Union[float, str], min_density: float,
-                 auto_budget: float) -> FixedDensity:
-    """The rule of `ChunkSparsity(density=...)`: `AutoDensity` for "auto", else `FixedDensity`
-    (arguments validated by ChunkSparsity)."""
-    if density == AUTO:
-        return AutoDensity(float(min_density), float(auto_budget))
+def density_rule(density: Union[float, str, DensityRule], **auto_settings) -> DensityRule:
+    """The rule of `ChunkSparsity(density=...)`: a `DensityRule` as it is, `AutoDensity` for
+    "auto" (with `auto_settings`: min_density, budget), else `FixedDensity`; each rule checks
+    its own arguments (`auto_settings` are checked beside a fraction too, where they go unused,
+    so a wrong one never passes silently).
+
+    Raises:
+      ValueError: another string than "auto", or the rule's own ValueError.
+    """
+    if isinstance(density, DensityRule):
+        return density
+    if isinstance(density, str):
+        if density != AUTO:
+            raise ValueError(f"density must be a fraction in (0, 1] or \"auto\", got {density!r}")
+        return AutoDensity(**auto_settings)
+    AutoDensity(**auto_settings)
     return FixedDensity(density)
 
 
-def check(selection: SelectionPolicy, rule: FixedDensity, scoring: str, default_scoring: str):
+def check(selection: SelectionPolicy, rule: DensityRule, scoring: str, default_scoring: str):
     """Raises ValueError when the policy, the density rule and `scoring` do not go together:
     a rule that times each step with a policy whose sparse steps carry no control
     all-reduce, or a scoring other than the default with a policy that takes none."""

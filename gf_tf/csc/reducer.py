@@ -126,6 +126,17 @@ class CSCReducer(Reducer):
         return [("sparsity density", self.density_rule.code, density_text),
                 ("sparsity settings (CRC32)", zlib.crc32(repr(config).encode()), hex_text)]
 
+    def state_settings(self):
+        """What the residuals, velocities, scores and step counters mean: the chunk size, the
+        momentum (correction) and the selection policy. The density, its rule and the warm-up
+        only choose what a step sends, so a checkpoint restores across them."""
+        from gf_tf.csc import policies  # pylint: disable=import-outside-toplevel  # it imports the policies
+        names = {zlib.crc32(name.encode()): name for name in policies.POLICIES}
+        return [("sparsity chunk_size", self.sparsity.chunk_size, lambda v: str(int(v))),
+                ("sparsity momentum", self.sparsity.momentum, lambda v: f"{v:g}"),
+                ("sparsity selection (CRC32)", zlib.crc32(self.sparsity.selection.encode()),
+                 lambda v: repr(names[int(v)]) if int(v) in names else hex_text(v))]
+
     def cost(self, elements, wire_format):
         """Two collectives a step: the chunk norms, then the selected chunks (one with
         selection="ahead"); groupable at a fixed density with per-pack or "ahead" selection
@@ -197,7 +208,7 @@ class CSCReducer(Reducer):
         def branch(plan):
             def run():
                 outputs, residual_l1, started, done, *counted = self.policy.step(
-                    self, group_step, counts, accumulated, norms, plan)
+                    self.chunk_step, self.sparsity, group_step, counts, accumulated, norms, plan)
                 counted = counted[0] if counted else {}
                 figures = {name: tf.cast(counted.get(name, 0), tf.int64)
                            for name in self.policy.figures}

@@ -102,11 +102,14 @@ class SelectionPolicy:
         timing, *norms = fuse_controls(comm, [timing] + [a.norms for a in accumulated])
         return timing, norms
 
-    def step(self, reducer, step, counts, accumulated, norms, plan):
-        """One group's step at `plan` (a StepPlan): `reducer.chunk_step`'s
-        (outputs, residual_l1, started, done), and with `figures` a fifth item, a dict of
-        the step's counts by name (scalars; a name left out, or no fifth item, counts 0)."""
-        return reducer.chunk_step(step, counts, accumulated, norms, plan)
+    def step(self, chunk_step, sparsity, step, counts, accumulated, norms, plan):
+        """One group's step at `plan` (a StepPlan): `chunk_step(step, counts, accumulated, norms,
+        plan)`, the reducer's chunk step of the group (`CSCReducer.chunk_step`), gives
+        (outputs, residual_l1, started, done); a policy may return a fifth item, a dict of the
+        step's counts by name (scalars; a name left out, or no fifth item, counts 0).
+        `sparsity` is the `ChunkSparsity` the reducer serves."""
+        del sparsity
+        return chunk_step(step, counts, accumulated, norms, plan)
 
     def dense_updates(self, state: CSCState, replica: int, values, postscale, norms, comm,
                       chunk_size: int) -> tuple:

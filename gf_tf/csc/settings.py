@@ -10,7 +10,8 @@ import math
 from typing import Optional, Tuple, Union
 
 from gf_tf.csc import policies
-from gf_tf.csc.auto import AUTO
+from gf_tf.csc.auto import AUTO, DEFAULT_AUTO_BUDGET, DEFAULT_MIN_DENSITY  # noqa: F401 (re-exported)
+from gf_tf.csc.density import DensityRule
 from gf_tf.csc.reducer import CSCReducer
 
 # DEFAULT_CHUNK_SIZE: the chunk norms add 4 bytes per chunk_size float32 elements (1/1024 of
@@ -23,17 +24,6 @@ DEFAULT_CHUNK_SIZE = 1024
 """`ChunkSparsity(chunk_size=)`: elements per chunk."""
 DEFAULT_DENSITY = 0.01
 """`ChunkSparsity(density=)`: fraction of each pack's chunks sent per step."""
-
-# density="auto" (see ChunkSparsity; its densities AUTO_LADDER are in gf_tf.csc.auto): its
-# default floor and communication budget. The rule prices rungs by bytes only and knows nothing of convergence, so the floor is the
-# convergence bound: the fixed default, the sparsest density that trains at models.train's
-# defaults. Top-k with error feedback sends a chunk once its residual is among the k largest,
-# so at density d every chunk can be sent within ceil(C / k) <= 1/d steps; a floor whose 1/d
-# exceeds a run's sparse steps leaves residuals stale and trains worse (docs/benchmarks.md).
-DEFAULT_MIN_DENSITY = DEFAULT_DENSITY
-"""`ChunkSparsity(min_density=)`: the floor of density="auto" (the fixed default density)."""
-DEFAULT_AUTO_BUDGET = 0.05
-"""`ChunkSparsity(auto_budget=)`: communication seconds density="auto" allows per compute second."""
 
 WARMUP_MODES = ("dense", "exponential")
 SELECTIONS = policies.BUILT_IN   # the built-in policies; policies.POLICIES holds all
@@ -52,10 +42,12 @@ class ChunkSparsity:
     Compression (Lin et al., arXiv 1712.01887, sections 3.2 and 3.4).
 
     Args:
-      density (float | str): target fraction of chunks sent per step, in
+      density (float | str | DensityRule): target fraction of chunks sent per step, in
         (0, 1]. k = max(1, ceil(density * num_chunks)) chunks of each pack are
         sent; 1.0 means dense. Or "auto": the density follows the measured
-        link (see "density="auto"" below).
+        link (see "density="auto"" below; `gf_tf.csc.auto.AutoDensity`). Or a
+        `gf_tf.csc.density.DensityRule` object (its own settings; min_density
+        and auto_budget then stay at their defaults).
       chunk_size (int): elements per chunk (>= 1). The chunk norms add 4
         bytes per chunk_size elements to each step (1/chunk_size of the
         float32 bytes).
@@ -109,7 +101,8 @@ class ChunkSparsity:
         1 / min_density steps: with fewer sparse steps than that, residuals
         go stale and the model trains worse (see docs/benchmarks.md).
       auto_budget (float): density="auto" only: communication seconds allowed
-        per second of compute, > 0 (default 0.05).
+        per second of compute, > 0 (default 0.05). Both go to `AutoDensity`,
+        which checks them and holds them (`min_density` and `auto_budget` read it).
       scoring (str): selection="ahead" only: the score that chooses the next
         step's chunks, all-reduced (SUM over replicas):
 
@@ -121,8 +114,9 @@ class ChunkSparsity:
 
     Raises:
       ValueError: an argument is out of range or of the wrong type (the
-        message names it), selection="ahead" is given with density="auto", or a
-        scoring other than "error_feedback" is given without selection="ahead".
+        message names it), selection="ahead" is given with density="auto", a
+        scoring other than "error_feedback" is given without selection="ahead", or
+        min_density / auto_budget are given beside a DensityRule object.
 
     density="auto": after the warm-up, each step picks one rung of `rungs()` (static k per
     pack per rung, so the rungs are branches of one `tf.switch_case`; rung 1.0 is a dense
@@ -152,12 +146,6 @@ class ChunkSparsity:
                  momentum: float = 0.0, warmup: str = "dense", selection: str = "per_pack",
                  min_density: float = DEFAULT_MIN_DENSITY,
                  auto_budget: float = DEFAULT_AUTO_BUDGET, scoring: str = "error_feedback"):
-        if isinstance(density, str):
-            if density != AUTO:
-                raise ValueError(f"density must be a fraction in (0, 1] or \"auto\", got {density!r}")
-        elif isinstance(density, bool) or not (isinstance(density, (int, float))
-                                               and 0.0 < density <= 1.0):
-            raise ValueError(f"density must be a fraction in (0, 1] or \"auto\", got {density!r}")
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be an int >= 1 (elements), got {chunk_size!r}")
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
@@ -169,15 +157,12 @@ class ChunkSparsity:
         self.policy = policies.policy(selection)
         if scoring not in SCORINGS:
             raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
-        if isinstance(min_density, bool) or not (isinstance(min_density, (int, float))
-                                                 and 0.0 < min_density <= 1.0):
-            raise ValueError(f"min_density must be a fraction in (0, 1] (the floor of "
-                             f"density=\"auto\"), got {min_density!r}")
-        if isinstance(auto_budget, bool) or not (isinstance(auto_budget, (int, float))
-                                                 and 0.0 < auto_budget < math.inf):
-            raise ValueError(f"auto_budget must be a number > 0 (communication seconds per "
-                             f"compute second), got {auto_budget!r}")
-        self.density_rule = policies.density_rule(density, min_density, auto_budget)
+        if isinstance(density, DensityRule) and (min_density, auto_budget) != (
+                DEFAULT_MIN_DENSITY, DEFAULT_AUTO_BUDGET):
+            raise ValueError("min_density and auto_budget belong to density=\"auto\"; a density rule "
+                             "object holds its own settings")
+        self.density_rule = policies.density_rule(density, min_density=min_density,
+                                                  budget=auto_budget)
         policies.check(self.policy, self.density_rule, scoring, SCORINGS[0])
         self.density = self.density_rule.value
         self.chunk_size = chunk_size
@@ -186,8 +171,16 @@ class ChunkSparsity:
         self.warmup = warmup
         self.selection = selection
         self.scoring = scoring
-        self.min_density = float(min_density)
-        self.auto_budget = float(auto_budget)
+
+    @property
+    def min_density(self) -> float:
+        """The density rule's floor (`DensityRule.floor`; density="auto": `min_density`)."""
+        return self.density_rule.floor
+
+    @property
+    def auto_budget(self) -> float:
+        """density="auto"'s budget (`AutoDensity.budget`); DEFAULT_AUTO_BUDGET for other rules."""
+        return getattr(self.density_rule, "budget", DEFAULT_AUTO_BUDGET)
 
     @property
     def auto(self) -> bool:
@@ -255,9 +248,9 @@ class ChunkSparsity:
 
     def candidates(self) -> Tuple[Tuple[Optional[int], float], ...]:
         """The densities a step may run at, as ((first_step or None, density), ...):
-        the numeric stages of `schedule()`, then (density="auto") every rung with
-        first_step None."""
-        stages = tuple((s, d) for s, d in self.schedule() if d != AUTO)
+        the numeric stages of `schedule()`, then the density rule's `candidates()`
+        (density="auto": every rung, with first_step None)."""
+        stages = tuple((s, d) for s, d in self.schedule() if not isinstance(d, str))
         return stages + self.density_rule.candidates()
 
     def step_bytes(self, elements: int, wire_bytes: int = 2) -> Tuple[int, ...]:

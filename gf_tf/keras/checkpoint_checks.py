@@ -45,20 +45,24 @@ def keeps_state(reducer: Reducer) -> bool:
 
 def reducer_meta(reducer: Reducer) -> dict:
     """{"class": the reducer's qualified class name, "settings": [[name, number], ...] of its
-    `settings()`} (JSON values), as saved in the meta."""
+    `state_settings()`} (JSON values), as saved in the meta."""
     cls = type(reducer)
-    settings = [[name, number] for name, number, _ in reducer.settings()]
+    settings = [[name, number] for name, number, _ in reducer.state_settings()]
     return {"class": f"{cls.__module__}.{cls.__qualname__}",
             "settings": json.loads(json.dumps(settings))}
 
 
 def check_reducer(saved: dict, reducer: Reducer) -> None:
-    """Raises CheckpointMismatchError naming both reducers (class and settings, as the handshake
-    prints them) unless the saved reducer is `reducer`'s class with equal settings. Settings
-    saved as None (format 1) are not compared."""
+    """Raises CheckpointMismatchError naming both reducers (class and state settings, as the
+    handshake prints them) unless the saved reducer is `reducer`'s class and every state setting
+    (`Reducer.state_settings`) saved under a name it still has is equal. Settings saved as None
+    (format 1) and saved names the reducer no longer declares (a checkpoint that recorded every
+    handshake setting) are not compared: the state's arrays are checked when assigned."""
     now = reducer_meta(reducer)
-    same = saved["class"] == now["class"] and saved["settings"] in (None, now["settings"])
-    printers = {name: text for name, _, text in reducer.settings()}
+    current = dict((name, number) for name, number in now["settings"])
+    same = saved["class"] == now["class"] and all(
+        current[name] == number for name, number in saved["settings"] or () if name in current)
+    printers = {name: text for name, _, text in reducer.state_settings()}
 
     def shown(meta):
         if meta["settings"] is None:

@@ -215,6 +215,13 @@ class Reducer:
         plan, at most MAX_REDUCER_SETTINGS of them. Default: none."""
         return []
 
+    def state_settings(self) -> List[Setting]:
+        """(name, number, how to print it) of the settings the state's layout and meaning
+        depend on: a checkpoint's state restores into a reducer of the same class whose state
+        settings equal the saved ones (`gf_tf.keras.checkpoint`); settings left out (CSC's
+        density) may change across a restore. Default: `settings()`."""
+        return self.settings()
+
     def cost(self, elements: int, wire_format: wire.WireFormat) -> Optional[CostTerms]:
         """The wire cost of one step over `elements` float32 gradient elements whose packs
         travel on `wire_format` (`gf_tf.wire.WireFormat`: the pinned compression's, or under
