@@ -156,8 +156,8 @@ def _watchdog() -> None:
                 return
             if stalls.setdefault(key, Stall(step_watch.timeout)).observe(time.monotonic(),
                                                                           entered, left):
-                _log.error(timeout_message(step_watch.timeout))
-                tf_internal.abort_collectives(tf.errors.DEADLINE_EXCEEDED,
-                                              timeout_message(step_watch.timeout))
+                message = timeout_message(step_watch.timeout)
+                _log.error(message)
+                tf_internal.abort_collectives(tf.errors.DEADLINE_EXCEEDED, message)
                 return
         time.sleep(min(poll_seconds(w.timeout) for w in watches.values()))

@@ -12,18 +12,18 @@ from typing import List, Sequence
 import tensorflow as tf
 
 from gf_tf import tf_internal
-from gf_tf.csc.density import DensityRule
+from gf_tf.csc.density import DEFAULT_DENSITY, DensityRule
 
 AUTO = "auto"
 AUTO_LADDER = (1.0, 0.25, 0.1, 0.03, 0.01, 0.003, 0.001)
 """The densities density="auto" chooses from (those above `min_density`, then `min_density`);
 1.0 sends every chunk (a dense step)."""
-# The floor's default is the convergence bound: the fixed default density (0.01), the sparsest
+# The floor's default is the convergence bound: the fixed default density, the sparsest
 # that trains at models.train's defaults; the rule prices rungs by bytes only and knows nothing of
 # convergence. Top-k with error feedback sends a chunk once its residual is among the k largest,
 # so at density d every chunk can be sent within ceil(C / k) <= 1/d steps; a floor whose 1/d
 # exceeds a run's sparse steps leaves residuals stale and trains worse (docs/benchmarks.md).
-DEFAULT_MIN_DENSITY = 0.01
+DEFAULT_MIN_DENSITY = DEFAULT_DENSITY
 """`AutoDensity(min_density=)` (`ChunkSparsity(min_density=)`): the floor of density="auto"."""
 DEFAULT_AUTO_BUDGET = 0.05
 """`AutoDensity(budget=)` (`ChunkSparsity(auto_budget=)`): communication seconds allowed per compute second."""

@@ -11,6 +11,11 @@ from typing import Optional, Sequence, Tuple
 
 from gf_tf.reducers import no_control
 
+# The sparsest fixed density that trains models.train's digits CNN as well as dense float32
+# (benchmarks/csc_defaults.py, benchmarks/convergence.py; the figures are in docs/benchmarks.md).
+DEFAULT_DENSITY = 0.01
+"""`ChunkSparsity(density=)`: fraction of each pack's chunks sent per step."""
+
 
 class DensityRule:
     """The base of a CSC density rule. The defaults are those of a rule that keeps one density

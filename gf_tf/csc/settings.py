@@ -10,20 +10,16 @@ import math
 from typing import Optional, Tuple, Union
 
 from gf_tf.csc import policies
-from gf_tf.csc.auto import AUTO, DEFAULT_AUTO_BUDGET, DEFAULT_MIN_DENSITY  # noqa: F401 (re-exported)
-from gf_tf.csc.density import DensityRule
+from gf_tf.csc.auto import DEFAULT_AUTO_BUDGET, DEFAULT_MIN_DENSITY  # noqa: F401 (re-exported)
+from gf_tf.csc.density import DEFAULT_DENSITY, DensityRule  # noqa: F401 (re-exported)
 from gf_tf.csc.reducer import CSCReducer
 
 # DEFAULT_CHUNK_SIZE: the chunk norms add 4 bytes per chunk_size float32 elements (1/1024 of
 # the dense bytes at 1024), a small share of what a sparse FP16 step sends, and smaller chunks
 # select about the same share of the accumulator's L1 mass per step while their norms cost
-# more. DEFAULT_DENSITY: the sparsest fixed density that trains models.train's digits CNN as
-# well as dense float32 (benchmarks/csc_defaults.py, benchmarks/convergence.py; the figures are
-# in docs/benchmarks.md).
+# more.
 DEFAULT_CHUNK_SIZE = 1024
 """`ChunkSparsity(chunk_size=)`: elements per chunk."""
-DEFAULT_DENSITY = 0.01
-"""`ChunkSparsity(density=)`: fraction of each pack's chunks sent per step."""
 
 WARMUP_MODES = ("dense", "exponential")
 SELECTIONS = policies.BUILT_IN   # the built-in policies; policies.POLICIES holds all

@@ -59,7 +59,7 @@ def check_reducer(saved: dict, reducer: Reducer) -> None:
     (format 1) and saved names the reducer no longer declares (a checkpoint that recorded every
     handshake setting) are not compared: the state's arrays are checked when assigned."""
     now = reducer_meta(reducer)
-    current = dict((name, number) for name, number in now["settings"])
+    current = dict(now["settings"])
     same = saved["class"] == now["class"] and all(
         current[name] == number for name, number in saved["settings"] or () if name in current)
     printers = {name: text for name, _, text in reducer.state_settings()}
