@@ -119,7 +119,7 @@ def test_a_traced_gradient_step_hands_every_all_reduce_options_without_timeout_a
 # --- real workers -------------------------------------------------------------------------
 
 COMM_TIMEOUT = 300   # seconds: the trainer's default (models.train --collective_timeout)
-# Threads of one worker: TF's pools and gRPC (222-251, docs/reports/2026-12-06-step-deadline.md),
+# Threads of one worker: TF's pools and gRPC (222-251 in the step-deadline report, docs/reports),
 # one watchdog, and the eager collectives of start-up (probe, handshake) and of the metrics' reads,
 # which keep their timeout. Per-collective timeouts add (collectives a second) x 300 s: thousands here.
 THREAD_BOUND = 400
