@@ -22,7 +22,7 @@ all-reduce a gradient list shaped like the named network
   is the TCP payload rate measured in the same run around the ring
   (EmulatedCluster.measure_goodput: all links at once, best link).
 - x bound: measured / bound; speedup: TF default fp32 time / this time.
-- paired vs TF (auto only): after the all-reduce loop, the same worker
+- paired vs TF (default only): after the all-reduce loop, the same worker
   processes call the set's all-reduce and TF's own (ReplicaContext.all_reduce
   of a copy of the set, which GradientFlow passes through) in turn; TF's
   median / ours. Both halves share the processes, their placement on the
@@ -50,7 +50,7 @@ all-reduce a gradient list shaped like the named network
   when every setting is pinned), in the JSON cell and printed below the table.
 
 Presets: quick (smoke test), targets (the CSC speed targets), full (every method
-x set x N in 2-4 x rate), scale (N up to 8, gf_tf's default `auto`
+x set x N in 2-4 x rate), scale (N up to 8, gf_tf's default `default`
 and the recursive-doubling methods; the calibration of benchmarks.projection).
 
 Needs root; without it, exits with status 2 and changes nothing.
@@ -102,7 +102,7 @@ def preset_launches(name: str) -> List[Launch]:
     """The matrices. `targets` covers every issue target within ~30-40 min on 2 cores."""
     launches: List[Launch] = []
     if name == "quick":
-        return [(2, 100.0, m, ["resnet20"]) for m in ("tf_fp32", "gf_fp16", "csc_1", "auto")]
+        return [(2, 100.0, m, ["resnet20"]) for m in ("tf_fp32", "gf_fp16", "csc_1", "default")]
     if name == "targets":
         # Budgeted for ~20-25 min on 2 cores; covers every all-reduce target of the issue.
         for rate in DEFAULT_RATES:
@@ -128,7 +128,7 @@ def preset_launches(name: str) -> List[Launch]:
     raise SystemExit(f"--preset: unknown {name!r}; choose quick, targets, full or scale")
 
 
-SCALE_METHODS = ["tf_fp32", "gf_fp16", "csc_1", "auto"]
+SCALE_METHODS = ["tf_fp32", "gf_fp16", "csc_1", "default"]
 SCALE_RD_METHODS = ["gf_fp16_rd", "csc_1_rd"]
 
 
@@ -136,7 +136,7 @@ def scale_launches() -> List[Launch]:
     """The scale matrix: gf_tf's default against TF fp32 from 2 to 8 workers.
 
     - {tiny, resnet20, resnet50} x {100 Mbit/s, 1 Gbit/s, unshaped} x N in {2, 3, 4}
-      for tf_fp32, gf_fp16, csc_1, auto (ResNet-50 only up to N = 4: 2 cores);
+      for tf_fp32, gf_fp16, csc_1, default (ResNet-50 only up to N = 4: 2 cores);
     - the recursive-doubling methods at N in {2, 3, 4}, 1 Gbit/s, on tiny and ResNet-20,
       so that benchmarks.projection can fit their round latency on N <= 4 and
       validate it at N = 6 and 8;
@@ -153,26 +153,19 @@ def scale_launches() -> List[Launch]:
     return sorted(launches, key=lambda l: (l[0], l[1] is None, l[1] or 0))
 
 
-def payload_bytes_estimate(method: str, elements: int) -> float:
-    if method == "tf_fp32":
-        return 4.0 * elements
-    if method in methods.CSC_DENSITY:
-        return 2.0 * elements * methods.largest_density(method)
-    return 2.0 * elements
-
-
-def estimate_iter_seconds(method: str, elements: int, n: int, rate_mbit: Optional[float]) -> float:
-    """Rough model for time budgets and timeouts: link time + a CPU floor seen on this machine."""
+def estimate_iter_seconds(method: str, set_name: str, n: int, rate_mbit: Optional[float]) -> float:
+    """Rough model for time budgets and timeouts: link time of the method's payload bytes
+    (`methods.payload_bytes`) + a CPU floor seen on this machine."""
     rate_bps = (rate_mbit or 8000.0) * 1e6 * 0.95
-    link = 2 * (n - 1) / n * payload_bytes_estimate(method, elements) * 8 / rate_bps
-    cpu = 1.9e-8 * elements * n
+    shapes = gradients.GRADIENT_SETS[set_name]
+    link = 2 * (n - 1) / n * methods.payload_bytes(method, shapes) * 8 / rate_bps
+    cpu = 1.9e-8 * gradients.num_elements(shapes) * n
     return link + cpu + 0.05
 
 
 def estimate_launch_seconds(launch: Launch, iters: int, warmup: int) -> float:
     n, rate, method, sets = launch
-    per_iter = sum(estimate_iter_seconds(method, gradients.num_elements(gradients.GRADIENT_SETS[s]), n, rate)
-                   for s in sets)
+    per_iter = sum(estimate_iter_seconds(method, s, n, rate) for s in sets)
     return 8.0 + 1.5 * n + (iters + warmup + 1) * per_iter
 
 
@@ -198,9 +191,9 @@ def unavailable_methods() -> Dict[str, str]:
     found = dict(line.split() for line in probe.stdout.splitlines())
     missing = {}
     for m in methods.METHODS:
-        if methods.is_gradient_flow(m) and m not in methods.CSC_DENSITY and found.get("dense") != "True":
+        if methods.is_gradient_flow(m) and not methods.is_csc(m) and found.get("dense") != "True":
             missing[m] = "gf_tf.GradientFlowAllReduce / MultiWorkerMirroredStrategy not exported"
-        if m in methods.CSC_DENSITY and found.get("csc") != "True":
+        if methods.is_csc(m) and found.get("csc") != "True":
             missing[m] = "gf_tf.ChunkSparsity not exported"
     return missing
 
@@ -210,17 +203,16 @@ def run_launch(cluster: netem.EmulatedCluster, launch: Launch, port: int, iters:
     """Runs one method on one cluster configuration; returns worker results or an error."""
     n, rate, method, sets = launch
     budget = estimate_launch_seconds(launch, iters, warmup)
-    per_iter_max = max(estimate_iter_seconds(method, gradients.num_elements(gradients.GRADIENT_SETS[s]), n, rate)
-                       for s in sets)
+    per_iter_max = max(estimate_iter_seconds(method, s, n, rate) for s in sets)
     collective_timeout = max(60.0, 6 * per_iter_max + 30)
     argv = [sys.executable, "-m", "benchmarks.workers.allreduce_worker", "--method", method,
             "--sets", ",".join(sets), "--iters", str(iters), "--warmup", str(warmup),
             "--timeout", str(collective_timeout)]
     if method == "gf_fp16":
         argv.append("--pack-overhead")
-    if method == "auto":
+    if method == "default":
         argv.append("--paired")
-    if method in methods.CSC_DENSITY:
+    if methods.is_csc(method):
         argv.append("--chunk-path")
     if profile and methods.is_gradient_flow(method):
         argv += ["--profile", os.path.join(log_dir, f"profile_{method}_n{n}_{rate}")]
@@ -245,7 +237,7 @@ def derive_cells(launch: Launch, outcome: Dict, goodput_bps: float) -> List[Dict
         if "sent_payload_bytes_per_iter" in chief:
             payload, source = chief["sent_payload_bytes_per_iter"], "GradientFlow CommStats"
         else:
-            payload, source = payload_bytes_estimate(method, elements), "dtype size x elements"
+            payload, source = methods.payload_bytes(method, gradients.GRADIENT_SETS[name]), "byte model"
         ring = 2 * (n - 1) / n
         bound = ring * payload * 8 / goodput_bps
         cell.update({
@@ -399,7 +391,7 @@ def scale_targets_table(cells: List[Dict]) -> str:
             ALL_SETS.index(kv[0][0]), kv[0][1], kv[0][2] is None, kv[0][2] or 0)):
         where = f"{set_}, N={n}, {report.link_label(rate)}"
         base = timed.get((set_, n, rate, "tf_fp32"))
-        if method == "auto" and base:
+        if method == "default" and base:
             speed = base / seconds
             rows.append([where, "default >= 0.95x TF fp32", f"{speed:.2f}x",
                          "met" if speed >= 0.95 else "MISSED"])
@@ -502,7 +494,7 @@ def main(argv=None) -> int:
     parser.add_argument("--sets", help=f"comma-separated subset of {ALL_SETS}")
     parser.add_argument("--workers", help="comma-separated N, e.g. 2,4")
     parser.add_argument("--rates", help="comma-separated Mbit/s or 'none' for unshaped, e.g. 100,1000,none")
-    parser.add_argument("--methods", help=f"comma-separated subset of {methods.METHODS}")
+    parser.add_argument("--methods", help=f"comma-separated subset of {methods.METHODS} (auto: default)")
     parser.add_argument("--iters", type=int, default=None, help="timed iterations (default 5; quick: 2)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--goodput-seconds", type=float, default=3.0)
@@ -520,7 +512,7 @@ def main(argv=None) -> int:
     preset = "quick" if args.quick else (args.preset or ("custom" if custom else "full"))
     if preset == "custom":
         sets = parse_list(args.sets, ALL_SETS, "--sets") if args.sets else ALL_SETS
-        meths = (parse_list(args.methods, methods.METHODS, "--methods") if args.methods
+        meths = (methods.parse(args.methods) if args.methods
                  else methods.PRESET_METHODS)
         ns = [int(x) for x in args.workers.split(",")] if args.workers else [2, 3, 4]
         rates = parse_rates(args.rates) if args.rates else DEFAULT_RATES
@@ -528,7 +520,7 @@ def main(argv=None) -> int:
     else:
         launches = preset_launches(preset)
         if args.methods:   # a preset can still be narrowed to some methods
-            keep = parse_list(args.methods, methods.METHODS, "--methods")
+            keep = methods.parse(args.methods)
             launches = [l for l in launches if l[2] in keep]
     iters = args.iters if args.iters is not None else (2 if preset == "quick" else 5)
     if iters < 1 or args.launches < 1:

@@ -9,7 +9,8 @@ r"""Time to accuracy: tasks x methods x seeds x N x link, each run a real `gf-tf
 Every run trains `python -m models.train --dataset TASK --curve` (the dataset's model,
 the trainer's defaults: 10 epochs, batch 64, SGD lr 0.05 cosine, momentum 0.9, CSC
 after 50 dense warm-up steps) on N workers launched by `gf-tf-run`, with the flags of
-its method (METHODS). On an emulated link (a rate in Mbit/s, root) each worker runs in
+its method (`benchmarks.workers.methods.trainer_flags`: the GradientFlowAllReduce the
+allreduce and fit workers build, at the trainer's CSC warm-up). On an emulated link (a rate in Mbit/s, root) each worker runs in
 its own network namespace behind a token bucket, as in benchmarks.fit
 (benchmarks.netem.EmulatedCluster, `gf-tf-run` given the task TF_CONFIG names);
 an unshaped link without root runs `gf-tf-run -n N` on this machine's loopback.
@@ -41,6 +42,7 @@ import dataclasses
 import datetime
 import itertools
 import json
+import math
 import os
 import shutil
 import statistics
@@ -52,45 +54,49 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from benchmarks import netem, report
 from benchmarks.allreduce import parse_list, parse_rates
+from benchmarks.workers import methods
 
 BASE_PORT = 25000
 TARGET_MARGIN = 0.01   # the target: tf_fp32's median final accuracy minus 1 point
 
-# method -> models.train flags (later flags win). A new reducer is one line here.
-METHODS: Dict[str, List[str]] = {
-    "tf_fp32": ["--compression", "none", "--density", "1"],
-    "tf_fp16": ["--compression", "none", "--density", "1", "--tf_all_reduce_dtype", "float16"],
-    "gf_fp16": ["--compression", "fp16", "--density", "1"],
-    "default": ["--compression", "auto", "--bytes_per_pack", "auto", "--algorithm", "auto",
-                "--overlap", "false", "--density", "1"],   # GradientFlowAllReduce() with no argument
-    "csc_1": ["--compression", "fp16", "--density", "0.01", "--selection", "per_pack"],
-    "csc_1_ahead": ["--compression", "fp16", "--density", "0.01", "--selection", "ahead"],
-    "csc_auto": ["--compression", "fp16", "--density", "auto", "--selection", "per_pack"],
-    "csc_1_mc": ["--compression", "fp16", "--density", "0.01", "--selection", "per_pack",
-                 "--momentum_correction"],   # the paper's momentum correction instead of the optimizer's
-    "lowrank_1": ["--compression", "fp16", "--density", "1", "--reducer", "lowrank", "--rank", "1"],
-    "lowrank_2": ["--compression", "fp16", "--density", "1", "--reducer", "lowrank", "--rank", "2"],
-    "lowrank_4": ["--compression", "fp16", "--density", "1", "--reducer", "lowrank", "--rank", "4"],
-}
-# The full preset's methods (the dense baselines and CSC); the low-rank ones run when named.
-FULL_METHODS = ("tf_fp32", "tf_fp16", "gf_fp16", "default", "csc_1", "csc_1_ahead", "csc_auto")
+# The methods are benchmarks.workers.methods.TABLE's: each run passes `methods.trainer_flags`;
+# the full preset takes methods.CONVERGENCE_METHODS, the others run when named.
 BASELINE = "tf_fp32"
 
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    """A models.train dataset and what the time estimate needs: trainable parameters of its
-    model, steps per epoch at batch 64, and the seconds per step of 2 workers on 2 cores over
-    loopback (this machine's unshaped runs, rounded up: 0.038, 0.017 and 0.03 s)."""
-    params: int
+    """A models.train dataset and what the time estimate needs: the shapes of its model's
+    trainable variables (elements per dimension, in the model's order), steps per epoch at
+    batch 64, and the seconds per step of 2 workers on 2 cores over loopback (this machine's
+    unshaped runs, rounded up)."""
+    shapes: Tuple[Tuple[int, ...], ...]
     steps_per_epoch: int
     compute_s_per_step: float
 
+    @property
+    def params(self) -> int:
+        """Trainable parameters (elements) of the model."""
+        return sum(math.prod(s) for s in self.shapes)
 
+
+# Listed, not built (building a model imports TensorFlow and Keras: seconds); each is
+# models.factory.build_model(...).trainable_weights' shapes of the network named, which
+# tests/test_convergence.py checks.
 TASKS: Dict[str, Task] = {
-    "digits": Task(params=544_618, steps_per_epoch=22, compute_s_per_step=0.04),
-    "mnist1d": Task(params=7_785, steps_per_epoch=62, compute_s_per_step=0.02),
-    "mnist1d_wide": Task(params=1_101_834, steps_per_epoch=62, compute_s_per_step=0.03),
+    "digits": Task(shapes=((3, 3, 1, 32), (32,), (32,), (3, 3, 32, 64), (64,), (64,), (4096, 128),
+                           (128,), (128, 10), (10,)),   # digits_cnn: 544,618 parameters
+                   steps_per_epoch=22, compute_s_per_step=0.04),
+    "mnist1d": Task(shapes=((5, 1, 25), (25,), (25,), (5, 25, 25), (25,), (25,), (5, 25, 25), (25,), (25,),
+                            (125, 10), (10,)),   # mnist1d_cnn: 7,785
+                    steps_per_epoch=62, compute_s_per_step=0.02),
+    "mnist1d_wide": Task(shapes=((40, 1024), (1024,), (1024, 1024), (1024,), (1024, 10), (10,)),   # wide_mlp: 1,101,834
+                         steps_per_epoch=62, compute_s_per_step=0.03),
+    # topic_attention: 533,578, of which the (8000, 64) embedding's gradient is IndexedSlices
+    # (TensorFlow's own all-reduce for every method; the estimate prices it dense).
+    "topics": Task(shapes=((8000, 64), (64, 2, 32), (2, 32), (64, 2, 32), (2, 32), (64, 2, 32), (2, 32),
+                           (2, 32, 64), (64,), (64,), (64,), (64, 64), (64,), (64, 10), (10,)),
+                   steps_per_epoch=78, compute_s_per_step=0.02),
 }
 EPOCHS = 10            # models.train's default
 START_SECONDS = 5.0    # per run, plus START_SECONDS_PER_WORKER x N: start-up, tracing, the data, 10 evaluations
@@ -113,22 +119,15 @@ def preset(name: str, root: bool) -> Dict[str, list]:
     if name == "quick":
         return {"tasks": ["mnist1d_wide"], "methods": ["tf_fp32", "csc_1"], "seeds": [0], "workers": [2],
                 "links": [100.0 if root else None]}
-    return {"tasks": list(TASKS), "methods": list(FULL_METHODS), "seeds": [0, 1, 2], "workers": [2, 4],
+    return {"tasks": list(TASKS), "methods": list(methods.CONVERGENCE_METHODS), "seeds": [0, 1, 2], "workers": [2, 4],
             "links": [100.0, None]}
 
 
 def payload_bytes_per_step(task: str, method: str) -> float:
-    """Bytes a worker puts into gradient all-reduces per step, at most (for time estimates)."""
-    params = TASKS[task].params
-    if method == "tf_fp32":
-        return 4.0 * params
-    # FP16 chunks at 1%; csc_auto at 25%: its budget keeps it sparse where bytes cost time (it
-    # takes its dense rung only where they cost little).
-    if method.startswith("csc_"):
-        return 2.0 * params * (0.25 if method == "csc_auto" else 0.01)
-    if method.startswith("lowrank_"):   # FP16 factors: a few % of the wide layer, small ones dense
-        return 2.0 * params * 0.05
-    return 2.0 * params
+    """Bytes a worker puts into gradient all-reduces per step, at most (for time estimates): the
+    shared byte model, `methods.payload_bytes` (csc_auto at its dense rung, the CSC methods
+    after their warm-up)."""
+    return methods.payload_bytes(method, TASKS[task].shapes)
 
 
 def estimate_run_seconds(run: Run) -> float:
@@ -215,7 +214,7 @@ def train_argv(run: Run, model_dir: str, extra: Sequence[str] = ()) -> List[str]
     task, _, _, method, seed = run
     return [sys.executable, "-m", "models.train", "--dataset", task, "--seed", str(seed), "--curve",
             "--model_dir", model_dir, "--collective_timeout", "600", "--heartbeat_timeout", "120",
-            *METHODS[method], *extra]
+            *methods.trainer_flags(method), *extra]
 
 
 def _launcher() -> str:
@@ -311,8 +310,8 @@ def _ratio_cell(ratio: Optional[float], target: Optional[float]) -> str:
 
 
 def tables(cells: List[Dict]) -> str:
-    """One Markdown table per (task, N, link), methods in METHODS order, the load average above it."""
-    order = list(METHODS)
+    """One Markdown table per (task, N, link), methods in the table's order, the load average above it."""
+    order = methods.METHODS
     out = []
     for key in sorted({(c["task"], c["workers"], c["rate_mbit"]) for c in cells},
                       key=lambda k: (list(TASKS).index(k[0]) if k[0] in TASKS else 99, k[1], k[2] is None, k[2] or 0)):
@@ -342,6 +341,7 @@ def merge_runs(payloads: Sequence[Dict]) -> List[Dict]:
     keyed: Dict[tuple, Dict] = {}
     for payload in payloads:
         for r in payload["runs"]:
+            r = {**r, "method": methods.canonical(r["method"])}   # "auto": an older file's "default"
             keyed[(*cell_key(r), r["seed"])] = r
     return list(keyed.values())
 
@@ -350,7 +350,7 @@ def describe(runs: List[Run]) -> str:
     """The matrix's axes, size and estimated time (what --dry-run prints)."""
     axes = [sorted({r[i] for r in runs}, key=lambda x: (x is None, str(x))) for i in range(5)]
     seconds = sum(estimate_run_seconds(r) for r in runs)
-    return (f"tasks {axes[0]} x methods {[m for m in METHODS if m in axes[3]]} x seeds {axes[4]} x "
+    return (f"tasks {axes[0]} x methods {[m for m in methods.METHODS if m in axes[3]]} x seeds {axes[4]} x "
             f"N {axes[1]} x links {[report.link_label(r) for r in axes[2]]}: {len(runs)} runs, "
             f"estimated {seconds / 60:.0f} min ({seconds / 3600:.1f} h) on 2 cores")
 
@@ -360,7 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="mnist1d_wide, tf_fp32 and csc_1, seed 0, N=2, 100 Mbit/s with root (~5 min)")
     parser.add_argument("--dry-run", action="store_true", help="print the matrix and its time estimate, run nothing")
     parser.add_argument("--tasks", help=f"comma-separated subset of {list(TASKS)}")
-    parser.add_argument("--methods", help=f"comma-separated subset of {list(METHODS)}")
+    parser.add_argument("--methods", help=f"comma-separated subset of {methods.METHODS} (auto: default)")
     parser.add_argument("--seeds", help="comma-separated seeds (default 0,1,2)")
     parser.add_argument("--workers", help="comma-separated N (default 2,4)")
     parser.add_argument("--links", help="comma-separated Mbit/s or 'none' for unshaped (default 100,none)")
@@ -381,7 +381,7 @@ def main(argv=None) -> int:
     if args.tasks:
         axes["tasks"] = parse_list(args.tasks, list(TASKS), "--tasks")
     if args.methods:
-        axes["methods"] = parse_list(args.methods, list(METHODS), "--methods")
+        axes["methods"] = methods.parse(args.methods)
     if args.seeds:
         axes["seeds"] = [int(s) for s in args.seeds.split(",")]
     if args.workers:

@@ -269,6 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse_methods(text: str) -> List[str]:
+    """--methods: the table's names ("auto": "default") among FIT_METHODS; SystemExit otherwise."""
+    return parse_list(",".join(methods.parse(text)), FIT_METHODS, "--methods")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
 
@@ -276,7 +281,7 @@ def main(argv=None) -> int:
     preset = "quick" if args.quick else (args.preset or ("custom" if custom else "targets"))
     if preset == "custom":
         models_ = parse_list(args.models, list(MODELS), "--models") if args.models else list(MODELS)
-        meths = (parse_list(args.methods, FIT_METHODS, "--methods") if args.methods
+        meths = (_parse_methods(args.methods) if args.methods
                  else [m for m in FIT_METHODS if m in methods.PRESET_METHODS])
         ns = [int(x) for x in args.workers.split(",")] if args.workers else [2]
         rates = parse_rates(args.rates) if args.rates else [100.0, 1000.0, None]
@@ -284,7 +289,7 @@ def main(argv=None) -> int:
     else:
         launches = preset_launches(preset)
         if args.methods:
-            keep = parse_list(args.methods, FIT_METHODS, "--methods")
+            keep = _parse_methods(args.methods)
             launches = [l for l in launches if l[3] in keep]
     steps_override = None
     if preset == "quick":

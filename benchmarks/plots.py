@@ -55,19 +55,26 @@ DEFAULT_PROJECTION = [os.path.join(RESULTS, f"2026-12-03-projection-{name}.json"
 DEFAULT_OUT_DIR = os.path.join(REPO_ROOT, "docs", "img")
 FIGURES = ("speed-vs-tf.png", "bytes-vs-density.png", "projection.png")
 DEFAULT_CONVERGENCE: List[str] = [os.path.join(RESULTS, "2026-12-04-convergence.json")]
-CONVERGENCE_METHODS = ("tf_fp32", "tf_fp16", "gf_fp16", "default", "csc_1", "csc_1_ahead", "csc_auto")
+CONVERGENCE_METHODS = methods.CONVERGENCE_METHODS   # colours in the table's order
 N_STYLES = {2: "-", 3: "-.", 4: "--", 8: ":"}
 
 SET_LABELS = {"tiny": "tiny", "resnet20": "ResNet-20", "resnet50": "ResNet-50", "alexnet": "AlexNet",
               "digits_cnn": "digits CNN"}
 SET_STYLES = {"resnet50": "-", "resnet20": "--", "tiny": ":", "alexnet": "-.", "digits_cnn": "-."}
-PROJECTION_METHODS = ("tf_fp32", "auto", "gf_fp16", "csc_1", "csc_1_ahead", "csc_1_rd")
-METHOD_ORDER = ["auto", "gf_fp16", "csc_1", "csc_1_rd", "csc_1_ahead", "csc_0.1", "tf_fp32", "gf_fp16_rd"]
+PROJECTION_METHODS = ("tf_fp32", "default", "gf_fp16", "csc_1", "csc_1_ahead", "csc_1_rd")
+METHOD_ORDER = ["default", "gf_fp16", "csc_1", "csc_1_rd", "csc_1_ahead", "csc_0.1", "tf_fp32", "gf_fp16_rd"]
 
 
 def load(path: str) -> Dict:
+    """A benchmark JSON file, its cells', rows' and runs' methods named as in the table ("auto",
+    gf_tf's default in files written before it, read as "default")."""
     with open(path) as f:
-        return json.load(f)
+        doc = json.load(f)
+    for key in ("cells", "rows", "runs"):
+        for item in doc.get(key, []):
+            if "method" in item:
+                item["method"] = methods.canonical(item["method"])
+    return doc
 
 
 def _color(method: str) -> str:
@@ -144,10 +151,13 @@ def speed_figure(paths: Sequence[str], out: str, plt) -> None:
 def _density(cell: Dict) -> Optional[float]:
     if "density" in cell:
         return cell["density"]
-    if cell["method"] in methods.CSC_DENSITY:
-        density = methods.CSC_DENSITY[cell["method"]]
-        return None if density == "auto" else float(density)
-    return 1.0
+    density = methods.density(cell["method"]) if cell["method"] in methods.TABLE else None
+    return None if density == "auto" else 1.0 if density is None else float(density)
+
+
+def _other_selection(method: str) -> bool:
+    """A CSC method whose selection is not per pack (drawn as a marker beside the line)."""
+    return method in methods.TABLE and methods.is_csc(method) and methods.csc_selection(method) != "per_pack"
 
 
 def bytes_figure(paths: Sequence[str], out: str, plt) -> None:
@@ -163,17 +173,17 @@ def bytes_figure(paths: Sequence[str], out: str, plt) -> None:
         mine = [c for c in cells if c["set"] == set_]
         color = f"C{(index + 3) % 10}"
         line = sorted((_density(c), c["payload_bytes"]) for c in mine
-                      if c["method"] != "tf_fp32" and c["method"] not in methods.CSC_SELECTION)
+                      if c["method"] != "tf_fp32" and not _other_selection(c["method"]))
         ax.plot([d for d, _ in line], [b for _, b in line], marker="o", linestyle="-", color=color,
                 label=f"{SET_LABELS.get(set_, set_)}: sent (FP16 wire)")
         for c in mine:
             if c["method"] == "tf_fp32":
                 ax.plot([_density(c)], [c["payload_bytes"]], marker="s", color=color, linestyle="none")
-            if c["method"] in methods.CSC_SELECTION:   # another selection at the same density
+            if _other_selection(c["method"]):   # another selection at the same density
                 ax.plot([_density(c)], [c["payload_bytes"]], marker="^", color=color, linestyle="none")
         wire = sorted((_density(c), c["wire_tx_bytes_per_worker"]) for c in mine
                       if "wire_tx_bytes_per_worker" in c and c["method"] != "tf_fp32"
-                      and c["method"] not in methods.CSC_SELECTION)
+                      and not _other_selection(c["method"]))
         if wire:
             ax.plot([d for d, _ in wire], [b for _, b in wire], marker="x", linestyle=":", color=color,
                     label=f"{SET_LABELS.get(set_, set_)}: on the wire (eth0 TX)")

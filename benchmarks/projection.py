@@ -40,7 +40,7 @@ to run, never a traceback.
    (default 2,3,4) only and predicts the others (N = 6 and 8 of the `scale`
    preset); the median and worst |error| are printed. Cells of --validate
    files (runs not fitted on) are predicted by the fit on every cell.
-3. Project. Step time = compute + the all-reduce. "auto" (gf_tf's default,
+3. Project. Step time = compute + the all-reduce. "default" (gf_tf's default,
    GradientFlowAllReduce() with no arguments) is literally the planner's pick:
    `gf_tf.plan.planner.choose` with `Costs` derived from the fitted parameters
    (`planner_costs`), its predicted seconds the all-reduce. Overlap with
@@ -51,8 +51,8 @@ to run, never a traceback.
    [0, 1]), so step = compute + all-reduce - overlap x min(compute, all-reduce);
    a (model, method) F does not hold hides nothing.
    The low-rank methods (lowrank_1/2/4, lowrank_2_acp) are projected from their traffic
-   (`lowrank_traffic`: factors, dense remainder and control, 2 or 1 factor collectives) at
-   FP16 packs' local cost; none of their cells is fitted on (no term prices their matmuls).
+   (`benchmarks.workers.methods.traffic`: factors, dense remainder and control, 2 or 1
+   factor collectives) at FP16 packs' local cost; none of their cells is fitted on (no term prices their matmuls).
    Scaling efficiency = compute / step time; speedup = N x efficiency.
 
 Compute time per step defaults (override with --compute-ms):
@@ -68,7 +68,6 @@ Compute time per step defaults (override with --compute-ms):
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -80,15 +79,16 @@ from benchmarks import report
 from benchmarks.workers import gradients, methods
 from gf_tf import collectives
 from gf_tf.collectives import recursive_doubling
-from gf_tf.csc import DEFAULT_CHUNK_SIZE, selected_chunk_count
 from gf_tf.plan import DEFAULT_BYTES_PER_PACK, Costs, PlanReport, planner
 
 PARAMETERS = ("alpha", "rho", "kappa", "gamma", "delta_tf", "delta_gf", "delta_csc")
-AUTO = "auto"   # gf_tf's default: the planner's pick
+AUTO = "default"   # gf_tf's default: the planner's pick
+LOWRANK_METHODS = tuple(m for m in methods.METHODS if methods.get(m).lowrank is not None)
+CSC_METHODS = tuple(m for m in methods.METHODS if methods.is_csc(m))
 PROJECTED_METHODS = ("tf_fp32", "gf_fp16", "gf_fp16_rd", "csc_1", "csc_1_rd", "csc_1_ahead", "csc_1_ahead_rd",
-                     "csc_0.1", *methods.LOWRANK_RANK, AUTO)
+                     "csc_0.1", *LOWRANK_METHODS, AUTO)
 COMPARED_METHODS = ("tf_fp32", "gf_fp16", "csc_1", "csc_1_ahead", "csc_0.1", AUTO)   # alpha matters
-MODELLED_METHODS = ("tf_fp32", "gf_fp16", "gf_fp16_rd", *methods.CSC_DENSITY)
+MODELLED_METHODS = ("tf_fp32", "gf_fp16", "gf_fp16_rd", *CSC_METHODS)
 DEFAULT_CALIBRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration",
                                    "allreduce.json")
 LOCAL_PARAMETERS = ("gamma", "delta_tf", "delta_gf", "delta_csc")   # scaled by --local-scale
@@ -151,9 +151,9 @@ def _local_index(method: str) -> int:
     packs' work: their matrix products and Gram-Schmidt have no fitted term of their own."""
     if method == "tf_fp32":
         return 0
-    if method in ("gf_fp16", "gf_fp16_rd") or method in methods.LOWRANK_RANK:
+    if method in ("gf_fp16", "gf_fp16_rd") or method in LOWRANK_METHODS:
         return 1
-    if method in methods.CSC_DENSITY:
+    if method in CSC_METHODS:
         return 2
     raise ValueError(f"no model for method {method!r}; choose tf_fp32, gf_fp16(_rd), csc_* or "
                      f"lowrank_*")
@@ -179,68 +179,6 @@ def fit(cases: Sequence[Case], seconds: Sequence[float]) -> Dict[str, float]:
                 params["rho"] = 2.0 * params["alpha"]
             return params
         free.remove(int(np.argmin(coef)))
-
-
-# -- what each method sends ---------------------------------------------------------------
-
-def pack_sizes(shapes: Sequence[Tuple[int, ...]], bytes_per_pack: int = DEFAULT_BYTES_PER_PACK
-               ) -> List[int]:
-    """Elements per pack of a float32 gradient list on a float16 wire, as GradientFlow cuts it."""
-    import tensorflow as tf
-    from gf_tf import packing, wire
-    signature = [(tf.TensorShape(s), tf.float32) for s in shapes]
-    plan = packing.plan_packs(signature, bytes_per_pack, wire.FP16)
-    return [p.num_elements for p in plan]
-
-
-def lowrank_traffic(method: str, shapes, bytes_per_pack: int = DEFAULT_BYTES_PER_PACK
-                    ) -> Tuple[float, int]:
-    """(payload bytes, collectives) per step of a low-rank method (methods.LOWRANK_RANK) on an
-    FP16 wire, from its `gf_tf.reducers.LowRank`'s own layout of the packs: the factors
-    (`LowRank.factor_elements`, 2 bytes each), the dense remainder (2 bytes an element, one
-    collective per pack that has one) and the float32 control vector (a bound per dense tensor,
-    two per matrix) with its collective."""
-    import tensorflow as tf
-    from gf_tf import packing, reducers, wire
-    reducer = reducers.LowRank(rank=methods.LOWRANK_RANK[method],
-                               alternate=method in methods.LOWRANK_ALTERNATE)
-    specs = packing.plan_packs([(tf.TensorShape(s), tf.float32) for s in shapes], bytes_per_pack,
-                               wire.FP16)
-    factors, dense, bounds, dense_packs = 0.0, 0, 0, 0
-    for spec in specs:
-        layout = reducer.layout(spec)
-        factors += reducer.factor_elements(layout)
-        dense += sum(int(spec.shapes[i].num_elements()) for i in layout.dense)
-        bounds += len(layout.dense) + 2 * len(layout.matrices)
-        dense_packs += bool(layout.dense)
-    collectives = dense_packs + (reducer.factor_all_reduces if factors else 0) + 1
-    return 2.0 * (factors + dense) + 4.0 * bounds, collectives
-
-
-def method_traffic(method: str, shapes, bytes_per_pack: int = DEFAULT_BYTES_PER_PACK
-                   ) -> Tuple[float, int]:
-    """(payload bytes per worker per step, collectives per step) of `method` on a gradient list."""
-    elements = gradients.num_elements(shapes)
-    if method == "tf_fp32":
-        return 4.0 * elements, 1            # TF's batch all-reduce concatenates into one collective
-    if method in methods.LOWRANK_RANK:
-        return lowrank_traffic(method, shapes, bytes_per_pack)
-    packs = pack_sizes(shapes, bytes_per_pack)
-    if method in ("gf_fp16", "gf_fp16_rd"):
-        return 2.0 * elements + 4.0 * len(shapes), len(packs) + 1   # packs + the bounds' control
-    density = methods.CSC_DENSITY[method]
-    if density == "auto":
-        raise ValueError(f"{method}: the density is chosen at run time; no fixed traffic to model")
-    chunk_size = int(methods.CSC_EXTRA.get(method, {}).get("chunk_size", DEFAULT_CHUNK_SIZE))
-    chunks = [math.ceil(n / chunk_size) for n in packs]
-    if methods.csc_selection(method) == "global":   # one top K over all chunks (one wire dtype)
-        selected = selected_chunk_count(sum(chunks), density)
-    else:
-        selected = sum(selected_chunk_count(c, density) for c in chunks)
-    if methods.csc_selection(method) == "ahead":   # chunks, next scores and bound: one FP16 buffer
-        return 2.0 * selected * chunk_size + 2.0 * (sum(chunks) + len(packs)), 1
-    payload = 2.0 * selected * chunk_size + 4.0 * sum(chunks)
-    return payload, 2                      # the norms' all-reduce and the chunks' all-reduce
 
 
 def overlapped_share(method: str, backward_share: float) -> float:
@@ -270,11 +208,12 @@ def planner_costs(params: Dict[str, float], link_bps: float, cpu_share: float = 
 def modelled_method(cell: Dict) -> Optional[Tuple[str, int]]:
     """(modelled method, bytes per pack) of a measured cell, or None when it has no fixed-traffic model.
 
-    An "auto" cell is modelled by the plan it recorded: TF's own all-reduce as tf_fp32,
+    A "default" cell ("auto" in older files) is modelled by the plan it recorded: TF's own
+    all-reduce as tf_fp32,
     FP16 packs as gf_fp16 / gf_fp16_rd; float32 or BF16 packs have no model. Low-rank cells
     are not fitted on either: the fit has no term for their matrix products (`_local_index`).
     """
-    method = cell["method"]
+    method = methods.canonical(cell["method"])   # "auto" in files written before the table
     if method == AUTO:
         plans = cell.get("plans") or []
         if len(plans) != 1 or plans[0]["method"] not in ("tf", "fp16"):
@@ -284,7 +223,7 @@ def modelled_method(cell: Dict) -> Optional[Tuple[str, int]]:
             return "tf_fp32", DEFAULT_BYTES_PER_PACK
         rd = plan["algorithm"] == collectives.RECURSIVE_DOUBLING
         return ("gf_fp16_rd" if rd else "gf_fp16"), int(plan["bytes_per_pack"])
-    if method not in MODELLED_METHODS or methods.CSC_DENSITY.get(method) == "auto":
+    if method not in MODELLED_METHODS or methods.density(method) == "auto":
         return None   # csc_auto's traffic changes from step to step: not a fixed-traffic sample
     return method, DEFAULT_BYTES_PER_PACK
 
@@ -299,8 +238,8 @@ def measured_cases(path: str, cores: int) -> List[Tuple[Case, float, Dict]]:
         if modelled is None:
             continue
         method, bytes_per_pack = modelled
-        payload, collectives = method_traffic(method, gradients.GRADIENT_SETS[cell["set"]],
-                                              bytes_per_pack)
+        payload, collectives = methods.traffic(method, gradients.GRADIENT_SETS[cell["set"]],
+                                               bytes_per_pack)
         case = Case(method, cell["workers"], cell["goodput_bps"], cell["elements"],
                     cell.get("payload_bytes", payload), collectives,
                     max(1.0, cell["workers"] / cores))
@@ -375,7 +314,7 @@ def held_out_validation(measured, fit_workers: Sequence[int]) -> Dict:
 
 def project(params, model: str, method: str, workers: int, link_gbit: float, compute_s: float,
             overlap) -> Dict:
-    """{"comm_s", "step_s", "efficiency", "speedup"} of `method` ("auto": the planner's pick,
+    """{"comm_s", "step_s", "efficiency", "speedup"} of `method` ("default": the planner's pick,
     then also "plan", its gf_tf.plan.PlanReport: the plan and its forecast) on `workers`
     one-worker hosts.
 
@@ -389,7 +328,7 @@ def project(params, model: str, method: str, workers: int, link_gbit: float, com
                                           planner_costs(params, link_gbit * 1e9)))
         comm, extra["plan"] = plan.steady_seconds or 0.0, plan   # a trial keeps the faster
     else:
-        payload, collectives = method_traffic(method, shapes)
+        payload, collectives = methods.traffic(method, shapes)
         comm = all_reduce_seconds(Case(method, workers, link_gbit * 1e9, elements, payload,
                                        collectives), params)
     if isinstance(overlap, dict):
@@ -507,13 +446,14 @@ def _overlap_setting(backward_share: float, fit_json: Optional[str]):
     """(project's overlap argument, how the projection's header names it)."""
     if fit_json is None:
         return backward_share, f"FP16 overlap {backward_share:g} of compute"
-    measured = overlap_lib.measured_overlaps(fit_json)
+    measured = {(model, methods.canonical(method)): f
+                for (model, method), f in overlap_lib.measured_overlaps(fit_json).items()}
     listed = ", ".join(f"{m}/{meth} {f:.2f}" for (m, meth), f in sorted(measured.items())) or "none"
     return measured, f"overlap measured in {fit_json} ({listed}; others 0)"
 
 
 def json_rows(points, alpha_s: float, local_scale: float) -> List[Dict]:
-    """The --json rows: one per (model, link, method, N); "auto" stands for gf_tf's default."""
+    """The --json rows: one per (model, link, method, N); "default" is gf_tf's default."""
     return [{"model": p["model"], "method": p["method"], "workers": p["workers"],
              "link_gbit": p["link_gbit"], "alpha_us": alpha_s * 1e6, "local_scale": local_scale,
              "step_ms": p["step_s"] * 1e3, "speedup": p["speedup"], "efficiency": p["efficiency"]}

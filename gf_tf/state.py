@@ -108,16 +108,19 @@ class VariableSetState(tf.Module):
         """
         parts = self._part_arrays()
         expected = {prefix + key: value for prefix, _, own in parts for key, value in own.items()}
-        missing, extra = sorted(set(expected) - set(arrays)), sorted(set(arrays) - set(expected))
+        optional = {prefix + key for prefix, part, _ in parts
+                    for key in getattr(part, "optional_keys", ())}
+        missing = sorted(set(expected) - set(arrays) - optional)
+        extra = sorted(set(arrays) - set(expected) - optional)
         if missing or extra:
             raise ValueError(f"gf_tf: the state of variable set [{self.set_name}] has other "
                              f"arrays: missing {missing}, extra {extra}")
         for key, value in expected.items():
-            if np.shape(arrays[key]) != np.shape(value):
+            if key in arrays and np.shape(arrays[key]) != np.shape(value):
                 raise ValueError(f"gf_tf: array {key!r} of variable set [{self.set_name}] has "
                                  f"shape {np.shape(arrays[key])}, the state has {np.shape(value)}")
         for prefix, part, own in parts:
-            part.assign_arrays({key: arrays[prefix + key] for key in own})
+            part.assign_arrays({key: arrays[prefix + key] for key in own if prefix + key in arrays})
 
 
 class StateRegistry:

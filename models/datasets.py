@@ -200,6 +200,41 @@ def load_mnist1d(seed: int = 0) -> Source:
                                     TEST: (as_sequences(data["x_test"]), data["y_test"])}, 10)
 
 
+TOPICS_VOCAB, TOPICS_LENGTH = 8000, 32
+
+
+def load_topics(seed: int = 0) -> Source:
+    """Topics: generated token sequences of 10 classes, a text-like task for an embedding table.
+
+    Each sequence holds TOPICS_LENGTH tokens of a TOPICS_VOCAB-word vocabulary: each token is,
+    independently, one of its class's 40 topic words with probability 0.15, one of another
+    (random, per sequence) class's topic words with probability 0.05, else a background word
+    drawn from a Zipf law (exponent 1.1) over the whole vocabulary. 5000 train / 1000 test
+    sequences, stored as float32 (N, TOPICS_LENGTH, 1) token ids (exact below 2^24) with int
+    labels 0-9. Generated offline by NumPy from a fixed seed (2026), independent of `seed`, so
+    test accuracy is comparable across runs; NumPy's global random state is not touched.
+    """
+    del seed
+    rng = np.random.default_rng(2026)
+    classes, topic_words = 10, 40
+    topics = rng.permutation(np.arange(1, TOPICS_VOCAB))[:classes * topic_words].reshape(
+        classes, topic_words)
+    zipf = 1.0 / np.arange(1, TOPICS_VOCAB + 1) ** 1.1
+    background = rng.permutation(TOPICS_VOCAB)
+
+    def split(n):
+        y = rng.integers(0, classes, n)
+        other = (y + rng.integers(1, classes, n)) % classes
+        draw = rng.random((n, TOPICS_LENGTH))
+        words = background[rng.choice(TOPICS_VOCAB, (n, TOPICS_LENGTH), p=zipf / zipf.sum())]
+        own = topics[y[:, None], rng.integers(0, topic_words, (n, TOPICS_LENGTH))]
+        confuser = topics[other[:, None], rng.integers(0, topic_words, (n, TOPICS_LENGTH))]
+        tokens = np.where(draw < 0.15, own, np.where(draw < 0.2, confuser, words))
+        return tokens.astype(np.float32)[..., None], y
+
+    return _from_arrays("topics", {TRAIN: split(5000), TEST: split(1000)}, classes)
+
+
 class DatasetUnavailable(RuntimeError):
     """A dataset could not be loaded (e.g. a download failed offline); the message says what to do."""
 

@@ -23,6 +23,7 @@ MODELS: Dict[str, Tuple[Callable[..., keras.Model], Tuple[int, ...]]] = {
     "alexnet": (networks.alexnet, (224, 224, 3)),
     "mnist1d_cnn": (networks.mnist1d_cnn, (40, 1)),
     "wide_mlp": (networks.wide_mlp, (40, 1)),
+    "topic_attention": (networks.topic_attention, (32, 1)),
 }
 
 # name -> loader(data_dir, model_input_shape, seed) -> datasets.Source
@@ -36,11 +37,12 @@ DATASETS: Dict[str, Callable[[str, Tuple[int, int, int], int], datasets.Source]]
         shape, 1000 if shape[0] >= 128 else 10, seed=seed),
     "mnist1d": lambda data_dir, shape, seed: datasets.load_mnist1d(seed),
     "mnist1d_wide": lambda data_dir, shape, seed: datasets.load_mnist1d(seed),
+    "topics": lambda data_dir, shape, seed: datasets.load_topics(seed),
 }
 
 # dataset -> the model --model "" (its default) trains on it; "mnist1d_wide" is mnist1d's data
 # for the wide MLP, the task with a large dense layer.
-DATASET_MODELS = {"mnist1d": "mnist1d_cnn", "mnist1d_wide": "wide_mlp"}
+DATASET_MODELS = {"mnist1d": "mnist1d_cnn", "mnist1d_wide": "wide_mlp", "topics": "topic_attention"}
 DEFAULT_MODEL = "digits_cnn"   # every other dataset's
 
 

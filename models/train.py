@@ -31,11 +31,11 @@ import time
 from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", "", "digits_cnn, mnist1d_cnn, wide_mlp, resnet20, resnet32, resnet56, resnet50, "
-                    "alexnet; '' = the dataset's (mnist1d: mnist1d_cnn, mnist1d_wide: wide_mlp, "
-                    "others: digits_cnn)")
+flags.DEFINE_string("model", "", "digits_cnn, mnist1d_cnn, wide_mlp, topic_attention, resnet20, resnet32, "
+                    "resnet56, resnet50, alexnet; '' = the dataset's (mnist1d: mnist1d_cnn, "
+                    "mnist1d_wide: wide_mlp, topics: topic_attention, others: digits_cnn)")
 flags.DEFINE_string("dataset", "digits", "digits, mnist1d, mnist1d_wide (mnist1d's data for the wide MLP), "
-                    "mnist, cifar10, imagenet, tfrecord, synthetic")
+                    "topics (generated token sequences), mnist, cifar10, imagenet, tfrecord, synthetic")
 flags.DEFINE_string("data_dir", "", "directory of TFRecord files (--dataset imagenet or tfrecord)")
 flags.DEFINE_string("strategy", "multi_worker_mirrored", "multi_worker_mirrored, mirrored, one_device")
 flags.DEFINE_integer("num_devices", 1, "replicas (logical CPU devices) per worker")
@@ -67,9 +67,9 @@ flags.DEFINE_enum("algorithm", "auto", ["auto", "ring", "recursive_doubling"],
 flags.DEFINE_enum("overlap", "false", ["auto", "true", "false"],
                   "all-reduce packs in groups during backprop: auto (the planner decides), true, "
                   "false (one barrier)")
-flags.DEFINE_string("density", "0.01", "fraction of chunks sent per step after warm-up (CSC; with --reducer "
-                    "lowrank 1 unless given); 1 = dense; "
-                    "auto = chosen each step from the measured compute and all-reduce time")
+flags.DEFINE_string("density", "auto", "CSC after warm-up: auto = dense or sparse each step, as the measured "
+                    "link and the gradient's regime say (ChunkSparsity's default); a fraction of chunks "
+                    "sent per step; 1 = dense (with --reducer lowrank 1 unless given)")
 flags.DEFINE_integer("chunk_size", 1024, "CSC chunk size in elements")
 flags.DEFINE_integer("warmup_steps", 50, "dense steps before CSC starts")
 flags.DEFINE_enum("selection", "per_pack", ["per_pack", "global", "ahead"],

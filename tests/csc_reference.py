@@ -30,10 +30,12 @@ class NumpyCSC:
         g = np.asarray(g, np.float64)
         k = max(1, math.ceil(density * self.c))
         u = self.m * self.velocity + g if self.m else g
-        if k >= self.c:  # dense step: residual stays zero, plain momentum
-            if np.all(np.isfinite(u.sum(0))):
+        if k >= self.c:  # dense step: every chunk of residual + u leaves, the residual empties
+            out = (self.residual + u).sum(0)
+            if np.all(np.isfinite(out)):
                 self.velocity = u
-            return u.sum(0), None
+                self.residual = np.zeros_like(self.residual)
+            return out, None
         acc = self.residual + u
         norms = sum(self.chunk_norms(a) for a in acc)
         finite = np.all(np.isfinite(norms))

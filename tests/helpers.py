@@ -116,3 +116,23 @@ def make_costs(hop_s, round_s, byte_s, copy_s, fp16_s):
 # The planner's tests' link: 1.5 ms per hop, 3 ms per round (2 hops), 1 Gbit/s (8 ns per byte),
 # 1 ns per element of copying, 2 ns of FP16 packing.
 GIGABIT = make_costs(hop_s=1.5e-3, round_s=3e-3, byte_s=8e-9, copy_s=1e-9, fp16_s=2e-9)
+
+
+def small_keras_model(gfar, devices=2, seed=0, hidden=16):
+    """(gfar, model): an 8 -> hidden (ReLU) -> 3 MLP compiled with SGD(0.05) and MSE under a
+    MirroredStrategy of `devices` logical CPUs whose cross-device ops are `gfar`."""
+    import keras
+    strategy = tf.distribute.MirroredStrategy(DEVICES[:devices], cross_device_ops=gfar)
+    with strategy.scope():
+        keras.utils.set_random_seed(seed)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(hidden, activation="relu"),
+                                  keras.layers.Dense(3)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    return gfar, model
+
+
+def regression_data():
+    """(x float32 [64, 8], y float32 [64, 3]): a fixed linear regression for small_keras_model."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8)).astype(np.float32)
+    return x, (x @ rng.normal(size=(8, 3))).astype(np.float32)

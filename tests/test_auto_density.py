@@ -18,9 +18,9 @@ import pytest
 import tensorflow as tf
 
 import gf_tf
-from gf_tf.csc import AUTO_LADDER, choose_rung
+from gf_tf.csc import AUTO_LADDER, AutoDensity, choose_rung
 from csc_reference import NumpyCSC, NumpyGlobalCSC
-from helpers import DEVICES, Runner, all_ops, only_state, pack_states, three_pack_step
+from helpers import Runner, all_ops, only_state, pack_states, small_keras_model, three_pack_step
 
 
 class FakeClock:
@@ -36,6 +36,12 @@ class FakeClock:
     def __call__(self, replica, event):
         step = {"ready": self.compute, "send": [0.0] * len(self.comm), "done": self.comm}[event][replica]
         return self.now[replica].assign_add(step)
+
+
+def priced(min_density=0.01, budget=0.05):
+    """density="auto"'s price rule alone (`choose_rung`): no critical-regime test, no minimum
+    saving or chunk count, so every step after the warm-up takes the rung its timing prices."""
+    return AutoDensity(min_density, budget, min_saving=0.0, regime_window=0, min_chunks=1)
 
 
 # --- arguments, rungs, schedule ---------------------------------------------------
@@ -94,9 +100,10 @@ def test_auto_schedules_keep_the_warmup_and_end_in_auto():
     assert gf_tf.ChunkSparsity(density="auto").schedule() == ((0, "auto"),)
 
 
-def test_default_floor_is_the_fixed_default_density():
-    auto = gf_tf.ChunkSparsity(density="auto")
-    assert auto.min_density == gf_tf.ChunkSparsity().density == 0.01
+def test_the_default_is_auto_with_a_floor_of_one_percent():
+    auto = gf_tf.ChunkSparsity()
+    assert auto.density == gf_tf.csc.DEFAULT_DENSITY == "auto" and auto.auto
+    assert auto.min_density == gf_tf.csc.DEFAULT_MIN_DENSITY == 0.01
     assert auto.rungs()[-1] == 0.01
     assert auto.get_config()["min_density"] == 0.01 and "min_density=0.01" in repr(auto)
     # A dense warm-up still ramps to the floor with the exponential schedule: 25%, 6.25%,
@@ -163,25 +170,25 @@ def test_rule_with_equal_rung_bytes_picks_the_first_of_them():
 # --- in the traced step, from all-reduced figures -----------------------------------
 
 # One pack of 400 float32 elements in chunks of 4: 100 chunks. Rungs 0.25 .. 0.001 send
-# k = 25, 10, 3, 1, 1, 1 chunks; a step puts 4 x 3 (timing) + 4 x 100 (norms) + 16 k bytes
-# (float32 wire) into the collectives: 812, 572, 460, 428 bytes.
+# k = 25, 10, 3, 1, 1, 1 chunks; a step puts 4 x 4 (timing) + 4 x 100 (norms) + 16 k bytes
+# (float32 wire) into the collectives: 816, 576, 464, 432 bytes.
 N, CS, C = 400, 4, 100
 
 
 def _bytes(k):
-    return 12 + 4 * C + 4 * CS * k
+    return 16 + 4 * C + 4 * CS * k
 
 
 def test_replicas_with_different_figures_pick_the_rung_of_the_mean_and_match_numpy():
     """Replica 0 measures 0.05 s of communication, replica 1 0.35 s (1 s compute each,
     budget 0.25 s). Alone, replica 0 would pick 25 chunks and replica 1 the floor; from the
     all-reduced figures (mean 0.2 s) both pick the same rung, step by step:
-      step 0: nothing measured -> floor (k=1, 428 bytes)
-      step 1: 0.2 s at 428 B -> 25: 0.379 s, 10: 0.267 s, 3: 0.215 s fits -> k=3
-      step 2: 0.2 s at 460 B -> 25: 0.353 s, 10: 0.249 s fits -> k=10
-      step 3: 0.2 s at 572 B -> 25: 0.284 s, 10: 0.2 s fits -> k=10
+      step 0: nothing measured -> floor (k=1, 432 bytes)
+      step 1: 0.2 s at 432 B -> 25: 0.378 s, 10: 0.267 s, 3: 0.215 s fits -> k=3
+      step 2: 0.2 s at 464 B -> 25: 0.352 s, 10: 0.248 s fits -> k=10
+      step 3: 0.2 s at 576 B -> 25: 0.283 s, 10: 0.2 s fits -> k=10
     and the reduced gradients equal a float64 CSC reference at that k."""
-    csc = gf_tf.ChunkSparsity(density="auto", chunk_size=CS, auto_budget=0.25, min_density=0.001)
+    csc = gf_tf.ChunkSparsity(density=priced(0.001, 0.25), chunk_size=CS)
     run = Runner(2, csc, compression=None)
     run.gfar.reducer.clock = FakeClock(compute=[1.0, 1.0], comm=[0.05, 0.35])
     model = NumpyCSC(N, 2, CS)
@@ -211,14 +218,13 @@ def test_replicas_with_different_figures_pick_the_rung_of_the_mean_and_match_num
 
 
 def test_first_sparse_step_after_a_dense_warmup_uses_the_warmup_measurement():
-    """2 dense warm-up steps (all 100 chunks: 412 + 1600 = 2012 bytes) measure 0.5 s of
+    """2 dense warm-up steps (all 100 chunks: 416 + 1600 = 2016 bytes) measure 0.5 s of
     communication per 1 s of compute; at budget 0.05 the prediction for the floor,
-    0.5 x 428 / 2012 = 0.106 s, does not fit: floor. At budget 0.25: 25 chunks,
-    0.5 x 812 / 2012 = 0.2 s, fits (dense, 0.5 s, does not). At budget 0.5 the dense rung,
+    0.5 x 432 / 2016 = 0.107 s, does not fit: floor. At budget 0.25: 25 chunks,
+    0.5 x 816 / 2016 = 0.202 s, fits (dense, 0.5 s, does not). At budget 0.5 the dense rung,
     0.5 s, fits (a tie)."""
     for budget, sparse_k, density in ((0.05, 1, 0.001), (0.25, 25, 0.25), (0.5, C, 1.0)):
-        csc = gf_tf.ChunkSparsity(density="auto", chunk_size=CS, warmup_steps=2,
-                                  auto_budget=budget, min_density=0.001)
+        csc = gf_tf.ChunkSparsity(density=priced(0.001, budget), chunk_size=CS, warmup_steps=2)
         run = Runner(2, csc, compression=None)
         run.gfar.reducer.clock = FakeClock(compute=[1.0, 1.0], comm=[0.5, 0.5])
         ks, before = [], run.gfar.stats.totals()
@@ -233,12 +239,11 @@ def test_first_sparse_step_after_a_dense_warmup_uses_the_warmup_measurement():
 
 def test_a_latency_bound_link_keeps_the_dense_rung(monkeypatch):
     """As the test above at budget 0.05 (the floor from bytes alone), with the link's
-    latency worth 38,228 bytes (19 x 2012; the planner's `latency_bytes`, injected here):
-    the dense steps' 0.5 s is priced 0.5 x 2012 / 40240 = 0.025 s <= 0.05 s, so every step
+    latency worth 38,228 bytes (the planner's `latency_bytes`, injected here): the dense
+    steps' 0.5 s is priced 0.5 x 2016 / 40244 = 0.025 s <= 0.05 s, so every step
     stays dense, and the reduced gradient is the replicas' sum (float64 reference)."""
     monkeypatch.setattr(gf_tf.plan, "latency_bytes", lambda algorithm, workers, costs: 38228.0)
-    csc = gf_tf.ChunkSparsity(density="auto", chunk_size=CS, warmup_steps=2, auto_budget=0.05,
-                              min_density=0.001)
+    csc = gf_tf.ChunkSparsity(density=priced(0.001, 0.05), chunk_size=CS, warmup_steps=2)
     run = Runner(2, csc, compression=None)
     run.gfar.reducer.clock = FakeClock(compute=[1.0, 1.0], comm=[0.5, 0.5])
     rng = np.random.default_rng(5)
@@ -268,7 +273,7 @@ def test_at_the_floor_every_chunk_is_sent_within_one_over_min_density_steps(
     have been sent after ceil(250 / k) steps and not one step earlier."""
     n = 1000
     kwargs = {} if min_density is None else {"min_density": min_density}
-    csc = gf_tf.ChunkSparsity(density="auto", chunk_size=CS, **kwargs)
+    csc = gf_tf.ChunkSparsity(density=priced(**kwargs), chunk_size=CS)
     floor = csc.rungs()[-1]
     run = Runner(2, csc, compression=None)
     run.gfar.reducer.clock = FakeClock(compute=[1.0, 1.0], comm=[10.0, 10.0])
@@ -298,13 +303,13 @@ def test_auto_travels_in_two_collectives_per_step():
     holds exactly one chunk all-reduce, and one branch runs per step."""
     sizes = [12, 8, 20]     # 3, 2, 5 chunks of 4: k = (1, 1, 2) at 0.25, (1, 1, 1) below
     gfar, strategy, step = three_pack_step(
-        gf_tf.ChunkSparsity(density="auto", chunk_size=4, auto_budget=0.75), sizes,
+        gf_tf.ChunkSparsity(density=priced(budget=0.75), chunk_size=4), sizes,
         clock=FakeClock(compute=[1.0, 1.0], comm=[0.5, 0.5]))
 
     rng = np.random.default_rng(5)
     refs = [NumpyCSC(n, 2, 4) for n in sizes]
     # Step 0: the floor; then 0.5 s measured per 1 s of compute fits the 0.25 rung
-    # (0.5 x 116 / 100 bytes = 0.58 s <= 0.75 s) and not the dense one (0.5 x 212 / 116 bytes).
+    # (0.5 x 120 / 104 bytes = 0.58 s <= 0.75 s) and not the dense one (0.5 x 216 / 120 bytes).
     for ks in [(1, 1, 1), (1, 1, 2), (1, 1, 2)]:
         grads = [rng.normal(size=(2, n)).astype(np.float32) for n in sizes]
         values = [strategy.experimental_distribute_values_from_function(
@@ -317,7 +322,7 @@ def test_auto_travels_in_two_collectives_per_step():
                 np.testing.assert_allclose(o.numpy(), want, rtol=1e-6, atol=1e-6)
     graph = step.get_concrete_function(*values).graph
     main = _vector_sums(graph.get_operations())
-    assert main == [("float32", 3 + 3 + 2 + 5)], main     # timing + norms, outside the branches
+    assert main == [("float32", 4 + 3 + 2 + 5)], main     # timing + norms, outside the branches
     cases = [op for op in all_ops(graph) if op.type in ("Case", "StatelessCase")]
     assert len(cases) == 1
     branch_sums = [_vector_sums(graph._get_function(fn.name).graph.get_operations())  # pylint: disable=protected-access
@@ -355,27 +360,19 @@ def test_settings_handshake_names_auto():
 
 
 def _keras_auto(clock):
-    import keras
-    csc = gf_tf.ChunkSparsity(density="auto", chunk_size=8, warmup_steps=2, auto_budget=1.0,
-                              min_density=0.001)
+    csc = gf_tf.ChunkSparsity(density=priced(0.001, 1.0), chunk_size=8, warmup_steps=2)
     gfar = gf_tf.GradientFlowAllReduce(sparsity=csc,
                                        cross_device_ops=tf.distribute.ReductionToOneDevice())
     gfar.reducer.clock = clock
-    strategy = tf.distribute.MirroredStrategy(DEVICES[:2], cross_device_ops=gfar)
-    with strategy.scope():
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                                  keras.layers.Dense(3)])
-        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
-    return gfar, model
+    return small_keras_model(gfar)
 
 
 def test_fit_save_and_restore_with_auto(tmp_path):
-    """195 parameters, 25 chunks of 8, float16 wire; 2 dense steps (502 bytes) measure 0.5 s
+    """195 parameters, 25 chunks of 8, float16 wire; 2 dense steps (506 bytes) measure 0.5 s
     per 1 s of compute, so at budget 1 s the dense rung (0.5 s) fits and every step stays
     dense. The timing state is not checkpointed: after load_weights the step counter goes on
     (no second warm-up) and the first step, unmeasured, takes the floor (k=1); from its 0.5 s
-    the 0.25 rung (k=7, 224 bytes) fits and dense (0.5 x 502 / 224 s) does not."""
+    the 0.25 rung (k=7, 228 bytes) fits and dense (0.5 x 506 / 228 s) does not."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 8)).astype(np.float32)
     y = (x @ rng.normal(size=(8, 3))).astype(np.float32)
@@ -401,17 +398,16 @@ def test_fit_save_and_restore_with_auto(tmp_path):
 def test_auto_with_global_selection_prices_rungs_by_one_top_k_over_all_packs():
     """density="auto" and selection="global" together: packs of 400 and 200 elements (chunk 4:
     100 + 50 = 150 chunks), float32 wire. A rung sends K = ceil(d x 150) chunks in all, so
-    its bytes are 12 + 4 x 150 + 16 K: floor 628 B (K=1), 0.01: 636 B (K=2), 0.03: 692 B
-    (K=5), 0.1: 852 B (K=15), 0.25: 1220 B (K=38). 1 s of compute, 0.2 s of communication,
+    its bytes are 16 + 4 x 150 + 16 K: floor 632 B (K=1), 0.01: 640 B (K=2), 0.03: 696 B
+    (K=5), 0.1: 856 B (K=15), 0.25: 1224 B (K=38). 1 s of compute, 0.2 s of communication,
     budget 0.25 s:
       step 0: nothing measured -> floor, K=1
-      step 1: 0.2 s at 628 B -> 0.1: 0.271 s, 0.03: 0.220 s fits -> K=5
-      step 2: 0.2 s at 692 B -> 0.25: 0.353 s, 0.1: 0.246 s fits -> K=15
-      step 3: 0.2 s at 852 B -> 0.25: 0.286 s, 0.1: 0.2 s fits -> K=15
+      step 1: 0.2 s at 632 B -> 0.1: 0.271 s, 0.03: 0.220 s fits -> K=5
+      step 2: 0.2 s at 696 B -> 0.25: 0.352 s, 0.1: 0.246 s fits -> K=15
+      step 3: 0.2 s at 856 B -> 0.25: 0.286 s, 0.1: 0.2 s fits -> K=15
     and the outputs equal the float64 global-selection reference at that density."""
     sizes = [400, 200]
-    csc = gf_tf.ChunkSparsity(density="auto", chunk_size=CS, auto_budget=0.25, selection="global",
-                              min_density=0.001)
+    csc = gf_tf.ChunkSparsity(density=priced(0.001, 0.25), chunk_size=CS, selection="global")
     run = Runner(2, csc, compression=None, bytes_per_pack=1)
     run.gfar.reducer.clock = FakeClock(compute=[1.0, 1.0], comm=[0.2, 0.2])
     rng = np.random.default_rng(5)
@@ -427,7 +423,7 @@ def test_auto_with_global_selection_prices_rungs_by_one_top_k_over_all_packs():
             model = NumpyGlobalCSC([sizes[i] for i in order], 2, CS)
         now = run.gfar.stats.totals()
         k = int(now["selected_chunks"] - before["selected_chunks"])
-        assert now["sent_bytes"] - before["sent_bytes"] == 12 + 4 * 150 + 4 * CS * k
+        assert now["sent_bytes"] - before["sent_bytes"] == 16 + 4 * 150 + 4 * CS * k
         ks.append(k)
         before = now
         density = {1: 0.001, 2: 0.01, 5: 0.03, 15: 0.1, 38: 0.25}[k]

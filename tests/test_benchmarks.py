@@ -69,16 +69,17 @@ def test_global_csc_methods_select_globally_and_stay_out_of_the_presets():
     _, per_pack = methods.make_strategy("csc_1", 30.0, build_strategy=False)
     assert (whole.sparsity.density, whole.sparsity.selection) == (0.01, "global")
     assert (per_pack.sparsity.density, per_pack.sparsity.selection) == (0.01, "per_pack")
-    assert methods.LABELS["csc_0.1_global"] and methods.CSC_DENSITY["csc_0.1_global"] == 0.001
+    assert methods.LABELS["csc_0.1_global"] and methods.density("csc_0.1_global") == 0.001
+    other = [m for m in methods.METHODS if methods.is_csc(m) and methods.csc_selection(m) != "per_pack"]
     for preset in ("targets", "full"):
-        assert not any(l[2] in methods.CSC_SELECTION for l in allreduce.preset_launches(preset))
-        assert not any(l[3] in methods.CSC_SELECTION for l in fit.preset_launches(preset))
+        assert not any(l[2] in other for l in allreduce.preset_launches(preset))
+        assert not any(l[3] in other for l in fit.preset_launches(preset))
 
 
 def test_new_methods_pin_what_they_measure_and_auto_is_the_default():
     from benchmarks.workers import methods
     from gf_tf.plan import DEFAULT_BYTES_PER_PACK
-    _, auto = methods.make_strategy("auto", 30.0, build_strategy=False)
+    _, auto = methods.make_strategy("auto", 30.0, build_strategy=False)   # the old name of "default"
     assert (auto.compression, auto.bytes_per_pack, auto.algorithm, auto.sparsity) == \
         ("auto", "auto", "auto", None)
     for method, algorithm, density in (("gf_fp16", "ring", None), ("gf_fp16_rd", "recursive_doubling", None),
@@ -88,8 +89,8 @@ def test_new_methods_pin_what_they_measure_and_auto_is_the_default():
         assert gf.algorithm == algorithm, method
         assert (gf.sparsity.density if gf.sparsity is not None else None) == density, method
         assert methods.LABELS[method]
-    assert methods.LABELS["auto"] and methods.is_gradient_flow("auto")
-    assert not {"auto", "gf_fp16_rd", "csc_1_rd"} & set(methods.PRESET_METHODS)
+    assert methods.LABELS["default"] and methods.is_gradient_flow("auto") and "auto" not in methods.TABLE
+    assert not {"default", "gf_fp16_rd", "csc_1_rd"} & set(methods.PRESET_METHODS)
 
 
 def test_lowrank_methods_carry_their_rank_on_the_fp16_wire_outside_the_presets():
@@ -125,11 +126,11 @@ def test_scale_preset_covers_issue_17s_cells_and_estimates_its_time():
     for s in ("resnet20", "resnet50"):
         for rate in (100.0, 1000.0, None):
             for n in (2, 3, 4):
-                for m in ("tf_fp32", "gf_fp16", "csc_1", "auto"):
+                for m in ("tf_fp32", "gf_fp16", "csc_1", "default"):
                     assert (n, rate, m, s) in cells
     for s in ("resnet20", "tiny"):
         for n in (6, 8):
-            for m in ("tf_fp32", "gf_fp16", "gf_fp16_rd", "csc_1", "csc_1_rd", "auto"):
+            for m in ("tf_fp32", "gf_fp16", "gf_fp16_rd", "csc_1", "csc_1_rd", "default"):
                 assert (n, 1000.0, m, s) in cells
     assert max(n for n, _, _, s in cells if s == "resnet50") == 4
     assert max(n for n, *_ in launches) == 8
@@ -137,7 +138,7 @@ def test_scale_preset_covers_issue_17s_cells_and_estimates_its_time():
     configurations = {(n, rate) for n, rate, _, _ in launches}
     assert seconds == pytest.approx(sum(allreduce.estimate_launch_seconds(l, 5, 1) for l in launches)
                                     + len(configurations) * 5.0)
-    assert [l[2] for l in allreduce.preset_launches("quick")] == ["tf_fp32", "gf_fp16", "csc_1", "auto"]
+    assert [l[2] for l in allreduce.preset_launches("quick")] == ["tf_fp32", "gf_fp16", "csc_1", "default"]
 
 
 def test_cells_carry_the_plan_and_costs_and_the_report_prints_them():
@@ -149,13 +150,13 @@ def test_cells_carry_the_plan_and_costs_and_the_report_prints_them():
              "paired_s": 0.008, "paired_tf_s": 0.012}
     workers = [{"worker": w, "sets": {"tiny": chief}, "costs": [1e-3, 8e-3, 1e-9, 1e-9, 2e-9]}
                for w in range(2)]
-    (cell,) = allreduce.derive_cells((2, 1000.0, "auto", ["tiny"]), {"error": None, "workers": workers}, 9e8)
+    (cell,) = allreduce.derive_cells((2, 1000.0, "default", ["tiny"]), {"error": None, "workers": workers}, 9e8)
     assert cell["plans"] == [plan] and cell["costs"] == [1e-3, 8e-3, 1e-9, 1e-9, 2e-9]
     assert allreduce.short_plan(cell["plans"]) == "fp16 rd 1 pack"
     assert allreduce.short_plan([dict(plan, method="tf", algorithm="ring")]) == "tf"
     assert allreduce.short_plan([dict(plan, algorithm="ring", bytes_per_pack=4 * 2 ** 20)]) == "fp16 ring 4MiB"
     report_text = allreduce.plans_report([cell])
-    assert "tiny, N=2, 1 Gbit/s, auto: fp16 packs" in report_text and "1.000 ms/hop, 8.000 ms/round" in report_text
+    assert "tiny, N=2, 1 Gbit/s, default: fp16 packs" in report_text and "1.000 ms/hop, 8.000 ms/round" in report_text
     assert "fp16 rd 1 pack" in allreduce.results_table([cell])
     assert cell["paired_speedup"] == pytest.approx(0.012 / 0.008)   # TF's own / ours, same processes
     assert "| paired vs TF |" in allreduce.results_table([cell]) and "1.5 |" in allreduce.results_table([cell])
@@ -166,20 +167,20 @@ def test_repeated_launches_merge_into_the_median_launch_with_its_spread():
     def cell(method, median, **extra):
         return {"set": "tiny", "workers": 2, "rate_mbit": None, "method": method, "median_s": median,
                 **extra}
-    cells = [cell("auto", 0.30, launch=0, paired_speedup=0.9), cell("tf_fp32", 0.2),
-             cell("auto", 0.10, launch=1, paired_speedup=1.2), cell("tf_fp32", 0.4),
-             cell("auto", 0.20, launch=2, paired_speedup=1.0), cell("tf_fp32", 0.3),
+    cells = [cell("default", 0.30, launch=0, paired_speedup=0.9), cell("tf_fp32", 0.2),
+             cell("default", 0.10, launch=1, paired_speedup=1.2), cell("tf_fp32", 0.4),
+             cell("default", 0.20, launch=2, paired_speedup=1.0), cell("tf_fp32", 0.3),
              {"set": "tiny", "workers": 2, "rate_mbit": None, "method": "csc_1", "error": "boom"}]
     merged = {c["method"]: c for c in allreduce.merge_launches(cells)}
-    assert merged["auto"]["launch"] == 2 and merged["auto"]["median_s"] == 0.20
-    assert merged["auto"]["launch_medians_s"] == [0.30, 0.10, 0.20]
-    assert merged["auto"]["launch_spread"] == pytest.approx((0.30 - 0.10) / 0.20)
-    assert merged["auto"]["paired_speedups"] == [0.9, 1.2, 1.0] and merged["auto"]["paired_speedup"] == 1.0
+    assert merged["default"]["launch"] == 2 and merged["default"]["median_s"] == 0.20
+    assert merged["default"]["launch_medians_s"] == [0.30, 0.10, 0.20]
+    assert merged["default"]["launch_spread"] == pytest.approx((0.30 - 0.10) / 0.20)
+    assert merged["default"]["paired_speedups"] == [0.9, 1.2, 1.0] and merged["default"]["paired_speedup"] == 1.0
     assert merged["tf_fp32"]["median_s"] == 0.3 and merged["csc_1"]["error"] == "boom"
-    two = allreduce.merge_launches([cell("auto", 0.4), cell("auto", 0.2)])
+    two = allreduce.merge_launches([cell("default", 0.4), cell("default", 0.2)])
     assert [c["median_s"] for c in two] == [0.2]   # an even count takes the lower middle launch
     allreduce.add_speedups(list(merged.values()))
-    assert merged["auto"]["speedup_vs_tf_fp32"] == pytest.approx(0.3 / 0.2)
+    assert merged["default"]["speedup_vs_tf_fp32"] == pytest.approx(0.3 / 0.2)
 
 
 def test_token_bucket_is_deep_enough_for_the_rate():
@@ -257,14 +258,17 @@ def test_fit_workers_get_the_overlap_and_profile_flags_and_methods_one_line_over
     argv = fit.worker_argv("digits_cnn", "tf_fp32", None, 0, 60.0)
     assert "--overlap" not in argv and "--profile" not in argv
     assert "--overlap" not in fit.worker_argv("digits_cnn", None, None, 0, 60.0, True)   # the reference
-    # One OVERRIDES entry is a method: its keywords reach GradientFlowAllReduce, on top of PINNED.
+    # One table entry is a method: its keywords reach GradientFlowAllReduce, on top of PINNED.
     assert methods.gradient_flow_settings("gf_fp16_rd") == {**methods.PINNED, "algorithm": "recursive_doubling"}
-    monkeypatch.setitem(methods.OVERRIDES, "gf_fp16_big", {"bytes_per_pack": 8 * 2 ** 20})
-    _, gf = methods.make_strategy("gf_fp16", 30.0, build_strategy=False)
-    kwargs = methods.gradient_flow_kwargs("gf_fp16_big")
-    assert kwargs == {"compression": "fp16", "bytes_per_pack": 8 * 2 ** 20, "algorithm": "ring",
-                      "overlap": False}
-    assert gf.bytes_per_pack == 4 * 2 ** 20 and methods.is_gradient_flow("gf_fp16_big")
+    methods.register(methods.Method("gf_fp16_big", "big packs", gradient_flow={"bytes_per_pack": 8 * 2 ** 20}))
+    try:
+        _, gf = methods.make_strategy("gf_fp16", 30.0, build_strategy=False)
+        kwargs = methods.gradient_flow_kwargs("gf_fp16_big")
+        assert kwargs == {"compression": "fp16", "bytes_per_pack": 8 * 2 ** 20, "algorithm": "ring",
+                          "overlap": False}
+        assert gf.bytes_per_pack == 4 * 2 ** 20 and methods.is_gradient_flow("gf_fp16_big")
+    finally:
+        methods.unregister("gf_fp16_big")
 
 
 def test_compute_only_ops_keep_the_methods_local_work_and_pin_the_ring():
@@ -382,10 +386,10 @@ def test_allreduce_quick_reports_sane_figures(tmp_path):
         assert cells["csc_1"]["wire_tx_bytes_per_worker"] < 0.2 * cells["tf_fp32"]["wire_tx_bytes_per_worker"]
         assert cells["csc_1"]["chunk_path_s"] > 0   # timed in the same worker processes
         assert cells["csc_1"]["limit_s"] == max(cells["csc_1"]["bound_s"], cells["csc_1"]["chunk_path_s"])
-    if "auto" in cells:   # the default, and TF's own beside it in the same processes
-        assert cells["auto"]["max_rel_error"] < 2e-3 and cells["auto"]["plans"]
-        assert cells["auto"]["paired_s"] > 0 and cells["auto"]["paired_tf_s"] > 0
-        assert cells["auto"]["paired_speedup"] == cells["auto"]["paired_tf_s"] / cells["auto"]["paired_s"]
+    if "default" in cells:   # the default, and TF's own beside it in the same processes
+        assert cells["default"]["max_rel_error"] < 2e-3 and cells["default"]["plans"]
+        assert cells["default"]["paired_s"] > 0 and cells["default"]["paired_tf_s"] > 0
+        assert cells["default"]["paired_speedup"] == cells["default"]["paired_tf_s"] / cells["default"]["paired_s"]
     assert not [n for n in _namespaces() if n.startswith(PREFIX)]
 
 

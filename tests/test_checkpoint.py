@@ -17,8 +17,8 @@ import gf_tf
 from gf_tf.keras import backup, checkpoint
 from gf_tf.keras.checkpoint_checks import CheckpointMismatchError, check_reducer
 from gf_tf.strategy import WorkerInfo
+from helpers import regression_data, small_keras_model
 
-DEVICES = [d.name for d in tf.config.list_logical_devices("CPU")]
 
 
 def _setup(seed=0, momentum=0.5, sparsity=True, devices=2, bytes_per_pack=4 << 20, hidden=16,
@@ -28,19 +28,10 @@ def _setup(seed=0, momentum=0.5, sparsity=True, devices=2, bytes_per_pack=4 << 2
     gfar = gf_tf.GradientFlowAllReduce(sparsity=csc, bytes_per_pack=bytes_per_pack, compression=compression,
                                        reducer=reducer,
                                        cross_device_ops=tf.distribute.ReductionToOneDevice())
-    strategy = tf.distribute.MirroredStrategy(DEVICES[:devices], cross_device_ops=gfar)
-    with strategy.scope():
-        keras.utils.set_random_seed(seed)
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(hidden, activation="relu"),
-                                  keras.layers.Dense(3)])
-        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
-    return gfar, model
+    return small_keras_model(gfar, devices, seed, hidden)
 
 
-def _data():
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(64, 8)).astype(np.float32)
-    return x, (x @ rng.normal(size=(8, 3))).astype(np.float32)
+_data = regression_data
 
 
 def _state(gfar):

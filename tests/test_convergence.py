@@ -9,6 +9,7 @@ import tempfile
 import pytest
 
 from benchmarks import convergence
+from benchmarks.workers import methods
 from models import factory, train
 
 
@@ -108,7 +109,7 @@ def test_the_matrix_is_every_combination_with_tf_fp32_first_in_each_group():
     assert runs[0] == ("digits", 2, 100.0, "tf_fp32", 0) and runs[1] == ("digits", 2, 100.0, "csc_1", 0)
     full = convergence.preset("full", root=True)
     assert set(full["methods"]) == {"tf_fp32", "tf_fp16", "gf_fp16", "default", "csc_1", "csc_1_ahead", "csc_auto"}
-    assert len(convergence.matrix(**full)) == 3 * 7 * 3 * 2 * 2
+    assert len(convergence.matrix(**full)) == 4 * 7 * 3 * 2 * 2   # 4 tasks
     quick = convergence.matrix(**convergence.preset("quick", root=True))
     assert [(r[0], r[1], r[2], r[4]) for r in quick] == [("mnist1d_wide", 2, 100.0, 0)] * 2
     assert convergence.preset("quick", root=False)["links"] == [None]
@@ -132,78 +133,63 @@ def test_dry_run_prints_the_matrix_and_its_estimate_and_runs_nothing(capsys):
 
 
 def _gradient_flow_of(method):
+    """(the GradientFlowAllReduce or None, --tf_all_reduce_dtype) that models.train builds from
+    the method's trainer flags, as models.train.main does."""
     flag_values = copy.deepcopy(train.FLAGS)
-    flag_values(["models.train", *convergence.METHODS[method]])
+    flag_values(["models.train", *methods.trainer_flags(method)])
     f = flag_values
-    return factory.build_gradient_flow(f.compression, f.bytes_per_pack, f.density, f.chunk_size, f.warmup_steps,
-                                       f.momentum, f.selection, algorithm=f.algorithm, overlap=f.overlap,
-                                       scoring=f.scoring, reducer=f.reducer, rank=f.rank), f.tf_all_reduce_dtype
+    density = f.density if f["density"].present or f.reducer == "default" else "1"
+    csc_momentum, _ = factory.split_momentum(f.momentum, f.momentum_correction, factory.parse_density(density))
+    return factory.build_gradient_flow(f.compression, f.bytes_per_pack, density, f.chunk_size, f.warmup_steps,
+                                       csc_momentum, f.selection, algorithm=f.algorithm, overlap=f.overlap,
+                                       scoring=f.scoring, reducer=f.reducer, rank=f.rank,
+                                       lowrank_alternate=f.lowrank_alternate), f.tf_all_reduce_dtype
 
 
-def test_every_method_is_the_reducer_its_name_says():
+def _settings(gradient_flow):
+    """What two GradientFlowAllReduce objects must share to be the same method: the four
+    settings, the reducer's class and handshake settings (CSC's: its density and a CRC of its
+    other settings, warm-up included), ChunkSparsity's config."""
+    compression = gradient_flow.compression
+    return {"compression": getattr(compression, "name", compression), "bytes_per_pack": gradient_flow.bytes_per_pack,
+            "algorithm": gradient_flow.algorithm, "overlap": gradient_flow.overlap,
+            "reducer": type(gradient_flow.reducer).__name__,
+            "reducer_settings": [(n, v) for n, v, _ in gradient_flow.reducer.settings()],
+            "sparsity": None if gradient_flow.sparsity is None else gradient_flow.sparsity.get_config()}
+
+
+@pytest.mark.parametrize("method", methods.METHODS)
+def test_trainer_flags_build_the_gradient_flow_the_workers_build(method):
+    """Every method of the table: models.train's GradientFlowAllReduce from `trainer_flags` is the
+    workers' from `gradient_flow_kwargs` given the trainer's CSC warm-up (the workers' own is 0
+    steps; the only difference allowed); TF's methods build none."""
     import gf_tf
-    assert _gradient_flow_of("tf_fp32") == (None, "float32")
-    assert _gradient_flow_of("tf_fp16") == (None, "float16")
-    default, _ = _gradient_flow_of("default")
-    plain = gf_tf.GradientFlowAllReduce()
-    assert (default.compression, default.bytes_per_pack, default.algorithm, default.overlap, default.sparsity) \
-        == (plain.compression, plain.bytes_per_pack, plain.algorithm, plain.overlap, None)
-    fp16, _ = _gradient_flow_of("gf_fp16")
-    assert fp16.compression.name == "fp16" and fp16.sparsity is None
-    for method, density, selection in [("csc_1", 0.01, "per_pack"), ("csc_1_ahead", 0.01, "ahead"),
-                                       ("csc_auto", "auto", "per_pack")]:
-        csc, _ = _gradient_flow_of(method)
-        assert (csc.sparsity.density, csc.sparsity.selection) == (density, selection), method
-    for rank in (1, 2, 4):
-        lowrank, _ = _gradient_flow_of(f"lowrank_{rank}")
-        assert isinstance(lowrank.reducer, gf_tf.reducers.LowRank) and lowrank.reducer.rank == rank
-        assert lowrank.sparsity is None
-
-
-@pytest.mark.slow
-def test_a_tiny_two_worker_cell_records_a_curve_and_the_bytes():
-    """digits, 2 workers over loopback (unshaped), tf_fp32, tf_fp16 and csc_1, 2 epochs of 4 steps each."""
-    digits_params = sum(int(w.shape.num_elements()) for w in
-                        factory.build_model("digits_cnn", (8, 8, 1), 10).trainable_weights)
-    extra = ["--epochs", "2", "--steps_per_epoch", "4", "--warmup_steps", "2"]
-    with tempfile.TemporaryDirectory() as workdir:
-        runs = [convergence.run_local(("digits", 2, None, m, 0), workdir, 600, extra) for m in ("tf_fp32", "tf_fp16", "csc_1")]
-    for r in runs:
-        assert "error" not in r, r.get("error")
-        assert [p["epoch"] for p in r["curve"]] == [1, 2]
-        assert 0 < r["curve"][0]["seconds"] < r["curve"][1]["seconds"]
-        assert r["curve"][-1]["test_accuracy"] == r["final_accuracy"] and 0 <= r["final_accuracy"] <= 1
-    dense, half, csc = runs
-    # TensorFlow's all-reduce: 4 bytes per gradient element per step in float32, 2 in float16.
-    assert [p["bytes_sent"] for p in dense["curve"]] == [4.0 * digits_params * 4, 4.0 * digits_params * 8]
-    assert [p["bytes_sent"] for p in half["curve"]] == [2.0 * digits_params * 4, 2.0 * digits_params * 8]
-    # CSC: 2 dense FP16 steps, then 1% of the chunks: less than a quarter of float32 over 8 steps.
-    assert csc["curve"][-1]["bytes_sent"] < 0.25 * dense["curve"][-1]["bytes_sent"]
-    assert csc["curve"][-1]["bytes_sent"] == pytest.approx(8 * csc["sent_bytes_per_step"])
-    cells = {c["method"]: c for c in convergence.summarize(runs)}
-    assert cells["csc_1"]["target"] == pytest.approx(dense["final_accuracy"] - 0.01)
-
-
-def test_the_trainer_and_the_benchmark_use_only_gf_tfs_public_api():
-    """No private attribute (`._name`) is read in models/ or the convergence benchmark, except a
-    dataclass's own field (Source._make) and os._exit."""
-    import re
-    allowed = {"self._make", "os._exit"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    files = [os.path.join(root, "models", f) for f in os.listdir(os.path.join(root, "models")) if f.endswith(".py")]
-    files += [os.path.join(root, "benchmarks", "convergence.py"), os.path.join(root, "benchmarks", "workers", "train_job.py")]
-    hits = []
-    for path in files:
-        with open(path) as f:
-            for number, line in enumerate(f, 1):
-                for access in re.findall(r"[\w\])]+\._[a-z]\w*", line):
-                    if access not in allowed:
-                        hits.append(f"{os.path.relpath(path, root)}:{number}: {access}")
-    assert not hits, hits
+    trainer, dtype = _gradient_flow_of(method)
+    if not methods.is_gradient_flow(method):
+        assert trainer is None and dtype == methods.get(method).tf_dtype
+        return
+    warmup = train.FLAGS["warmup_steps"].default
+    worker = gf_tf.GradientFlowAllReduce(**methods.gradient_flow_kwargs(method, warmup_steps=warmup))
+    assert trainer is not None and dtype == "float32"
+    assert _settings(trainer) == _settings(worker)
 
 
 @pytest.mark.parametrize("task", list(convergence.TASKS))
-def test_each_tasks_parameter_count_is_its_models(task):
+def test_each_tasks_shapes_are_its_models_trainable_variables(task):
     name = factory.model_for("", task)
     model = factory.build_model(name, factory.default_input_shape(name), 10)
+    assert convergence.TASKS[task].shapes == tuple(tuple(w.shape) for w in model.trainable_weights)
     assert convergence.TASKS[task].params == sum(int(w.shape.num_elements()) for w in model.trainable_weights)
+
+
+def test_the_estimates_bytes_are_the_shared_byte_model_and_auto_names_the_default(capsys):
+    wide = convergence.TASKS["mnist1d_wide"]
+    for method in ("csc_1", "csc_auto", "lowrank_2", "default"):
+        assert convergence.payload_bytes_per_step("mnist1d_wide", method) == methods.payload_bytes(method, wide.shapes)
+    # csc_auto at its dense rung: at least the dense FP16 bytes; low rank far below them.
+    dense = methods.payload_bytes("gf_fp16", wide.shapes)
+    assert methods.payload_bytes("csc_auto", wide.shapes) >= 2.0 * wide.params
+    assert methods.payload_bytes("lowrank_2", wide.shapes) < dense / 10
+    assert convergence.main(["--dry-run", "--tasks", "digits", "--methods", "tf_fp32,auto", "--seeds", "0",
+                             "--workers", "2", "--links", "none"]) == 0
+    assert "x methods ['tf_fp32', 'default'] x" in capsys.readouterr().out

@@ -223,11 +223,13 @@ def test_error_feedback_scores_come_from_the_accumulate_kernels_lookahead_norms(
 def test_settings_name_what_ahead_does_not_combine_with():
     with pytest.raises(ValueError, match=r'selection="ahead" needs a numeric density'):
         gf_tf.ChunkSparsity(density="auto", selection="ahead")
+    with pytest.raises(ValueError, match=r'selection="ahead" needs a numeric density'):
+        gf_tf.ChunkSparsity(selection="ahead")   # the default density is "auto"
     with pytest.raises(ValueError, match=r"scoring must be one of \('error_feedback', 'paper'\)"):
-        gf_tf.ChunkSparsity(selection="ahead", scoring="l2")
+        gf_tf.ChunkSparsity(density=0.01, selection="ahead", scoring="l2")
     with pytest.raises(ValueError, match=r"scoring='paper' .* only selection=\"ahead\" does; got selection='per_pack'"):
-        gf_tf.ChunkSparsity(scoring="paper")
-    csc = gf_tf.ChunkSparsity(selection="ahead", scoring="paper")
+        gf_tf.ChunkSparsity(density=0.01, scoring="paper")
+    csc = gf_tf.ChunkSparsity(density=0.01, selection="ahead", scoring="paper")
     assert "selection='ahead', scoring='paper'" in repr(csc)
     assert csc.get_config()["scoring"] == "paper" and csc.overlaps
     assert "scoring" not in gf_tf.ChunkSparsity().get_config()

@@ -36,7 +36,7 @@ class AlternatingDensity(DensityRule):
     def config(self):
         return {"alternate": list(self.densities)}
 
-    def index(self, stage, current, plans, timing, comm, warmup_steps):
+    def index(self, stage, current, plans, timing, comm, warmup_steps, shared):
         staged = sum(plan.first_step is not None for plan in plans)
         chosen = tf.cast(current % 2, tf.int32)
         return tf.where(current >= warmup_steps, staged + chosen, stage)

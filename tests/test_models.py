@@ -130,12 +130,13 @@ def test_every_algorithm_flag_value_is_auto_or_a_registered_algorithm():
     assert all(name in collectives.ALGORITHMS for name in factory.ALGORITHMS if name != "auto")
 
 
-def test_the_main_jobs_defaults_stay_fp16_with_csc_at_density_0_01_and_one_barrier():
+def test_the_main_jobs_defaults_stay_fp16_with_csc_at_density_auto_and_one_barrier():
     defaults = {f: train.FLAGS[f].default for f in ("compression", "density", "algorithm", "overlap")}
-    assert defaults == {"compression": "fp16", "density": "0.01", "algorithm": "auto", "overlap": "false"}
+    assert defaults == {"compression": "fp16", "density": "auto", "algorithm": "auto", "overlap": "false"}
     gfar = factory.build_gradient_flow(defaults["compression"], density=defaults["density"],
                                        algorithm=defaults["algorithm"], overlap=defaults["overlap"])
-    assert gfar.compression.name == "fp16" and gfar.sparsity.density == 0.01
+    assert gfar.compression.name == "fp16" and gfar.sparsity.density == "auto"
+    assert gfar.sparsity.get_config() == gf_tf.ChunkSparsity().get_config()   # build_gradient_flow's warm-up: 0
     assert gfar.algorithm == "auto" and gfar.overlap is False
 
 

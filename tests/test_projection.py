@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from benchmarks import projection
-from benchmarks.workers import gradients
+from benchmarks.workers import gradients, methods
 from gf_tf.plan import PlanReport, planner
 
 PARAMS = {"alpha": 1e-3, "rho": 7e-3, "kappa": 1.1, "gamma": 2e-10, "delta_tf": 1e-9,
@@ -63,6 +63,15 @@ def test_projection_speedup_by_hand():
     assert p["speedup"] == pytest.approx(64 * 0.04 / (0.04 + comm), rel=1e-12)
 
 
+def _pack_sizes(shapes):
+    """Elements per pack of a float32 gradient list on the FP16 wire, as GradientFlow cuts it."""
+    import tensorflow as tf
+    from gf_tf import packing, wire
+    from gf_tf.plan import DEFAULT_BYTES_PER_PACK
+    plan = packing.plan_packs([(tf.TensorShape(s), tf.float32) for s in shapes], DEFAULT_BYTES_PER_PACK, wire.FP16)
+    return [p.num_elements for p in plan]
+
+
 def test_lowrank_traffic_by_hand():
     # One FP16 pack: a 64 x 32 kernel and a [3, 3, 16, 32] conv kernel (144 x 32) are compressed
     # at ranks 1, 2 and 4 (n m >= 2 (n + m) r); a bias (32) and a 4 x 3 kernel (12 < 2 (4 + 3) 1)
@@ -70,17 +79,16 @@ def test_lowrank_traffic_by_hand():
     # vector 4 bytes x (2 dense bounds + 2 per matrix); collectives: the dense remainder, the
     # factors (2, or 1 sending P or Q in turn: half the factor elements on average), the control.
     shapes = [(64, 32), (3, 3, 16, 32), (32,), (4, 3)]
-    assert len(projection.pack_sizes(shapes)) == 1
+    assert len(_pack_sizes(shapes)) == 1
     for method, rank in (("lowrank_1", 1), ("lowrank_2", 2), ("lowrank_4", 4)):
-        assert projection.method_traffic(method, shapes) == (2.0 * (272 * rank + 44) + 4.0 * 6, 4)
-    assert projection.method_traffic("lowrank_2_acp", shapes) == (2.0 * (272 + 44) + 4.0 * 6, 3)
+        assert methods.traffic(method, shapes) == (2.0 * (272 * rank + 44) + 4.0 * 6, 4)
+    assert methods.traffic("lowrank_2_acp", shapes) == (2.0 * (272 + 44) + 4.0 * 6, 3)
 
 
 def test_the_projection_table_prints_the_lowrank_methods():
     """A row per low-rank method; at 1 Gbit/s on AlexNet the ACP form's one factor collective
     and half the factor bytes make its all-reduce shorter than lowrank_2's, and all of them
     a tenth of TF's float32 or less (PARAMS' local cost bounds them below)."""
-    from benchmarks.workers import methods
     table, points = projection.projection_table(PARAMS, {"alexnet": 38.8}, [8], [1.0], 0.0)
     for method in ("lowrank_1", "lowrank_2", "lowrank_4", "lowrank_2_acp"):
         assert methods.LABELS[method] in table
@@ -91,16 +99,16 @@ def test_the_projection_table_prints_the_lowrank_methods():
 def test_method_traffic_matches_the_packing_and_chunk_rules():
     shapes = gradients.GRADIENT_SETS["resnet50"]
     elements = gradients.num_elements(shapes)
-    packs = projection.pack_sizes(shapes)
+    packs = _pack_sizes(shapes)
     assert sum(packs) == elements
-    assert projection.method_traffic("tf_fp32", shapes) == (4.0 * elements, 1)
-    assert projection.method_traffic("gf_fp16", shapes) == (2.0 * elements + 4.0 * len(shapes),
+    assert methods.traffic("tf_fp32", shapes) == (4.0 * elements, 1)
+    assert methods.traffic("gf_fp16", shapes) == (2.0 * elements + 4.0 * len(shapes),
                                                             len(packs) + 1)
     expected = sum(2.0 * max(1, math.ceil(0.01 * math.ceil(n / 1024))) * 1024 + 4.0 * math.ceil(n / 1024)
                    for n in packs)
-    assert projection.method_traffic("csc_1", shapes) == (expected, 2)
+    assert methods.traffic("csc_1", shapes) == (expected, 2)
     chunks = sum(math.ceil(n / 1024) for n in packs)     # global: one top K over all of them
-    assert projection.method_traffic("csc_1_global", shapes) == (
+    assert methods.traffic("csc_1_global", shapes) == (
         2.0 * math.ceil(0.01 * chunks) * 1024 + 4.0 * chunks, 2)
 
 
@@ -163,7 +171,7 @@ def test_missing_or_small_calibration_fails_with_what_to_run(tmp_path, capsys):
     assert "is not a benchmarks.allreduce result" in str(exc.value)
 
 
-# -- gf_tf's default ("auto"): the planner's pick on the fitted constants ---------------------
+# -- gf_tf's default ("default"): the planner's pick on the fitted constants ---------------------
 
 def test_planner_costs_carry_the_same_model():
     # TF's default and one-pack FP16 (ring or recursive doubling): the planner's predicted
@@ -174,7 +182,7 @@ def test_planner_costs_carry_the_same_model():
         costs = projection.planner_costs(PARAMS, 2e9, cpu_share=1.5)
         for method, wire, algorithm in (("tf_fp32", "tf", "ring"), ("gf_fp16", "fp16", "ring"),
                                         ("gf_fp16_rd", "fp16", "recursive_doubling")):
-            payload, collectives = projection.method_traffic(method, shapes, bytes_per_pack=0)
+            payload, collectives = methods.traffic(method, shapes, bytes_per_pack=0)
             case = projection.Case(method, n, 2e9, elements, payload, collectives, cpu_share=1.5)
             assert planner.predict_seconds(wire, algorithm, elements, tensors, n, costs) == \
                 pytest.approx(projection.all_reduce_seconds(case, PARAMS), rel=1e-12), (method, n)
@@ -184,14 +192,14 @@ def test_auto_is_the_planners_pick_on_hand_made_costs():
     # Latency-bound (hops of 10 ms, rounds of 1 s, a free wire): one ring collective; TF's own
     # and one float32 pack then cost the same, and ties go to TF's own.
     latency = dict.fromkeys(projection.PARAMETERS, 0.0) | {"alpha": 1e-2, "rho": 1.0, "kappa": 1e-6}
-    p = projection.project(latency, "resnet50", "auto", 64, 56.0, 0.128, 0.0)
+    p = projection.project(latency, "resnet50", "default", 64, 56.0, 0.128, 0.0)
     assert (p["plan"].plan.method, p["plan"].plan.algorithm) == ("tf", "ring")
     tf_fp32 = projection.project(latency, "resnet50", "tf_fp32", 64, 56.0, 0.128, 0.0)
     assert p["comm_s"] == pytest.approx(tf_fp32["comm_s"], rel=1e-12)
     # Bandwidth-bound (1 Gbit/s, no latency): FP16 halves the bytes; the ring sends 2(N-1)/N of
     # them, recursive doubling log2(N) times them: FP16 over the ring, in 4 MiB packs (auto's size).
     wire = dict.fromkeys(projection.PARAMETERS, 0.0) | {"kappa": 1.0}
-    p = projection.project(wire, "resnet50", "auto", 64, 1.0, 0.128, 0.0)
+    p = projection.project(wire, "resnet50", "default", 64, 1.0, 0.128, 0.0)
     plan = p["plan"].plan
     assert (plan.method, plan.algorithm, plan.bytes_per_pack) == ("fp16", "ring", 4 << 20)
     e, t = 25_557_032, 161
@@ -200,7 +208,7 @@ def test_auto_is_the_planners_pick_on_hand_made_costs():
     # over recursive doubling: 6 rounds of (10 us + 4 * 996 B * 8 / 10 Gbit/s); FP16 would
     # pay 6 more rounds for its scale bounds to save 6 * 3.2 us of wire.
     rounds = dict.fromkeys(projection.PARAMETERS, 0.0) | {"alpha": 1e-3, "rho": 1e-5, "kappa": 1.0}
-    p = projection.project(rounds, "tiny", "auto", 64, 10.0, 0.01, 0.0)
+    p = projection.project(rounds, "tiny", "default", 64, 10.0, 0.01, 0.0)
     assert (p["plan"].plan.method, p["plan"].plan.algorithm) == ("none", "recursive_doubling")
     assert p["comm_s"] == pytest.approx(6 * (1e-5 + 4 * 996 * 8 / 1e10), rel=1e-12)
     # And in general it is exactly gf_tf.plan.planner.choose on planner_costs.
@@ -209,7 +217,7 @@ def test_auto_is_the_planners_pick_on_hand_made_costs():
             chosen = PlanReport(*planner.choose(gradients.num_elements(gradients.GRADIENT_SETS[model]),
                                                 len(gradients.GRADIENT_SETS[model]), n,
                                                 projection.planner_costs(PARAMS, 25e9)))
-            p = projection.project(PARAMS, model, "auto", n, 25.0, 0.05, 0.0)
+            p = projection.project(PARAMS, model, "default", n, 25.0, 0.05, 0.0)
             assert p["plan"] == chosen and p["comm_s"] == chosen.steady_seconds   # a trial: the faster
 
 
@@ -223,13 +231,14 @@ def _synthetic_calibration(path, params, cores=2):
             for n in (2, 3, 4, 6, 8):
                 for rate, goodput in ((100.0, 9.5e7), (1000.0, 9.4e8), (None, 8e9)):
                     shapes = gradients.GRADIENT_SETS[name]
-                    payload, collectives = projection.method_traffic(method, shapes)
+                    payload, collectives = methods.traffic(method, shapes)
                     case = projection.Case(method, n, goodput, gradients.num_elements(shapes), payload,
                                            collectives, max(1.0, n / cores))
                     cells.append({"set": name, "workers": n, "rate_mbit": rate, "method": method,
                                   "elements": case.elements, "goodput_bps": goodput,
                                   "median_s": projection.all_reduce_seconds(case, params)})
-    # An "auto" cell is modelled by its recorded plan; tf_fp16 has no model and is skipped.
+    # A "default" cell ("auto", as here, in files written before the method table) is modelled
+    # by its recorded plan; tf_fp16 has no model and is skipped.
     auto = dict(cells[0], method="auto", plans=[{"method": "tf", "algorithm": "ring", "bytes_per_pack": 0}])
     path.write_text(json.dumps({"cells": cells + [auto, dict(cells[0], method="tf_fp16")]}))
     return len(cells) + 1
@@ -266,8 +275,8 @@ def test_no_arguments_read_the_shipped_calibration_and_json_rows(tmp_path, monke
             assert row["step_ms"] == pytest.approx(p["step_s"] * 1e3, rel=1e-12)
             assert row["step_ms"] == pytest.approx(projection.DEFAULT_COMPUTE_MS[row["model"]]
                                                    + p["comm_s"] * 1e3, rel=1e-12)
-        if row["method"] == "auto":
-            p = projection.project(params, row["model"], "auto", row["workers"], row["link_gbit"],
+        if row["method"] == "default":
+            p = projection.project(params, row["model"], "default", row["workers"], row["link_gbit"],
                                    projection.DEFAULT_COMPUTE_MS[row["model"]] / 1e3, 0.0)
             assert row["speedup"] == pytest.approx(p["speedup"], rel=1e-12)
 

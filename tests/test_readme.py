@@ -63,9 +63,11 @@ def _sample_output():
 
 
 def test_the_sample_output_is_what_the_first_command_prints():
-    """README's sample lines of `gf-tf-run -n 2 -- python -m models.train`: the
-    byte line exactly (seed 0), the accuracy to within 0.01 (3 of 360 images: its last digits follow
-    the CPU's oneDNN kernels), the throughput line's form (it depends on the machine's load)."""
+    """README's sample lines of `gf-tf-run -n 2 -- python -m models.train`: the byte line (seed 0)
+    exactly, or with fewer bytes sent (density="auto" sends dense on loopback, where compressing
+    saves little, but a step slowed by the machine's load may price a sparse rung), the accuracy
+    to within 0.01 (3 of 360 images: its last digits follow the CPU's oneDNN kernels), the
+    throughput line's form (it depends on the machine's load)."""
     from gf_tf import launch  # pylint: disable=import-outside-toplevel
     env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("TF_CONFIG", None)
@@ -78,7 +80,15 @@ def test_the_sample_output_is_what_the_first_command_prints():
     expected = float(re.fullmatch(form, accuracy).group(1))
     printed_accuracy = float(re.search(f"^{form}$", printed, flags=re.M).group(1))
     assert abs(printed_accuracy - expected) <= 0.01, printed
-    assert sent.startswith("[worker 0] bytes sent per step") and sent in printed.splitlines(), printed
+    byte_line = (r"\[worker 0\] bytes sent per step per replica: ([\d,]+) \(mean of all steps, warm-up "
+                 r"included; last epoch [\d,]+\) vs 2,178,472 for float32 dense all-reduce: [\d.]+x fewer, "
+                 r"[\d.]+% saved \(gf_tf CommStats\)")
+    readme_sent = re.fullmatch(byte_line, sent)
+    assert readme_sent, sent
+    printed_sent = re.search(f"^{byte_line}$", printed, flags=re.M)
+    assert printed_sent, printed[-3000:]
+    assert sent in printed.splitlines() or (
+        int(printed_sent.group(1).replace(",", "")) < int(readme_sent.group(1).replace(",", ""))), printed_sent
     form = re.escape(throughput).replace(re.escape(re.search(r"[\d.]+ images/s", throughput).group(0)),
                                          r"[\d.]+ images/s")
     assert re.fullmatch(form, throughput) and re.search(f"^{form}$", printed, flags=re.M), printed

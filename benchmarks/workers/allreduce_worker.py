@@ -91,7 +91,7 @@ def paired_seconds(strategy, step, shapes, iters):
 def check_result(method, values, reduced, num_workers):
     """Max relative error against the exact sum (dense methods) or the non-zero fraction (CSC)."""
     out = [np.asarray(r) for r in reduced]
-    if method in methods.CSC_DENSITY:
+    if methods.is_csc(method):
         nonzero = sum(int(np.count_nonzero(o)) for o in out)
         return {"nonzero_fraction": nonzero / sum(o.size for o in out)}
     worst = 0.0
@@ -308,7 +308,7 @@ def main():
             entry["paired_s"], entry["paired_tf_s"] = paired_seconds(strategy, step, shapes, calls)
         if args.pack_overhead:
             entry["pack_unpack_s"] = pack_unpack_seconds(values, num_workers, max(args.iters, 3))
-        if args.chunk_path and args.method in methods.CSC_DENSITY:
+        if args.chunk_path and methods.is_csc(args.method):
             entry["chunk_path_s"] = chunk_path_seconds(strategy, args.method, values, max(args.iters, 3))
         results["sets"][name] = entry
         del values, step, out

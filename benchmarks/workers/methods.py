@@ -1,180 +1,363 @@
-"""The all-reduce methods under comparison, by name, and the strategy each one needs.
+"""The all-reduce methods under comparison: one table (TABLE), everything else derived from it.
 
-    tf_fp32   TensorFlow's MultiWorkerMirroredStrategy, float32, RING (the baseline)
-    tf_fp16   the same strategy, gradients cast to float16 by hand before the
-              all-reduce and back after (separates the dtype from our overhead)
-    gf_fp16   gf_tf.GradientFlowAllReduce(compression="fp16"), dense, in packs of
-              gf_tf.cross_device_ops.DEFAULT_BYTES_PER_PACK (4 MiB) over TF's ring
-    csc_10 / csc_1 / csc_0.1
-              gf_tf.GradientFlowAllReduce(compression="fp16",
-              sparsity=gf_tf.ChunkSparsity(density=0.1 / 0.01 / 0.001, warmup_steps=0)),
-              4 MiB packs over TF's ring
-    csc_auto  the same with ChunkSparsity(density="auto", warmup_steps=0): each step the
-              largest density whose communication costs at most 5% of the measured compute
-    csc_1_global / csc_0.1_global
-              the same at density 0.01 / 0.001 with selection="global" (one top-K over
-              the chunks of all packs instead of k per pack); not in the presets' loops
-              over every method: ask for them with --methods
-    auto      gf_tf.GradientFlowAllReduce() with its defaults (every setting "auto" but overlap): gf_tf's
-              default, the planner's choice of method, pack size and algorithm (gf_tf.plan.planner)
-    gf_fp16_rd / csc_1_rd
-              gf_fp16 / csc_1 over recursive doubling (algorithm="recursive_doubling",
-              gf_tf.collectives) instead of TF's ring
-    gf_fp16_overlap
-              gf_fp16 with overlap=True: one group of packs per pack, each with its own
-              scale-bounds all-reduce, so packs leave during backprop; bytes_per_pack
-              "auto" (the planner's pack size that gives 2 or more packs)
-    csc_1_overlap
-              csc_1 with overlap=True: each 4 MiB pack all-reduces its own chunk norms,
-              then its own chunks, as soon as its gradients exist
-    csc_1_ahead / csc_1_ahead_overlap / csc_1_ahead_rd
-              csc_1 with selection="ahead" (each pack's chunks chosen at the step
-              before: one collective a step), one barrier / with overlap=True / over
-              recursive doubling
-    csc_15_paper / csc_10_paper
-              the GradientFlow paper's own settings: chunks of 32,000 elements (its "32K
-              gradients"), 15% / 10% of them, chosen a step ahead with its scoring rule
-    lowrank_1 / lowrank_2 / lowrank_4
-              gf_tf.GradientFlowAllReduce(compression="fp16",
-              reducer=gf_tf.reducers.LowRank(rank=1 / 2 / 4)): each matrix's gradient as two
-              rank-r factors (PowerSGD), the rest dense; not in the presets' loops over every
-              method: ask for them with --methods
-    lowrank_2_acp
-              lowrank_2 with LowRank(alternate=True): one factor all-reduce a step, the P's
-              and the Q's in turn (ACP-SGD)
+Each entry of `_ENTRIES` is one `Method`: its name, label, and the settings that
+differ from the pinned transport. Every GradientFlow method pins
+GradientFlowAllReduce(**PINNED) (FP16, 4 MiB packs of gf_tf.plan.DEFAULT_BYTES_PER_PACK,
+TF's ring, overlap False) unless its `gradient_flow` says otherwise, so that it
+measures the same transport whatever the planner's defaults. From an entry come:
 
-Every GradientFlow method pins bytes_per_pack, algorithm and overlap (False) unless its
-OVERRIDES entry says otherwise (`auto` leaves them to the planner, the `_overlap` methods
-turn overlap on), so that it measures the same transport whatever the planner's defaults.
-The methods of OVERRIDES are not in the presets' loops over every method either: the
-`scale` preset of benchmarks.allreduce names them.
+- `gradient_flow_kwargs(name)`: the GradientFlowAllReduce keywords the in-process
+  workers build (benchmarks.allreduce / benchmarks.fit, CSC warm-up 0 steps);
+- `trainer_flags(name)`: the `python -m models.train` flags of the same
+  GradientFlowAllReduce (benchmarks.convergence), CSC warm-up left at the trainer's;
+- `traffic(name, shapes)` / `payload_bytes(name, shapes)`: the one byte model, from
+  gf_tf's own pack plan, chunk counts and LowRank layout (benchmarks.projection,
+  the allreduce and convergence time estimates);
+- `LABELS`, `METHODS` (table order), `PRESET_METHODS` (benchmarks.allreduce's and
+  benchmarks.fit's loops over every method: presets "allreduce") and
+  `CONVERGENCE_METHODS` (benchmarks.convergence's full matrix: presets "convergence").
+  The other methods run when named (`--methods`).
 
-A GradientFlow method's GradientFlowAllReduce keywords are PINNED, with its
-sparsity (CSC_DENSITY, CSC_SELECTION), updated by its entry in OVERRIDES: the
-one place a method's settings differ. A method named only in OVERRIDES joins
-METHODS (outside the presets' loops), so measuring a new GradientFlowAllReduce
-keyword is one line there, e.g. `"gf_fp16_overlap": {"overlap": True},`.
+A new method to measure is one entry, e.g. `Method("csc_5", "GradientFlow CSC 5%",
+csc={"density": 0.05})`, or `register(...)` of it from outside. The name "auto" is
+read as "default" (`canonical`): the dated reports' commands and the JSON results
+written before the table named gf_tf's default so.
 """
 
-from typing import Dict, Union
+import dataclasses
+import functools
+import math
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-_BASE_METHODS = ["tf_fp32", "tf_fp16", "gf_fp16", "csc_10", "csc_1", "csc_0.1", "csc_auto",
-                 "csc_1_global", "csc_0.1_global", "csc_1_ahead", "csc_15_paper", "csc_10_paper"]
-CSC_DENSITY: Dict[str, Union[float, str]] = {"csc_10": 0.10, "csc_1": 0.01, "csc_0.1": 0.001,
-                                             "csc_auto": "auto",
-                                             "csc_1_global": 0.01, "csc_0.1_global": 0.001,
-                                             "csc_1_rd": 0.01, "csc_1_overlap": 0.01,
-                                             "csc_1_ahead": 0.01, "csc_1_ahead_overlap": 0.01,
-                                             "csc_15_paper": 0.15, "csc_10_paper": 0.10,
-                                             "csc_1_ahead_rd": 0.01}
-# ChunkSparsity(selection=...) of the CSC methods not selecting per pack.
-CSC_SELECTION: Dict[str, str] = {"csc_1_global": "global", "csc_0.1_global": "global",
-                                 "csc_1_ahead": "ahead", "csc_1_ahead_overlap": "ahead",
-                                 "csc_15_paper": "ahead", "csc_10_paper": "ahead",
-                                 "csc_1_ahead_rd": "ahead"}
-# Other ChunkSparsity keywords of a CSC method (its defaults otherwise).
-CSC_EXTRA: Dict[str, Dict[str, object]] = {
-    "csc_15_paper": {"chunk_size": 32000, "scoring": "paper"},
-    "csc_10_paper": {"chunk_size": 32000, "scoring": "paper"},
-}
-# GradientFlowAllReduce keywords of every GradientFlow method ("default" bytes_per_pack:
-# gf_tf.plan.DEFAULT_BYTES_PER_PACK, 4 MiB), before its OVERRIDES.
+ALLREDUCE, CONVERGENCE = "allreduce", "convergence"   # the presets' loops a method joins
+ALIASES = {"auto": "default"}   # old name -> name
+# GradientFlowAllReduce keywords of every GradientFlow method before its own ("default"
+# bytes_per_pack: gf_tf.plan.DEFAULT_BYTES_PER_PACK, 4 MiB).
 PINNED: Dict[str, object] = {"compression": "fp16", "bytes_per_pack": "default", "algorithm": "ring",
                              "overlap": False}
-# Per method: the GradientFlowAllReduce keywords that differ from PINNED.
-OVERRIDES: Dict[str, Dict[str, object]] = {
-    "auto": {"compression": "auto", "bytes_per_pack": "auto", "algorithm": "auto"},  # the defaults
-    "gf_fp16_overlap": {"overlap": True, "bytes_per_pack": "auto"},   # one group per pack, 2+ packs
-    "gf_fp16_rd": {"algorithm": "recursive_doubling"},
-    "csc_1_rd": {"algorithm": "recursive_doubling"},
-    "csc_1_overlap": {"overlap": True},   # CSC 1%, each pack's norms and chunks on their own
-    "csc_1_ahead_overlap": {"overlap": True},   # CSC 1% ahead, each pack's one collective on its own
-    "csc_1_ahead_rd": {"algorithm": "recursive_doubling"},
-}
-# gf_tf.reducers.LowRank(rank=...) of the low-rank methods (PINNED's FP16 wire carries the factors).
-LOWRANK_RANK: Dict[str, int] = {
-    "lowrank_1": 1,
-    "lowrank_2": 2,
-    "lowrank_4": 4,
-    "lowrank_2_acp": 2,
-}
-# The low-rank methods that send one factor a step (LowRank(alternate=True), ACP-SGD).
-LOWRANK_ALTERNATE = ("lowrank_2_acp",)
-METHODS = (_BASE_METHODS + [m for m in OVERRIDES if m not in _BASE_METHODS]
-           + list(LOWRANK_RANK))
-# The methods the presets loop over when they take "every method".
-PRESET_METHODS = [m for m in METHODS if m not in CSC_SELECTION and m not in OVERRIDES
-                  and m not in LOWRANK_RANK]
-LABELS = {
-    "tf_fp32": "TF default fp32",
-    "tf_fp16": "TF default, fp16 by hand",
-    "gf_fp16": "GradientFlow fp16 dense",
-    "csc_10": "GradientFlow CSC 10%",
-    "csc_1": "GradientFlow CSC 1%",
-    "csc_0.1": "GradientFlow CSC 0.1%",
-    "csc_auto": "GradientFlow CSC auto",
-    "csc_1_global": "GradientFlow CSC 1% global",
-    "csc_0.1_global": "GradientFlow CSC 0.1% global",
-    "auto": "gf_tf default (planner)",
-    "gf_fp16_rd": "GradientFlow fp16, recursive doubling",
-    "csc_1_rd": "GradientFlow CSC 1%, recursive doubling",
-    "csc_1_overlap": "GradientFlow CSC 1%, a group per pack",
-    "csc_1_ahead": "GradientFlow CSC 1%, chosen a step ahead",
-    "csc_1_ahead_overlap": "GradientFlow CSC 1% ahead, a group per pack",
-    "csc_1_ahead_rd": "GradientFlow CSC 1% ahead, recursive doubling",
-    "csc_15_paper": "GradientFlow CSC 15%, chunks of 32,000, ahead (the paper's)",
-    "csc_10_paper": "GradientFlow CSC 10%, chunks of 32,000, ahead (the paper's)",
-    **{m: f"GradientFlow low-rank (PowerSGD), rank {r}" for m, r in LOWRANK_RANK.items()},
-    "lowrank_2_acp": "GradientFlow low-rank, rank 2, P and Q in turn (ACP-SGD)",
-}
-for _m in [m for m in OVERRIDES if m not in LABELS]:   # a method added by one OVERRIDES line:
-    LABELS[_m] = "GradientFlow " + ", ".join(f"{k}={v!r}" for k, v in OVERRIDES[_m].items())   # its keywords
+_AUTO = {"compression": "auto", "bytes_per_pack": "auto", "algorithm": "auto"}   # the planner's
 
 
-def csc_selection(method: str) -> str:
-    """ChunkSparsity(selection=...) of a CSC method: "global", "ahead" or "per_pack"."""
-    return CSC_SELECTION.get(method, "per_pack")
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One all-reduce configuration.
+
+    tf_dtype: TensorFlow's own all-reduce in this dtype ("float32" or "float16": cast by
+      hand and back); None: GradientFlow.
+    gradient_flow: the GradientFlowAllReduce keywords that differ from PINNED.
+    csc: gf_tf.ChunkSparsity keywords (density, selection, chunk_size, scoring, momentum),
+      warm-up excluded; None: no CSC.
+    lowrank: gf_tf.reducers.LowRank keywords (rank, alternate); None: no low rank.
+    presets: the presets' loops that take it (ALLREDUCE, CONVERGENCE).
+    """
+    name: str
+    label: str
+    tf_dtype: Optional[str] = None
+    gradient_flow: Mapping[str, object] = dataclasses.field(default_factory=dict)
+    csc: Optional[Mapping[str, object]] = None
+    lowrank: Optional[Mapping[str, object]] = None
+    presets: frozenset = frozenset()
 
 
-def algorithm(method: str) -> str:
-    """GradientFlowAllReduce(algorithm=...) of a GradientFlow method: "ring", "recursive_doubling"
-    or "auto" (the planner's)."""
-    return str(gradient_flow_settings(method)["algorithm"])
+_BOTH, _ALLREDUCE, _CONVERGENCE = frozenset({ALLREDUCE, CONVERGENCE}), frozenset({ALLREDUCE}), frozenset({CONVERGENCE})
+_ENTRIES = [
+    # TensorFlow's MultiWorkerMirroredStrategy, float32, RING (the baseline).
+    Method("tf_fp32", "TF default fp32", tf_dtype="float32", presets=_BOTH),
+    # The same strategy, gradients cast to float16 by hand before the all-reduce and back
+    # after (separates the dtype from our overhead).
+    Method("tf_fp16", "TF default, fp16 by hand", tf_dtype="float16", presets=_BOTH),
+    # Dense FP16 packs of 4 MiB over TF's ring.
+    Method("gf_fp16", "GradientFlow fp16 dense", presets=_BOTH),
+    # gf_tf.GradientFlowAllReduce() with its defaults (every setting "auto" but overlap):
+    # the planner's choice of method, pack size and algorithm (gf_tf.plan.planner).
+    Method("default", "gf_tf default (planner)", gradient_flow=_AUTO, presets=_CONVERGENCE),
+    # CSC at density 0.1 / 0.01 / 0.001, top-k per pack: two collectives (norms, chunks).
+    Method("csc_10", "GradientFlow CSC 10%", csc={"density": 0.10}, presets=_ALLREDUCE),
+    Method("csc_1", "GradientFlow CSC 1%", csc={"density": 0.01}, presets=_BOTH),
+    Method("csc_0.1", "GradientFlow CSC 0.1%", csc={"density": 0.001}, presets=_ALLREDUCE),
+    # csc_1 with each pack's chunks chosen at the step before: one collective a step.
+    Method("csc_1_ahead", "GradientFlow CSC 1%, chosen a step ahead",
+           csc={"density": 0.01, "selection": "ahead"}, presets=_CONVERGENCE),
+    # ChunkSparsity(density="auto"), ChunkSparsity()'s default: dense while the gradient's norm
+    # changes fast or where compressing saves under 25% of a step, else the density the link affords.
+    Method("csc_auto", "GradientFlow CSC auto", csc={"density": "auto"}, presets=_BOTH),
+    # csc_1 with the paper's (DGC's) momentum correction in ChunkSparsity(momentum=0.9)
+    # (models.train --momentum_correction: the optimizer then runs plain SGD).
+    Method("csc_1_mc", "GradientFlow CSC 1%, momentum correction",
+           csc={"density": 0.01, "momentum": 0.9}),
+    # One top-K over the chunks of all packs instead of k per pack.
+    Method("csc_1_global", "GradientFlow CSC 1% global", csc={"density": 0.01, "selection": "global"}),
+    Method("csc_0.1_global", "GradientFlow CSC 0.1% global",
+           csc={"density": 0.001, "selection": "global"}),
+    # The GradientFlow paper's settings: chunks of 32,000 elements (its "32K gradients"),
+    # 15% / 10% of them, chosen a step ahead with its scoring rule.
+    Method("csc_15_paper", "GradientFlow CSC 15%, chunks of 32,000, ahead (the paper's)",
+           csc={"density": 0.15, "selection": "ahead", "chunk_size": 32000, "scoring": "paper"}),
+    Method("csc_10_paper", "GradientFlow CSC 10%, chunks of 32,000, ahead (the paper's)",
+           csc={"density": 0.10, "selection": "ahead", "chunk_size": 32000, "scoring": "paper"}),
+    # gf_fp16 / csc_1 / csc_1_ahead over recursive doubling (gf_tf.collectives), not TF's ring.
+    Method("gf_fp16_rd", "GradientFlow fp16, recursive doubling",
+           gradient_flow={"algorithm": "recursive_doubling"}),
+    Method("csc_1_rd", "GradientFlow CSC 1%, recursive doubling",
+           gradient_flow={"algorithm": "recursive_doubling"}, csc={"density": 0.01}),
+    Method("csc_1_ahead_rd", "GradientFlow CSC 1% ahead, recursive doubling",
+           gradient_flow={"algorithm": "recursive_doubling"}, csc={"density": 0.01, "selection": "ahead"}),
+    # overlap=True: one group per pack, each with its own scale-bounds all-reduce, so packs
+    # leave during backprop; gf_fp16's at the planner's pack size (2 or more packs).
+    Method("gf_fp16_overlap", "GradientFlow fp16, a group per pack",
+           gradient_flow={"overlap": True, "bytes_per_pack": "auto"}),
+    # Each 4 MiB pack all-reduces its own chunk norms, then its own chunks / its one collective.
+    Method("csc_1_overlap", "GradientFlow CSC 1%, a group per pack",
+           gradient_flow={"overlap": True}, csc={"density": 0.01}),
+    Method("csc_1_ahead_overlap", "GradientFlow CSC 1% ahead, a group per pack",
+           gradient_flow={"overlap": True}, csc={"density": 0.01, "selection": "ahead"}),
+    # Each matrix's gradient as two rank-r factors (PowerSGD), the rest dense, on the FP16 wire.
+    *[Method(f"lowrank_{r}", f"GradientFlow low-rank (PowerSGD), rank {r}", lowrank={"rank": r})
+      for r in (1, 2, 4)],
+    # lowrank_2 sending one factor a step, the P's and the Q's in turn (ACP-SGD).
+    Method("lowrank_2_acp", "GradientFlow low-rank, rank 2, P and Q in turn (ACP-SGD)",
+           lowrank={"rank": 2, "alternate": True}),
+]
+TABLE: Dict[str, Method] = {}
+METHODS: List[str] = []   # TABLE's names in order (list views, kept current by register)
+PRESET_METHODS: List[str] = []
+CONVERGENCE_METHODS: List[str] = []
+LABELS: Dict[str, str] = {}
 
 
-def is_gradient_flow(method: str) -> bool:
-    return (method.startswith("gf_") or method in CSC_DENSITY or method in OVERRIDES
-            or method in LOWRANK_RANK)
+def register(method: Method) -> Method:
+    """Adds `method` to TABLE and the lists derived from it (after the others).
+
+    Raises ValueError for a name already taken (or an alias), or a method that is both TF's
+    all-reduce and GradientFlow's."""
+    if method.name in TABLE or method.name in ALIASES:
+        raise ValueError(f"method {method.name!r} is already in the table")
+    if method.tf_dtype is not None and (method.gradient_flow or method.csc or method.lowrank):
+        raise ValueError(f"{method.name}: tf_dtype is TensorFlow's own all-reduce; it takes no "
+                         f"GradientFlow setting")
+    if method.csc is not None and method.lowrank is not None:
+        raise ValueError(f"{method.name}: CSC and low rank do not combine")
+    _traffic.cache_clear()
+    TABLE[method.name] = method
+    METHODS.append(method.name)
+    LABELS[method.name] = method.label
+    for names, preset in ((PRESET_METHODS, ALLREDUCE), (CONVERGENCE_METHODS, CONVERGENCE)):
+        if preset in method.presets:
+            names.append(method.name)
+    return method
 
 
-def gradient_flow_settings(method: str) -> Dict[str, object]:
-    """PINNED updated by OVERRIDES[method]: the GradientFlowAllReduce keywords of a
-    GradientFlow method, without its sparsity (no TensorFlow import)."""
-    return {**PINNED, **OVERRIDES.get(method, {})}
+def unregister(name: str) -> None:
+    """Removes the method `name` from TABLE and its lists (a test's own entry)."""
+    _traffic.cache_clear()
+    del TABLE[name], LABELS[name]
+    for names in (METHODS, PRESET_METHODS, CONVERGENCE_METHODS):
+        if name in names:
+            names.remove(name)
 
 
-def gradient_flow_kwargs(method: str) -> Dict[str, object]:
-    """The GradientFlowAllReduce keywords of a GradientFlow method, sparsity or reducer included
-    (a new gf_tf.ChunkSparsity or LowRank each call)."""
-    import gf_tf
+def canonical(name: str) -> str:
+    """The table's name of `name` ("auto" -> "default"); other names unchanged."""
+    return ALIASES.get(name, name)
+
+
+def get(name: str) -> Method:
+    """The table's entry of `name` (or of its alias). Raises ValueError for an unknown name."""
+    try:
+        return TABLE[canonical(name)]
+    except KeyError:
+        raise ValueError(f"unknown method {name!r}; choose from {METHODS}") from None
+
+
+def parse(text: str, flag: str = "--methods") -> List[str]:
+    """Comma-separated method names -> the table's names (aliases mapped). Raises SystemExit
+    naming `flag` for an unknown one."""
+    items = [canonical(x.strip()) for x in text.split(",") if x.strip()]
+    bad = [x for x in items if x not in TABLE]
+    if bad:
+        raise SystemExit(f"{flag}: unknown {bad}; choose from {METHODS}")
+    return items
+
+
+def is_gradient_flow(name: str) -> bool:
+    """True for a GradientFlow method, False for TensorFlow's own all-reduce."""
+    return get(name).tf_dtype is None
+
+
+def is_csc(name: str) -> bool:
+    return get(name).csc is not None
+
+
+def density(name: str):
+    """A CSC method's ChunkSparsity density (a fraction or "auto"); None for the others."""
+    csc = get(name).csc
+    return None if csc is None else csc["density"]
+
+
+def largest_density(name: str) -> float:
+    """The most a method may send, as a fraction of the gradient's elements: a CSC method's
+    density, "auto" -> its top rung (1.0, a dense step: gf_tf.csc.AUTO_LADDER[0]); 1.0 otherwise."""
+    value = density(name)
+    return 1.0 if value in (None, "auto") else float(value)
+
+
+def csc_selection(name: str) -> str:
+    """ChunkSparsity(selection=...) of a CSC method: "per_pack" (its default), "global" or "ahead"."""
+    return str(get(name).csc.get("selection", "per_pack"))
+
+
+def gradient_flow_settings(name: str) -> Dict[str, object]:
+    """PINNED updated by the method's `gradient_flow`: its GradientFlowAllReduce keywords without
+    sparsity or reducer (no TensorFlow import; bytes_per_pack may be "default")."""
+    return {**PINNED, **get(name).gradient_flow}
+
+
+def algorithm(name: str) -> str:
+    """GradientFlowAllReduce(algorithm=...) of a method: "ring" (TF's methods too),
+    "recursive_doubling" or "auto" (the planner's)."""
+    return str(gradient_flow_settings(name)["algorithm"])
+
+
+def _pinned_settings(name: str) -> Dict[str, object]:
+    """gradient_flow_settings with "default" bytes_per_pack as gf_tf.plan.DEFAULT_BYTES_PER_PACK."""
     from gf_tf.plan import DEFAULT_BYTES_PER_PACK
-    kwargs = gradient_flow_settings(method)
-    if kwargs["bytes_per_pack"] == "default":
-        kwargs["bytes_per_pack"] = DEFAULT_BYTES_PER_PACK
-    if method in CSC_DENSITY:
-        kwargs["sparsity"] = gf_tf.ChunkSparsity(density=CSC_DENSITY[method], warmup_steps=0,
-                                                 selection=csc_selection(method),
-                                                 **CSC_EXTRA.get(method, {}))
-    if method in LOWRANK_RANK:
-        kwargs["reducer"] = gf_tf.reducers.LowRank(rank=LOWRANK_RANK[method],
-                                                   alternate=method in LOWRANK_ALTERNATE)
+    settings = gradient_flow_settings(name)
+    if settings["bytes_per_pack"] == "default":
+        settings["bytes_per_pack"] = DEFAULT_BYTES_PER_PACK
+    return settings
+
+
+def gradient_flow_kwargs(name: str, warmup_steps: int = 0) -> Dict[str, object]:
+    """The GradientFlowAllReduce keywords of a GradientFlow method, sparsity or reducer included
+    (a new gf_tf.ChunkSparsity(warmup_steps=warmup_steps, ...) or LowRank each call). csc_1_mc's
+    momentum correction is ChunkSparsity(momentum=0.9) here too.
+
+    Raises ValueError for an unknown method or one of TensorFlow's own all-reduce."""
+    import gf_tf
+    method = get(name)
+    if method.tf_dtype is not None:
+        raise ValueError(f"{name} is TensorFlow's own all-reduce: no GradientFlowAllReduce")
+    kwargs = _pinned_settings(name)
+    if method.csc is not None:
+        kwargs["sparsity"] = gf_tf.ChunkSparsity(warmup_steps=warmup_steps, **method.csc)
+    if method.lowrank is not None:
+        kwargs["reducer"] = gf_tf.reducers.LowRank(**method.lowrank)
     return kwargs
 
 
-def largest_density(method: str) -> float:
-    """The most a CSC method may send, as a fraction (for time budgets): "auto" -> its top rung."""
-    density = CSC_DENSITY[method]
-    return 1.0 if density == "auto" else density   # gf_tf.csc.AUTO_LADDER[0]: a dense step
+# ChunkSparsity keyword -> its models.train flag (momentum: --momentum_correction, below).
+_CSC_FLAGS = {"density": "--density", "selection": "--selection", "chunk_size": "--chunk_size",
+              "scoring": "--scoring"}
+
+
+def trainer_flags(name: str) -> List[str]:
+    """The `python -m models.train` flags of the method: the same GradientFlowAllReduce as
+    `gradient_flow_kwargs` (PINNED included), the CSC warm-up left at the trainer's default
+    (--warmup_steps is not given). A CSC `momentum` m is `--momentum_correction --momentum m`.
+
+    Raises ValueError for an unknown method or a ChunkSparsity / LowRank keyword that
+    models.train has no flag for."""
+    method = get(name)
+    if method.tf_dtype is not None:
+        dtype = [] if method.tf_dtype == "float32" else ["--tf_all_reduce_dtype", method.tf_dtype]
+        return ["--compression", "none", "--density", "1", *dtype]
+    settings = _pinned_settings(name)
+    overlap = settings["overlap"]
+    flags = ["--compression", "none" if settings["compression"] is None else str(settings["compression"]),
+             "--bytes_per_pack", str(settings["bytes_per_pack"]), "--algorithm", str(settings["algorithm"]),
+             "--overlap", str(overlap).lower() if isinstance(overlap, bool) else str(overlap)]
+    csc = dict(method.csc or {"density": 1})
+    if "momentum" in csc:
+        flags += ["--momentum_correction", "--momentum", str(csc.pop("momentum"))]
+    unknown = set(csc) - set(_CSC_FLAGS)
+    lowrank = dict(method.lowrank or {})
+    unknown |= {f"LowRank {k}" for k in set(lowrank) - {"rank", "alternate"}}
+    if unknown:
+        raise ValueError(f"{name}: models.train has no flag for {sorted(unknown)}")
+    flags += [x for key, value in csc.items() for x in (_CSC_FLAGS[key], str(value))]
+    if method.lowrank is not None:
+        flags += ["--reducer", "lowrank", "--rank", str(lowrank["rank"])]
+        flags += ["--lowrank_alternate"] if lowrank.get("alternate") else []
+    return flags
+
+
+# -- the byte model -------------------------------------------------------------------------
+
+def traffic(name: str, shapes: Sequence[Sequence[int]], bytes_per_pack: Optional[int] = None
+            ) -> Tuple[float, int]:
+    """(payload bytes a worker puts into collectives per step, collectives per step) of the
+    method on float32 gradients of these shapes, from gf_tf's own pack plan
+    (`gf_tf.packing.plan_packs` on the FP16 wire), chunk counts and LowRank layout.
+
+    TF's methods: 4 (float32) or 2 (float16) bytes an element in one collective (TF's batch
+    all-reduce concatenates). FP16 packs: 2 bytes an element, a float32 scale bound per tensor,
+    a collective per pack and one for the bounds. CSC: the selected chunks (2 bytes an element)
+    and per chunk a float32 norm (2 collectives), or with selection "ahead" chunks, next scores
+    and a bound per pack in one FP16 buffer (1 collective); density "auto" (chosen at run time)
+    is taken at its largest rung, 1.0 (dense chunks). Low rank: `_lowrank_traffic`. Settings
+    left "auto" (the default method) are modelled as FP16 packs of DEFAULT_BYTES_PER_PACK (the
+    planner may choose TF's float32 instead); overlap's extra control all-reduces are left out.
+
+    bytes_per_pack: None for the method's own. Raises ValueError for a compression other than
+    fp16 or "auto" (no byte model for it)."""
+    return _traffic(canonical(name), tuple(tuple(int(d) for d in s) for s in shapes), bytes_per_pack)
+
+
+def payload_bytes(name: str, shapes: Sequence[Sequence[int]]) -> float:
+    """Bytes a worker puts into gradient all-reduces per step (`traffic`'s first figure)."""
+    return traffic(name, shapes)[0]
+
+
+@functools.lru_cache(maxsize=512)
+def _traffic(name: str, shapes, bytes_per_pack: Optional[int]) -> Tuple[float, int]:
+    method = get(name)
+    elements = sum(math.prod(s) for s in shapes)
+    if method.tf_dtype is not None:   # no TensorFlow import for TF's own
+        return (4.0 if method.tf_dtype == "float32" else 2.0) * elements, 1
+    import tensorflow as tf
+    from gf_tf import packing, wire
+    from gf_tf.csc import DEFAULT_CHUNK_SIZE, selected_chunk_count
+    from gf_tf.plan import DEFAULT_BYTES_PER_PACK
+    settings = gradient_flow_settings(name)
+    if settings["compression"] not in ("fp16", "auto"):
+        raise ValueError(f"{name}: no byte model for compression={settings['compression']!r}")
+    if bytes_per_pack is None:
+        bytes_per_pack = settings["bytes_per_pack"]
+        bytes_per_pack = DEFAULT_BYTES_PER_PACK if bytes_per_pack in ("default", "auto") else bytes_per_pack
+    specs = packing.plan_packs([(tf.TensorShape(s), tf.float32) for s in shapes], bytes_per_pack, wire.FP16)
+    if method.lowrank is not None:
+        return _lowrank_traffic(method, specs)
+    if method.csc is None:
+        return 2.0 * elements + 4.0 * len(shapes), len(specs) + 1   # packs + the bounds' control
+    fraction = largest_density(name)
+    chunk_size = int(method.csc.get("chunk_size", DEFAULT_CHUNK_SIZE))
+    chunks = [math.ceil(spec.num_elements / chunk_size) for spec in specs]
+    if csc_selection(name) == "global":   # one top K over all chunks (one wire dtype)
+        selected = selected_chunk_count(sum(chunks), fraction)
+    else:
+        selected = sum(selected_chunk_count(c, fraction) for c in chunks)
+    if csc_selection(name) == "ahead":   # chunks, next scores and bound: one FP16 buffer
+        return 2.0 * selected * chunk_size + 2.0 * (sum(chunks) + len(specs)), 1
+    return 2.0 * selected * chunk_size + 4.0 * sum(chunks), 2   # the norms' and the chunks' all-reduces
+
+
+def _lowrank_traffic(method: Method, specs) -> Tuple[float, int]:
+    """(payload bytes, collectives) of a low-rank method on an FP16 wire, from its
+    `gf_tf.reducers.LowRank`'s own layout of the packs: the factors (`LowRank.factor_elements`,
+    2 bytes each), the dense remainder (2 bytes an element, one collective per pack that has
+    one) and the float32 control vector (a bound per dense tensor, two per matrix) with its
+    collective."""
+    from gf_tf import reducers
+    reducer = reducers.LowRank(**method.lowrank)
+    factors, dense, bounds, dense_packs = 0.0, 0, 0, 0
+    for spec in specs:
+        layout = reducer.layout(spec)
+        factors += reducer.factor_elements(layout)
+        dense += sum(int(spec.shapes[i].num_elements()) for i in layout.dense)
+        bounds += len(layout.dense) + 2 * len(layout.matrices)
+        dense_packs += bool(layout.dense)
+    collectives = dense_packs + (reducer.factor_all_reduces if factors else 0) + 1
+    return 2.0 * (factors + dense) + 4.0 * bounds, collectives
 
 
 def make_strategy(method: str, timeout_seconds: float, keras_fit: bool = False,
@@ -189,8 +372,7 @@ def make_strategy(method: str, timeout_seconds: float, keras_fit: bool = False,
     heartbeat_timeout: gf_tf.MultiWorkerMirroredStrategy's (None: TensorFlow's 10 s).
     """
     import tensorflow as tf
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+    method = get(method).name   # ValueError for an unknown one
     options = tf.distribute.experimental.CommunicationOptions(
         implementation=tf.distribute.experimental.CommunicationImplementation.RING,
         timeout_seconds=timeout_seconds)
@@ -207,3 +389,7 @@ def make_strategy(method: str, timeout_seconds: float, keras_fit: bool = False,
     strategy = gf_tf.MultiWorkerMirroredStrategy(communication_options=options, gradient_flow=gradient_flow,
                                                  heartbeat_timeout=heartbeat_timeout)
     return strategy, gradient_flow
+
+
+for _entry in _ENTRIES:   # here, after the functions register uses
+    register(_entry)

@@ -54,7 +54,7 @@ rules (`density`: fixed; `auto`: density="auto"'s rule, clock and timing state),
 """
 
 from gf_tf.csc.auto import AUTO, AUTO_LADDER, TIMING_FIGURES, AutoDensity, choose_rung
-from gf_tf.csc.density import DensityRule, FixedDensity
+from gf_tf.csc.density import MIN_CHUNKS, DensityRule, FixedDensity
 from gf_tf.csc.policies import POLICIES, AheadSelection, GlobalSelection, PerPackSelection
 from gf_tf.csc.reducer import CSCReducer
 from gf_tf.csc.selection import SelectionPolicy, StepPlan, select_chunks, selected_chunk_count
@@ -65,7 +65,8 @@ from gf_tf.csc.state import CSCSetState, CSCState
 
 __all__ = ["AUTO", "AUTO_LADDER", "AheadSelection", "AutoDensity", "CSCReducer", "CSCSetState",
            "CSCState", "ChunkSparsity", "DEFAULT_AUTO_BUDGET", "DEFAULT_CHUNK_SIZE",
-           "DEFAULT_DENSITY", "DEFAULT_MIN_DENSITY", "DensityRule", "FixedDensity", "GlobalSelection", "POLICIES",
+           "DEFAULT_DENSITY", "DEFAULT_MIN_DENSITY", "DensityRule", "FixedDensity", "GlobalSelection",
+           "MIN_CHUNKS", "POLICIES",
            "PerPackSelection", "SCORINGS", "SELECTIONS", "SelectionPolicy", "StepPlan",
            "TIMING_FIGURES", "WARMUP_MODES", "choose_rung", "select_chunks",
            "selected_chunk_count"]

@@ -1,9 +1,11 @@
 """density="auto": the rule (`AutoDensity`), its clock, the rung choice and its state.
 
 Each step measures, per replica, the compute seconds t_c, the seconds t_m of
-the previous step's chunk all-reduce and the bytes b it sent (see
-`ChunkSparsity`); the figures ride in the step's control all-reduce, so
-every replica picks the same rung from the same sums (`choose_rung`).
+the previous step's chunk all-reduce, the bytes b it sent and the L1 norm of
+its gradients (see `ChunkSparsity`); the figures ride in the step's control
+all-reduce, so every replica picks the same rung from the same sums: the
+link's price (`choose_rung`) and the accuracy guard (`regime_update`, the
+critical-regime test of Accordion, Agarwal et al., MLSys 2021).
 """
 
 import math
@@ -12,23 +14,32 @@ from typing import List, Sequence
 import tensorflow as tf
 
 from gf_tf import tf_internal
-from gf_tf.csc.density import DEFAULT_DENSITY, DensityRule
+from gf_tf.csc.density import MIN_CHUNKS, DensityRule
 
 AUTO = "auto"
 AUTO_LADDER = (1.0, 0.25, 0.1, 0.03, 0.01, 0.003, 0.001)
 """The densities density="auto" chooses from (those above `min_density`, then `min_density`);
 1.0 sends every chunk (a dense step)."""
-# The floor's default is the convergence bound: the fixed default density, the sparsest
-# that trains at models.train's defaults; the rule prices rungs by bytes only and knows nothing of
-# convergence. Top-k with error feedback sends a chunk once its residual is among the k largest,
-# so at density d every chunk can be sent within ceil(C / k) <= 1/d steps; a floor whose 1/d
-# exceeds a run's sparse steps leaves residuals stale and trains worse (docs/benchmarks.md).
-DEFAULT_MIN_DENSITY = DEFAULT_DENSITY
+# The floor's default bounds staleness: the sparsest fixed density that trains models.train's
+# digits CNN as well as dense float32 (docs/benchmarks.md). Top-k with error feedback sends a
+# chunk once its residual is among the k largest, so at density d every chunk can be sent within
+# ceil(C / k) <= 1/d steps; a floor whose 1/d exceeds a run's sparse steps leaves residuals stale.
+DEFAULT_MIN_DENSITY = 0.01
 """`AutoDensity(min_density=)` (`ChunkSparsity(min_density=)`): the floor of density="auto"."""
 DEFAULT_AUTO_BUDGET = 0.05
 """`AutoDensity(budget=)` (`ChunkSparsity(auto_budget=)`): communication seconds allowed per compute second."""
+# Error feedback delays part of every step's gradient, so a sparse step must be clearly
+# faster than a dense one to reach an accuracy sooner: 1 / (1 - 0.25) = 1.33x at least.
+DEFAULT_MIN_SAVING = 0.25
+"""`AutoDensity(min_saving=)`: a sparse rung is taken only if it cuts the predicted step time
+(compute + communication) of a dense step by at least this fraction."""
+DEFAULT_REGIME_WINDOW = 20
+"""`AutoDensity(regime_window=)`: steps per window of the critical-regime test (0: no test)."""
+DEFAULT_REGIME_CHANGE = 0.2
+"""`AutoDensity(regime_change=)`: relative change of the mean gradient L1 norm between two
+windows that marks a critical regime (dense steps)."""
 # The figures each replica adds to the step's control all-reduce.
-TIMING_FIGURES = ("compute_seconds", "comm_seconds", "comm_bytes")
+TIMING_FIGURES = ("compute_seconds", "comm_seconds", "comm_bytes", "gradient_l1")
 
 
 def timestamp(replica: int, event: str) -> tf.Tensor:
@@ -38,12 +49,13 @@ def timestamp(replica: int, event: str) -> tf.Tensor:
 
 
 def choose_rung(compute_seconds, comm_seconds, comm_bytes, rung_bytes: Sequence[float],
-                budget: float, latency_bytes: float = 0.0) -> tf.Tensor:
-    """density="auto"'s rule: the rung whose predicted communication fits the budget.
+                budget: float, latency_bytes: float = 0.0, min_saving: float = 0.0) -> tf.Tensor:
+    """density="auto"'s price rule: the rung whose predicted communication fits the budget,
+    if compressing saves enough of the step.
 
     The measured seconds are shared out over the bytes sent plus `latency_bytes`, the
     bytes the link could have carried in the all-reduce's fixed latency: a rung is
-    priced by what its own bytes add, t_m * bytes / (b + latency_bytes), so a
+    priced by what its own bytes add, c_i = t_m * bytes_i / (b + latency_bytes), so a
     latency-bound link can afford a denser rung than its bytes alone suggest.
 
     Args:
@@ -52,17 +64,21 @@ def choose_rung(compute_seconds, comm_seconds, comm_bytes, rung_bytes: Sequence[
         communicating.
       comm_bytes: float32 scalar, bytes b that step sent.
       rung_bytes: bytes each rung sends per step, rungs from the largest
-        density to the floor (non-increasing).
+        density (rung 0, a dense step) to the floor (non-increasing).
       budget: communication seconds allowed per compute second (> 0).
       latency_bytes: bytes, >= 0: `gf_tf.plan.latency_bytes` of the planner's measured
         costs (0.0, the default, prices by bytes alone).
+      min_saving: fraction in [0, 1): a sparse rung i is taken only if c_0 - c_i >=
+        min_saving * (t_c + c_0), i.e. it makes a dense step's predicted time at least
+        that much shorter; otherwise rung 0.
 
     Returns:
-      int32 scalar: the first (largest-density) rung i with
-      t_m * rung_bytes[i] / (b + latency_bytes) <= budget * t_c (equality fits); the last rung
-      (the floor) if none fits or nothing was measured (t_c, t_m or b not
-      positive and finite). The same inputs give the same rung on every
-      replica: decide on all-reduced figures only.
+      int32 scalar: the first (largest-density) rung i with c_i <= budget * t_c (equality
+      fits), or the last rung (the floor) if none fits; rung 0 (dense) instead when that
+      rung saves less than `min_saving` of the dense step; the floor if nothing was
+      measured (t_c, t_m or b not positive and finite; `AutoDensity`'s critical-regime test
+      keeps the first steps dense, so they are measured). The same inputs give the same
+      rung on every replica: decide on all-reduced figures only.
     """
     compute_seconds = tf.convert_to_tensor(compute_seconds, tf.float32)
     comm_seconds = tf.convert_to_tensor(comm_seconds, tf.float32)
@@ -74,16 +90,51 @@ def choose_rung(compute_seconds, comm_seconds, comm_bytes, rung_bytes: Sequence[
     figures = tf.stack([compute_seconds, comm_seconds, comm_bytes])
     measured = tf.reduce_all(tf.math.is_finite(figures) & (figures > 0.0))
     first = tf.reduce_min(tf.where(fits, tf.range(len(rung_bytes)), floor))
-    return tf.where(measured, first, tf.constant(floor, tf.int32))
+    saving = predicted[0] - tf.gather(predicted, first)
+    pays = saving >= min_saving * (compute_seconds + predicted[0])
+    chosen = tf.where(pays, first, tf.constant(0, tf.int32))
+    return tf.where(measured, chosen, tf.constant(floor, tf.int32))
+
+
+def regime_update(regime: tf.Tensor, gradient_l1, window: int, change: float) -> tf.Tensor:
+    """One step of the critical-regime test (Accordion, Agarwal et al., MLSys 2021, which
+    compares the gradient norm across epochs; here across windows of steps).
+
+    Args:
+      regime: float64 [4]: the sum of the gradient L1 norms in the current window, the
+        window's steps so far, the previous window's mean (0: none yet), and 1.0 while
+        critical (the initial state is critical: [0, 0, 0, 1]).
+      gradient_l1: float32 scalar, this step's all-reduced gradient L1 norm (a step whose
+        norm is not finite leaves the state as it is: an overflowed step teaches nothing).
+      window: steps per window, >= 1.
+      change: relative change of the window mean, > 0.
+
+    Returns:
+      float64 [4], the next state: when this step completes a window, critical = 1.0 if
+      |mean - previous mean| >= change * previous mean or there was no previous mean, else
+      0.0, and the window restarts; otherwise the same flag. Identical on every replica
+      when fed all-reduced figures.
+    """
+    g = tf.cast(gradient_l1, tf.float64)
+    total, steps = regime[0] + g, regime[1] + 1.0
+    previous, critical = regime[2], regime[3]
+    mean = total / steps
+    full = steps >= window
+    changed = (previous <= 0.0) | (tf.abs(mean - previous) >= change * previous)
+    after = tf.where(full, tf.stack([0.0, 0.0, mean, tf.cast(changed, tf.float64)]),
+                     tf.stack([total, steps, previous, critical]))
+    return tf.where(tf.math.is_finite(g), after, regime)
 
 
 class AutoState(tf.Module):
-    """density="auto"'s timing of one variable set: plain local variables on the host.
+    """density="auto"'s state of one variable set: plain local variables on the host.
 
     started, done: per local replica, float64 seconds (clock time) when its
       last step's chunk all-reduce started and ended (0: nothing measured yet).
     sent: per local replica, float32 bytes its last step sent.
-    Timing only: not checkpointed (a restored run starts at the floor).
+    regime: float64 [4], the critical-regime test's state (`regime_update`), the same on
+      every replica of every worker.
+    The timing is not checkpointed (a restored run measures again); the regime is.
     """
 
     def __init__(self, name: str, num_replicas: int):
@@ -93,19 +144,30 @@ class AutoState(tf.Module):
              for r in range(num_replicas)]
             for what, dtype in (("started", tf.float64), ("done", tf.float64),
                                 ("sent", tf.float32)))
+        self.regime = tf_internal.local_variable(tf.constant(INITIAL_REGIME, tf.float64), "/cpu:0",
+                                                 f"gf_regime_{name}")
 
     def to_arrays(self):
-        """{}: the timing is not saved."""
-        return {}
+        """{"auto_regime": float64 [4]}."""
+        return {REGIME_KEY: self.regime.numpy()}
+
+    def to_tensors(self):
+        """`to_arrays` as tensors read from the variable."""
+        return {REGIME_KEY: self.regime.read_value()}
 
     def assign_arrays(self, arrays) -> None:
-        """Nothing to restore (see to_arrays)."""
-        del arrays
+        """Restores the regime; a checkpoint without one (another density rule) starts critical."""
+        self.regime.assign(arrays.get(REGIME_KEY, INITIAL_REGIME))
+
+
+INITIAL_REGIME = (0.0, 0.0, 0.0, 1.0)
+REGIME_KEY = "auto_regime"
 
 
 def figures(state: AutoState, clock, grads, comm) -> List[tf.Tensor]:
-    """Per served replica float32 [3]: this step's compute seconds, the previous step's
-    communication seconds and bytes (zeros before the first measurement).
+    """Per served replica float32 [4]: this step's compute seconds, the previous step's
+    communication seconds and bytes (zeros before the first measurement), and the L1 norm of
+    this step's gradients.
 
     grads: per pack, per served replica its gradients. The clock reads
     "ready" once all of the replica's gradients exist; the previous step's
@@ -122,16 +184,21 @@ def figures(state: AutoState, clock, grads, comm) -> List[tf.Tensor]:
             measured = tf.cast(tf.stack([ready - done, done - started,
                                          tf.cast(state.sent[r].read_value(), tf.float64)]),
                                tf.float32)
-            vectors.append(tf.where(done > 0.0, measured, tf.zeros_like(measured)))
+            timing = tf.where(done > 0.0, measured, tf.zeros_like(measured))
+        with tf.device(tensors[0].device if tensors else "/cpu:0"):
+            l1 = tf.add_n([tf.reduce_sum(tf.abs(tf.cast(t, tf.float32))) for t in tensors]
+                          or [tf.constant(0.0)])
+        with tf.device("/cpu:0"):
+            vectors.append(tf.concat([timing, [l1]], 0))
     return vectors
 
 
 def rung(all_reduced_figures: tf.Tensor, num_replicas: int, rung_bytes: Sequence[int],
-         budget: float, latency_bytes: float) -> tf.Tensor:
+         budget: float, latency_bytes: float, min_saving: float) -> tf.Tensor:
     """int32 rung of `choose_rung` from the first served replica's all-reduced figures
     (their means: the same sums on every replica)."""
     mean = all_reduced_figures / num_replicas
-    return choose_rung(mean[0], mean[1], mean[2], rung_bytes, budget, latency_bytes)
+    return choose_rung(mean[0], mean[1], mean[2], rung_bytes, budget, latency_bytes, min_saving)
 
 
 def clocked(buffers: Sequence[tf.Tensor], clock, comm):
@@ -164,34 +231,60 @@ def record(state: AutoState, comm, started, done, sent_bytes) -> None:
 
 
 class AutoDensity(DensityRule):
-    """density="auto": each sparse step takes one of `rungs()`, chosen by `choose_rung` from
-    the previous step's timing, which rides in the step's control all-reduce (model:
-    docs/csc.md, "density="auto"").
+    """density="auto": each step after the warm-up takes one of `rungs()` (rung 0 is a dense
+    step): dense while the gradient is in a critical regime (`regime_update`), else the rung
+    `choose_rung` prices from the previous step's timing. Both read figures that ride in the
+    step's control all-reduce, so every replica picks the same rung (model, sources and
+    measurements: docs/csc.md, "density="auto"").
 
     Args:
       min_density (float): the floor, in (0, 1] (default DEFAULT_MIN_DENSITY, 0.01).
       budget (float): communication seconds allowed per compute second, > 0 and finite
         (default DEFAULT_AUTO_BUDGET, 0.05).
+      min_saving (float): in [0, 1): compress only when a sparse rung cuts the predicted
+        time of a dense step by at least this fraction (default DEFAULT_MIN_SAVING, 0.25).
+      min_chunks (int): >= 1: a rung sends at least this many chunks of each pack (all of a
+        smaller pack), however low its density (default MIN_CHUNKS, 8).
+      regime_window (int): steps per window of the critical-regime test, >= 0; 0 turns the
+        test off (default DEFAULT_REGIME_WINDOW, 20).
+      regime_change (float): > 0: a window whose mean gradient L1 norm differs from the
+        previous window's by at least this fraction of it starts a critical regime: the
+        next window's steps are dense (default DEFAULT_REGIME_CHANGE, 0.2). Until two
+        windows have been compared the regime is critical.
 
     Raises:
-      ValueError: min_density or budget out of range (the message names
-        `ChunkSparsity`'s argument: min_density, auto_budget).
+      ValueError: an argument out of range (the message names `ChunkSparsity`'s argument
+        for min_density and auto_budget, this class's for the others).
     """
     value, code = AUTO, -1.0
     measures = True
     groupable = False   # the rule needs the whole step's timing: one barrier
 
     def __init__(self, min_density: float = DEFAULT_MIN_DENSITY,
-                 budget: float = DEFAULT_AUTO_BUDGET):
-        if isinstance(min_density, bool) or not (isinstance(min_density, (int, float))
-                                                 and 0.0 < min_density <= 1.0):
+                 budget: float = DEFAULT_AUTO_BUDGET, min_saving: float = DEFAULT_MIN_SAVING,
+                 regime_window: int = DEFAULT_REGIME_WINDOW,
+                 regime_change: float = DEFAULT_REGIME_CHANGE, min_chunks: int = MIN_CHUNKS):
+        if not _number_in(min_density, 0.0, 1.0, low_open=True):
             raise ValueError(f"min_density must be a fraction in (0, 1] (the floor of "
                              f"density=\"auto\"), got {min_density!r}")
-        if isinstance(budget, bool) or not (isinstance(budget, (int, float))
-                                            and 0.0 < budget < math.inf):
+        if not _number_in(budget, 0.0, math.inf, low_open=True, high_open=True):
             raise ValueError(f"auto_budget must be a number > 0 (communication seconds per "
                              f"compute second), got {budget!r}")
+        if not _number_in(min_saving, 0.0, 1.0, high_open=True):
+            raise ValueError(f"min_saving must be a fraction in [0, 1) of a dense step's "
+                             f"time, got {min_saving!r}")
+        if isinstance(regime_window, bool) or not isinstance(regime_window, int) or regime_window < 0:
+            raise ValueError(f"regime_window must be an int >= 0 (steps; 0: no critical-regime "
+                             f"test), got {regime_window!r}")
+        if not _number_in(regime_change, 0.0, math.inf, low_open=True, high_open=True):
+            raise ValueError(f"regime_change must be a number > 0 (a relative change), got "
+                             f"{regime_change!r}")
+        if isinstance(min_chunks, bool) or not isinstance(min_chunks, int) or min_chunks < 1:
+            raise ValueError(f"min_chunks must be an int >= 1 (chunks of a pack per step), got "
+                             f"{min_chunks!r}")
         self.floor, self.budget = float(min_density), float(budget)
+        self.min_saving, self.regime_window = float(min_saving), regime_window
+        self.regime_change, self.min_chunks = float(regime_change), min_chunks
 
     def rungs(self):
         """AUTO_LADDER's entries above the floor, then the floor."""
@@ -202,20 +295,32 @@ class AutoDensity(DensityRule):
         return tuple((None, d) for d in self.rungs())
 
     def config(self):
-        """{"min_density": the floor, "auto_budget": the budget}."""
-        return {"min_density": self.floor, "auto_budget": self.budget}
+        """{"min_density": the floor, "auto_budget": the budget}, and the other settings
+        where they differ from their defaults."""
+        extra = {key: value for key, value, default in (
+            ("min_saving", self.min_saving, DEFAULT_MIN_SAVING),
+            ("regime_window", self.regime_window, DEFAULT_REGIME_WINDOW),
+            ("regime_change", self.regime_change, DEFAULT_REGIME_CHANGE),
+            ("min_chunks", self.min_chunks, MIN_CHUNKS)) if value != default}
+        return {"min_density": self.floor, "auto_budget": self.budget, **extra}
 
     def figures(self, shared, clock, grads, comm):
         """`figures` of the set's `AutoState`."""
         return figures(shared.auto, clock, grads, comm)
 
-    def index(self, stage, current, plans, timing, comm, warmup_steps):
-        """The warm-up's `stage`, then len(staged plans) + this step's `rung` (priced with
-        the communicator's `latency_bytes`)."""
+    def index(self, stage, current, plans, timing, comm, warmup_steps, shared):
+        """The warm-up's `stage`; after it, len(staged plans) + 0 (dense) while the regime is
+        critical, else this step's `rung` (priced with the communicator's `latency_bytes`).
+        Updates the set's regime with this step's gradient norm (warm-up steps included)."""
         staged = sum(plan.first_step is not None for plan in plans)
         chosen = rung(timing, comm.num_replicas,
                       [plan.sent_bytes for plan in plans if plan.first_step is None], self.budget,
-                      comm.latency_bytes)
+                      comm.latency_bytes, self.min_saving)
+        if self.regime_window:
+            regime = shared.auto.regime.assign(regime_update(
+                shared.auto.regime, timing[3] / comm.num_replicas, self.regime_window,
+                self.regime_change))
+            chosen = tf.where(regime[3] > 0.0, tf.constant(0, tf.int32), chosen)
         return tf.where(current >= warmup_steps, staged + chosen, stage)
 
     def clocked(self, buffers, clock, comm):
@@ -229,3 +334,11 @@ class AutoDensity(DensityRule):
     def record(self, shared, comm, branch):
         """`record`s the branch's clocks and bytes in the set's `AutoState`."""
         record(shared.auto, comm, branch.started, branch.done, branch.sent_bytes)
+
+
+def _number_in(value, low: float, high: float, low_open: bool = False,
+               high_open: bool = False) -> bool:
+    """value is an int or float (not a bool) within [low, high], ends open where asked."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        return False
+    return (value > low if low_open else value >= low) and (value < high if high_open else value <= high)

@@ -11,10 +11,12 @@ from typing import Optional, Sequence, Tuple
 
 from gf_tf.reducers import no_control
 
-# The sparsest fixed density that trains models.train's digits CNN as well as dense float32
-# (benchmarks/csc_defaults.py, benchmarks/convergence.py; the figures are in docs/benchmarks.md).
-DEFAULT_DENSITY = 0.01
-"""`ChunkSparsity(density=)`: fraction of each pack's chunks sent per step."""
+# Below a handful of chunks a step, each chunk waits many steps for its turn and a small
+# model trains worse (mnist1d's 8 chunks at one a step: -9 points, docs/csc.md), while the
+# bytes saved are a few tens of KB at most.
+MIN_CHUNKS = 8
+"""The fewest chunks of a pack a sparse step of density="auto" sends (`AutoDensity(min_chunks=)`);
+a fixed density that sends fewer logs a warning."""
 
 
 class DensityRule:
@@ -29,6 +31,8 @@ class DensityRule:
       code (float): the rule as the settings handshake compares it across workers.
       measures (bool): the rule needs the step's timing in the control all-reduce.
       groupable (bool): groups of packs may each choose on their own (overlap).
+      min_chunks (int): the fewest chunks of a pack its own candidates send per step (1: no
+        more than the density asks).
 
     A rule whose `value` is a name (not a fraction) gives its densities as `candidates()`
     (first_step None) and picks one in `index`, as `AutoDensity` does; the schedule's
@@ -39,6 +43,7 @@ class DensityRule:
     code = 1.0
     measures = False
     groupable = True
+    min_chunks = 1
 
     def rungs(self) -> Tuple[float, ...]:
         """The densities a sparse step may take, largest first: (floor,)."""
@@ -57,9 +62,10 @@ class DensityRule:
         del shared, clock, grads
         return no_control(comm)
 
-    def index(self, stage, current, plans, timing, comm, warmup_steps: int):
-        """int32 index of the step's candidate plan: the schedule's `stage`."""
-        del current, plans, timing, comm, warmup_steps
+    def index(self, stage, current, plans, timing, comm, warmup_steps: int, shared):
+        """int32 index of the step's candidate plan: the schedule's `stage`. `timing` is the
+        first served replica's all-reduced figures, `shared` the set's `CSCSetState`."""
+        del current, plans, timing, comm, warmup_steps, shared
         return stage
 
     def clocked(self, buffers: Sequence, clock, comm):

@@ -89,8 +89,9 @@ def check(selection: SelectionPolicy, rule: DensityRule, scoring: str, default_s
         carriers = [p.name for p in POLICIES.values() if p.carries_control]
         raise ValueError(f"selection=\"{name}\" needs a numeric density: density=\"auto\" decides "
                          f"each step from that step's timing, which only selection={_quoted(carriers)} "
-                         f"carry; use one of those with density=\"auto\", or a fixed density with "
-                         f"\"{name}\"")
+                         f"carry (density=\"auto\" is the default); use one of those with "
+                         f"density=\"auto\", or a fixed density with \"{name}\", e.g. "
+                         f"ChunkSparsity(density=0.01, selection=\"{name}\")")
     if scoring != default_scoring and scoring not in selection.scorings:
         takers = _quoted([p.name for p in POLICIES.values() if scoring in p.scorings])
         raise ValueError(f"scoring={scoring!r} scores chunks for the next step, which only "

@@ -1,6 +1,7 @@
 """The CSC step: the reducer of `gf_tf.reducers` for `ChunkSparsity` (algorithm: `gf_tf.csc`)."""
 
 import dataclasses
+import logging
 import warnings
 import zlib
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
@@ -10,9 +11,12 @@ import tensorflow as tf
 from gf_tf import ops
 from gf_tf.agreement import hex_text
 from gf_tf.csc import auto, buffers, selection
+from gf_tf.csc.density import MIN_CHUNKS
 from gf_tf.csc.state import CSCSetState
 from gf_tf.reducers import (Communicator, CostTerms, PackStep, Reducer, Sent, StepInput,
                             for_each_group, wire_scales)
+
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +104,7 @@ class CSCReducer(Reducer):
         self.policy = sparsity.policy
         self.density_rule = sparsity.density_rule
         self.clock = auto.timestamp
+        self.warned = False   # the few-chunks warning, once per reducer
 
     @property
     def selection(self):
@@ -196,9 +201,12 @@ class CSCReducer(Reducer):
         timing, norms = self.policy.controls(comm, timing, accumulated)
         groups = selection.wire_groups(specs)
         control_bytes = 4 * int(timing[0].shape[0])
+        rule = self.density_rule
         plans = [selection.plan_step(specs, counts, groups, cs, self.policy, first, density,
-                                     control_bytes)
+                                     control_bytes, rule.min_chunks if first is None else 1)
                  for first, density in self.sparsity.candidates()]
+        if not rule.measures and not self.warned:
+            self.warned = _warn_few_chunks(plans[-1], counts)
         if index is None:
             index = self._plan_index(plans, step, timing)
         branches = list(dict.fromkeys(plan.ks for plan in plans))
@@ -234,7 +242,7 @@ class CSCReducer(Reducer):
             current = step.shared.steps[step.comm.replicas[0]].read_value()
             stage = tf.reduce_sum(tf.cast(current >= tf.constant(staged, tf.int64), tf.int32)) - 1
             return self.density_rule.index(stage, current, plans, timing[0], step.comm,
-                                           self.sparsity.warmup_steps)
+                                           self.sparsity.warmup_steps, step.shared)
 
     def _accumulate(self, pack: PackStep, comm: Communicator) -> Accumulated:
         state = pack.state
@@ -351,6 +359,20 @@ class CSCReducer(Reducer):
             return out
 
         return [t for tensors in comm.map(scatter, parts, send.replicas) for t in tensors]
+
+
+def _warn_few_chunks(plan, counts) -> bool:
+    """Logs a warning (and returns True) when the final density sends fewer than MIN_CHUNKS
+    chunks of a sparse pack per step (each chunk then waits about C / k steps for its turn)."""
+    few = [(k, c) for k, c in zip(plan.ks, counts) if k is not None and k < MIN_CHUNKS]
+    if few:
+        k, c = min(few, key=lambda kc: kc[0] / kc[1])
+        _log.warning("gf_tf: ChunkSparsity(density=%g) sends %d of a pack's %d chunks per step, "
+                     "fewer than %d: each chunk waits about %d steps to be sent, which can cost "
+                     "accuracy on a small model. density=\"auto\" keeps at least %d chunks a "
+                     "step and sends dense where compressing does not pay (docs/csc.md).",
+                     plan.density, k, c, MIN_CHUNKS, -(-c // k), MIN_CHUNKS)
+    return bool(few)
 
 
 def _per_pack(flat, specs, num_replicas):

@@ -17,16 +17,16 @@ from gf_tf.packing import PackSpec
 from gf_tf.reducers import fuse_controls
 
 
-def selected_chunk_count(num_chunks: int, density: float) -> int:
-    """k = max(1, ceil(density * num_chunks)), at most num_chunks.
+def selected_chunk_count(num_chunks: int, density: float, at_least: int = 1) -> int:
+    """k = max(at_least, ceil(density * num_chunks)), at most num_chunks.
 
     The product is rounded to 9 decimals first so that e.g. 0.07 * 100
     (7.000000000000001 in binary floating point) gives 7, not 8.
-    Returns 0 for a pack of 0 chunks.
+    Returns 0 for a pack of 0 chunks. at_least: >= 1 (density="auto"'s `min_chunks`).
     """
     if num_chunks <= 0:
         return 0
-    return min(num_chunks, max(1, math.ceil(round(density * num_chunks, 9))))
+    return min(num_chunks, max(at_least, math.ceil(round(density * num_chunks, 9))))
 
 
 def select_chunks(norms: tf.Tensor, k: int) -> tf.Tensor:
@@ -178,13 +178,15 @@ def wire_groups(specs: Sequence[PackSpec]) -> Tuple[Tuple[int, ...], ...]:
 
 
 def plan_step(specs: Sequence[PackSpec], counts: Sequence[int], groups, chunk_size: int,
-              policy, first_step: Optional[int], density: float, control_bytes: int) -> StepPlan:
+              policy, first_step: Optional[int], density: float, control_bytes: int,
+              at_least: int = 1) -> StepPlan:
     """The StepPlan of `density`. counts: per pack its chunks; groups: `wire_groups(specs)`;
-    policy: a SelectionPolicy; control_bytes: the step's own control vector, in bytes."""
+    policy: a SelectionPolicy; control_bytes: the step's own control vector, in bytes;
+    at_least: the fewest chunks a k may be (`selected_chunk_count`)."""
     ks: List[Optional[int]] = [None] * len(specs)
     for members in groups:
         for j, competing in zip(members, policy.competing(counts, members)):
-            k = selected_chunk_count(competing, density)
+            k = selected_chunk_count(competing, density, at_least)
             ks[j] = None if k >= competing else k
     plans, sent, selected = [], control_bytes, 0
     for members in groups:

@@ -10,9 +10,14 @@ import math
 from typing import Optional, Tuple, Union
 
 from gf_tf.csc import policies
-from gf_tf.csc.auto import DEFAULT_AUTO_BUDGET, DEFAULT_MIN_DENSITY  # noqa: F401 (re-exported)
-from gf_tf.csc.density import DEFAULT_DENSITY, DensityRule  # noqa: F401 (re-exported)
+from gf_tf.csc.auto import AUTO, DEFAULT_AUTO_BUDGET, DEFAULT_MIN_DENSITY  # noqa: F401 (re-exported)
+from gf_tf.csc.density import DensityRule
 from gf_tf.csc.reducer import CSCReducer
+
+# A fixed density loses accuracy where a pack has few chunks or compressing saves little (the
+# time-to-accuracy matrix, docs/benchmarks.md); "auto" sends dense there.
+DEFAULT_DENSITY = AUTO
+"""`ChunkSparsity(density=)`: "auto", the density chosen each step (`AutoDensity`)."""
 
 # DEFAULT_CHUNK_SIZE: the chunk norms add 4 bytes per chunk_size float32 elements (1/1024 of
 # the dense bytes at 1024), a small share of what a sparse FP16 step sends, and smaller chunks
@@ -38,10 +43,11 @@ class ChunkSparsity:
     Compression (Lin et al., arXiv 1712.01887, sections 3.2 and 3.4).
 
     Args:
-      density (float | str | DensityRule): target fraction of chunks sent per step, in
-        (0, 1]. k = max(1, ceil(density * num_chunks)) chunks of each pack are
-        sent; 1.0 means dense. Or "auto": the density follows the measured
-        link (see "density="auto"" below; `gf_tf.csc.auto.AutoDensity`). Or a
+      density (float | str | DensityRule): "auto" (the default, DEFAULT_DENSITY): each step
+        is dense or sparse as the measured link and the gradient's regime say (see
+        "density="auto"" below; `gf_tf.csc.auto.AutoDensity`). Or a target fraction of chunks
+        sent per step, in (0, 1]: k = max(1, ceil(density * num_chunks)) chunks of each pack
+        are sent; 1.0 means dense (fewer than `gf_tf.csc.MIN_CHUNKS` a pack logs a warning). Or a
         `gf_tf.csc.density.DensityRule` object (its own settings; min_density
         and auto_budget then stay at their defaults).
       chunk_size (int): elements per chunk (>= 1). The chunk norms add 4
@@ -89,8 +95,7 @@ class ChunkSparsity:
           retry.
         - the name of a policy registered with `gf_tf.csc.policies.register`.
       min_density (float): density="auto" only: the floor, in (0, 1]
-        (default DEFAULT_DENSITY, 0.01: auto never sends less than the fixed
-        default and only goes denser when the link affords it). It bounds how
+        (default DEFAULT_MIN_DENSITY, 0.01). It bounds how
         stale a residual can get: at the floor every chunk can be sent within
         ceil(C / k) <= 1 / min_density steps (C chunks of a pack, k of them
         sent per step). Lower it only for runs much longer than
@@ -115,14 +120,16 @@ class ChunkSparsity:
         min_density / auto_budget are given beside a DensityRule object.
 
     density="auto": after the warm-up, each step picks one rung of `rungs()` (static k per
-    pack per rung, so the rungs are branches of one `tf.switch_case`; rung 1.0 is a dense
-    step): the largest density whose bytes, priced from the previous step's timing, cost at
-    most `auto_budget` of the compute time (the link's fixed latency, measured by the
-    planner's probe, is left out of the price). The timing rides in the step's control
-    all-reduce so every replica picks the same rung (`choose_rung`,
-    `gf_tf.csc.auto.AutoDensity`). The model,
-    what is measured and why the floor bounds convergence: docs/csc.md, section
-    "density="auto"". The chosen density is `GradientFlowStats`' `gf_density`.
+    pack per rung, at least `gf_tf.csc.MIN_CHUNKS` chunks of a pack, so the rungs are branches of one
+    `tf.switch_case`; rung 1.0 is a dense step). It is dense while the gradient's L1 norm
+    changes from one window of steps to the next (a critical regime, as Accordion detects
+    it) and where a sparse rung would save less than a quarter of a dense step's predicted
+    time; otherwise the largest density whose bytes, priced from the previous step's timing,
+    cost at most `auto_budget` of the compute time (the link's fixed latency, measured by
+    the planner's probe, is left out of the price). The figures ride in the step's control
+    all-reduce so every replica picks the same rung (`gf_tf.csc.auto.AutoDensity`). The
+    model, its sources and its measurements: docs/csc.md, section "density="auto"". The
+    chosen density is `GradientFlowStats`' `gf_density`.
 
     Selection and density are objects (`policy`, `density_rule`): `selection` names one of
     `gf_tf.csc.policies.POLICIES` (docs/csc.md, "Adding a selection policy").

@@ -13,15 +13,18 @@ import numpy as np
 import tensorflow as tf
 
 from gf_tf import tf_internal
-from gf_tf.csc.auto import AutoState
+from gf_tf.csc.auto import REGIME_KEY, AutoState
 
 
 class CSCSetState(tf.Module):
     """The state of a variable set that its packs share.
 
     steps: per local replica, int64 scalar on the host: all-reduce steps run.
-    auto: the density="auto" timing (`gf_tf.csc.auto.AutoState`), else None.
+    auto: the density="auto" state (`gf_tf.csc.auto.AutoState`), else None.
+    optional_keys: the arrays a checkpoint may have or lack (the auto regime, so a
+      checkpoint restores across density rules).
     """
+    optional_keys = (REGIME_KEY,)
 
     def __init__(self, name: str, num_replicas: int, timing: bool):
         super().__init__(name=None)
@@ -31,13 +34,13 @@ class CSCSetState(tf.Module):
         self.auto = AutoState(name, num_replicas) if timing else None
 
     def to_arrays(self) -> Dict[str, np.ndarray]:
-        """The auto timing's arrays (none). The step counters are saved by every pack
-        (`CSCState.to_arrays`), as checkpoint format 1 has them."""
+        """The auto state's arrays (`AutoState.to_arrays`; none without auto). The step
+        counters are saved by every pack (`CSCState.to_arrays`), as checkpoint format 1 has them."""
         return self.auto.to_arrays() if self.auto is not None else {}
 
     def to_tensors(self) -> Dict[str, tf.Tensor]:
-        """`to_arrays` as tensors (the auto timing saves none, so this is a constant)."""
-        return {key: tf.constant(value) for key, value in self.to_arrays().items()}
+        """`to_arrays` as tensors read from the variables."""
+        return self.auto.to_tensors() if self.auto is not None else {}
 
     def assign_arrays(self, arrays: Dict[str, np.ndarray]) -> None:
         if self.auto is not None:
