@@ -39,6 +39,11 @@ density = args.density if args.density == "auto" else float(args.density)
 auto = dict(auto_budget=args.auto_budget) if density == "auto" else {}
 if density == "auto" and args.min_density is not None:
     auto["min_density"] = args.min_density
+if density == "auto" and args.fake_clock:
+    # A fake clock tests the price alone: no critical-regime test, minimum saving or chunk count.
+    density = gf_tf.csc.AutoDensity(auto.pop("min_density", gf_tf.csc.DEFAULT_MIN_DENSITY),
+                                    auto.pop("auto_budget"), min_saving=0.0, regime_window=0,
+                                    min_chunks=1)
 sparsity = gf_tf.ChunkSparsity(density=density, chunk_size=args.chunk_size,
                                warmup_steps=args.warmup_steps, warmup=args.warmup,
                                momentum=args.momentum, selection=args.selection,
