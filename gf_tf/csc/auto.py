@@ -14,7 +14,7 @@ from typing import List, Sequence
 import tensorflow as tf
 
 from gf_tf import tf_internal
-from gf_tf.csc.density import MIN_CHUNKS, DensityRule
+from gf_tf.csc.density import MIN_CHUNKS, DensityRule, is_int_at_least, is_number_in
 
 AUTO = "auto"
 AUTO_LADDER = (1.0, 0.25, 0.1, 0.03, 0.01, 0.003, 0.001)
@@ -264,22 +264,22 @@ class AutoDensity(DensityRule):
                  budget: float = DEFAULT_AUTO_BUDGET, min_saving: float = DEFAULT_MIN_SAVING,
                  regime_window: int = DEFAULT_REGIME_WINDOW,
                  regime_change: float = DEFAULT_REGIME_CHANGE, min_chunks: int = MIN_CHUNKS):
-        if not _number_in(min_density, 0.0, 1.0, low_open=True):
+        if not is_number_in(min_density, 0.0, 1.0, low_open=True):
             raise ValueError(f"min_density must be a fraction in (0, 1] (the floor of "
                              f"density=\"auto\"), got {min_density!r}")
-        if not _number_in(budget, 0.0, math.inf, low_open=True, high_open=True):
+        if not is_number_in(budget, 0.0, math.inf, low_open=True, high_open=True):
             raise ValueError(f"auto_budget must be a number > 0 (communication seconds per "
                              f"compute second), got {budget!r}")
-        if not _number_in(min_saving, 0.0, 1.0, high_open=True):
+        if not is_number_in(min_saving, 0.0, 1.0, high_open=True):
             raise ValueError(f"min_saving must be a fraction in [0, 1) of a dense step's "
                              f"time, got {min_saving!r}")
-        if isinstance(regime_window, bool) or not isinstance(regime_window, int) or regime_window < 0:
+        if not is_int_at_least(regime_window, 0):
             raise ValueError(f"regime_window must be an int >= 0 (steps; 0: no critical-regime "
                              f"test), got {regime_window!r}")
-        if not _number_in(regime_change, 0.0, math.inf, low_open=True, high_open=True):
+        if not is_number_in(regime_change, 0.0, math.inf, low_open=True, high_open=True):
             raise ValueError(f"regime_change must be a number > 0 (a relative change), got "
                              f"{regime_change!r}")
-        if isinstance(min_chunks, bool) or not isinstance(min_chunks, int) or min_chunks < 1:
+        if not is_int_at_least(min_chunks, 1):
             raise ValueError(f"min_chunks must be an int >= 1 (chunks of a pack per step), got "
                              f"{min_chunks!r}")
         self.floor, self.budget = float(min_density), float(budget)
@@ -335,10 +335,3 @@ class AutoDensity(DensityRule):
         """`record`s the branch's clocks and bytes in the set's `AutoState`."""
         record(shared.auto, comm, branch.started, branch.done, branch.sent_bytes)
 
-
-def _number_in(value, low: float, high: float, low_open: bool = False,
-               high_open: bool = False) -> bool:
-    """value is an int or float (not a bool) within [low, high], ends open where asked."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        return False
-    return (value > low if low_open else value >= low) and (value < high if high_open else value <= high)

@@ -7,6 +7,7 @@ checks its own parameters. `CSCReducer` asks the rule for the step's control fig
 clocks and the candidate index, and never tests which rule it holds.
 """
 
+import math
 from typing import Optional, Sequence, Tuple
 
 from gf_tf.reducers import no_control
@@ -17,6 +18,19 @@ from gf_tf.reducers import no_control
 MIN_CHUNKS = 8
 """The fewest chunks of a pack a sparse step of density="auto" sends (`AutoDensity(min_chunks=)`);
 a fixed density that sends fewer logs a warning."""
+
+
+def is_number_in(value, low: float, high: float, low_open: bool = False,
+                 high_open: bool = False) -> bool:
+    """value is an int or float (not a bool, not NaN) within [low, high], ends open where asked."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        return False
+    return (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+
+
+def is_int_at_least(value, low: int) -> bool:
+    """value is an int (not a bool) >= low."""
+    return not isinstance(value, bool) and isinstance(value, int) and value >= low
 
 
 class DensityRule:
@@ -95,7 +109,6 @@ class FixedDensity(DensityRule):
     """
 
     def __init__(self, density: float):
-        if isinstance(density, bool) or not (isinstance(density, (int, float))
-                                               and 0.0 < density <= 1.0):
+        if not is_number_in(density, 0.0, 1.0, low_open=True):
             raise ValueError(f"density must be a fraction in (0, 1] or \"auto\", got {density!r}")
         self.value = self.floor = self.code = float(density)

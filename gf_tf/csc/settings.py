@@ -11,7 +11,7 @@ from typing import Optional, Tuple, Union
 
 from gf_tf.csc import policies
 from gf_tf.csc.auto import AUTO, DEFAULT_AUTO_BUDGET, DEFAULT_MIN_DENSITY  # noqa: F401 (re-exported)
-from gf_tf.csc.density import DensityRule
+from gf_tf.csc.density import DensityRule, is_int_at_least
 from gf_tf.csc.reducer import CSCReducer
 
 # A fixed density loses accuracy where a pack has few chunks or compressing saves little (the
@@ -149,9 +149,9 @@ class ChunkSparsity:
                  momentum: float = 0.0, warmup: str = "dense", selection: str = "per_pack",
                  min_density: float = DEFAULT_MIN_DENSITY,
                  auto_budget: float = DEFAULT_AUTO_BUDGET, scoring: str = "error_feedback"):
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        if not is_int_at_least(chunk_size, 1):
             raise ValueError(f"chunk_size must be an int >= 1 (elements), got {chunk_size!r}")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        if not is_int_at_least(warmup_steps, 0):
             raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
         if not (isinstance(momentum, (int, float)) and 0.0 <= momentum < 1.0):
             raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
