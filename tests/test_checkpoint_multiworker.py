@@ -140,3 +140,40 @@ def test_every_worker_loads_the_chiefs_file_with_load_weights_from_chief(tmp_pat
     np.testing.assert_array_equal(chief["restored_residual"], chief["first_residual"])
     assert np.any(other["first_residual"]) and not np.any(other["restored_residual"])
     assert not np.any(other["restored_velocity"])
+
+
+def test_sigkill_then_backup_and_restore_gives_back_the_auto_regime_bitwise(tmp_path):
+    """density="auto" (worker_util.checkpoint_strategy "csc_auto": the fake clock makes the price
+    pick the floor on every step, so the rungs follow the critical-regime test alone): worker 1
+    SIGKILLed after epoch 1; the relaunched job restores the regime (float64 [4]), the residuals,
+    velocities and step counters of both workers bit for bit, and continues as the uninterrupted
+    run did: the same densities, weights and CommStats. A regime that came back critical would
+    send its first resumed steps dense and end elsewhere."""
+    reference, _, _ = _run(tmp_path, "reference", reducer="csc_auto")
+    assert all(r.ok for r in reference), cluster.describe(reference)
+    # Epoch means: steps 0-2 dense (critical until two windows agree), then the floor. A regime
+    # restored critical would make the resumed epoch 2 dense again.
+    np.testing.assert_allclose(reference[0].result["densities"],
+                               [(3 * 1.0 + 0.01) / 4, 0.01, 0.01, 0.01], rtol=1e-12)
+
+    killed, backup, states = _run(tmp_path, "job", kill_after_epoch=1, comm_timeout=20.0,
+                                  reducer="csc_auto")
+    assert killed[1].returncode == -9, cluster.describe(killed)
+    resumed, _, _ = _run(tmp_path, "job", reducer="csc_auto")
+    assert all(r.ok for r in resumed), cluster.describe(resumed)
+    saved = [dict(np.load(states / f"epoch1_worker{worker}.npz")) for worker in range(2)]
+    # The regime is all-reduced figures: the same on both workers, and measured (not the start).
+    assert saved[0]["regime"].tobytes() == saved[1]["regime"].tobytes()
+    assert saved[0]["regime"][2] > 0.0
+    for worker in range(2):
+        after, uninterrupted = resumed[worker].result, reference[worker].result
+        np.testing.assert_array_equal(after["epochs_run"], [2, 3])
+        for key, value in saved[worker].items():
+            assert after[f"restored_{key}"].tobytes() == value.tobytes(), key
+            np.testing.assert_array_equal(after[f"final_{key}"], uninterrupted[f"final_{key}"],
+                                          err_msg=key)
+        np.testing.assert_array_equal(after["densities"], uninterrupted["densities"][2:])
+        for i in range(4):
+            np.testing.assert_array_equal(after[f"w{i}"], uninterrupted[f"w{i}"])
+        for key in (k for k in uninterrupted if k.startswith("comm_")):
+            np.testing.assert_array_equal(after[key], uninterrupted[key], err_msg=key)

@@ -29,7 +29,7 @@ parser.add_argument("--kill_after_epoch", type=int, default=-1)
 parser.add_argument("--steps_per_epoch", type=int, default=4)
 parser.add_argument("--global_batch", type=int, default=16)
 parser.add_argument("--selection", default="per_pack")
-parser.add_argument("--reducer", default="csc", choices=["csc", "lowrank"])
+parser.add_argument("--reducer", default="csc", choices=["csc", "csc_auto", "lowrank"])
 args = parser.parse_args()
 
 import gf_tf  # after argparse: fail fast on bad flags
@@ -55,6 +55,8 @@ def snapshot(state):
            "residual": pack.residuals[0].numpy(), "velocity": pack.velocities[0].numpy()}
     if pack.scores:   # selection="ahead": the next step's chunks are chosen from these
         out.update(scores=pack.scores[0].numpy(), bound=pack.bounds[0].numpy())
+    if args.reducer == "csc_auto":
+        out["regime"] = state.shared.auto.regime.numpy()
     return out
 
 
@@ -90,6 +92,7 @@ result.update({f"restored_{k}": v for k, v in Recorder.restored.items()})
 result.update({f"final_{k}": v for k, v in snapshot(final_state).items()})
 result["epochs_run"] = np.array(history.epoch)
 result["selected_chunks"] = np.array(history.history["gf_selected_chunks_per_step"])
+result["densities"] = np.array(history.history["gf_density"])
 result.update({f"comm_{k}": np.array(v) for k, v in gradient_flow.stats.totals().items()})
 worker_util.write_result(**result)
 print("done", history.epoch, flush=True)

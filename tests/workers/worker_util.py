@@ -119,10 +119,28 @@ def checkpoint_strategy(reducer="csc", selection="per_pack"):
     """(GradientFlowAllReduce, gf_tf.MultiWorkerMirroredStrategy) of the checkpoint workers.
 
     reducer "csc": CSC at density 0.1 in chunks of 16, 3 warm-up steps, momentum correction 0.5,
-    chunks chosen by `selection`; "lowrank": gf_tf.reducers.LowRank(rank=2) on the FP16 wire in
-    one pack, ring all-reduce.
+    chunks chosen by `selection`; "csc_auto": CSC in chunks of 16 with momentum correction 0.5 at
+    density="auto" (critical-regime windows of 2 steps, change 0.5, floor 0.01 but at least 2
+    chunks) on a fake clock (1 s of compute, 10 s of communication a step: every rung the price
+    picks, measured or not, is the floor), so the rungs follow the regime alone; "lowrank":
+    gf_tf.reducers.LowRank(rank=2) on the FP16 wire in one pack, ring all-reduce.
     """
     import gf_tf  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    if reducer == "csc_auto":
+        rule = gf_tf.csc.AutoDensity(min_density=0.01, regime_window=2, regime_change=0.5,
+                                     min_chunks=2)
+        gradient_flow = gf_tf.GradientFlowAllReduce(
+            compression="fp16", bytes_per_pack=4 << 20, algorithm="ring",
+            sparsity=gf_tf.ChunkSparsity(density=rule, chunk_size=16, momentum=0.5))
+        strategy = gf_tf.MultiWorkerMirroredStrategy(
+            communication_options=communication_options(), gradient_flow=gradient_flow)
+        # After the strategy: a variable would start the TF runtime before it configures collectives.
+        with tf.device("/cpu:0"):
+            clock = tf.Variable(100.0, dtype=tf.float64, trainable=False)
+        gradient_flow.reducer.clock = lambda replica, event: clock.assign_add(
+            {"ready": 1.0, "send": 0.0, "done": 10.0}[event])
+        return gradient_flow, strategy
     if reducer == "lowrank":
         gradient_flow = gf_tf.GradientFlowAllReduce(compression="fp16", bytes_per_pack=0,
                                                     algorithm="ring",
