@@ -196,6 +196,61 @@ def test_a_gradient_whose_bytes_cost_little_is_never_compressed():
     assert run.gfar.stats.result()["density"] == 1.0
 
 
+class _Restoring:
+    """Makes the next state a runner creates start from `arrays` (a checkpoint's, as
+    gf_tf.keras.checkpoint restores it: when the state is created, before its first step)."""
+
+    def __init__(self, run, arrays):
+        self.arrays = arrays
+        run.restoring = self   # held by the runner: the registry holds its listeners weakly
+        run.gfar.state_registry.add_listener(self.restore)
+
+    def restore(self, variable_set):
+        variable_set.assign_arrays(self.arrays)
+
+
+def test_state_carried_from_fixed_to_auto_and_back_continues_the_float64_model():
+    """Residuals and velocities of 3 steps at a fixed density 0.1 go into an "auto" run (the
+    regime starts critical: its steps 0-3 dense, whose first flushes the carried residual; then
+    the floor, 8 chunks) and from there into a run at 0.25: every step of the three runs
+    matches one float64 CSC model with momentum that never restarted."""
+    rng = np.random.default_rng(5)
+    model = NumpyCSC(N, 2, CS, momentum=0.5)
+
+    def steps(run, scales):
+        ks = []
+        for grads in _grads(rng, scales):
+            before = run.gfar.stats.totals()["selected_chunks"]
+            out = run([[g] for g in grads])
+            k = int(run.gfar.stats.totals()["selected_chunks"] - before)
+            ref, idx = model.step(np.array(grads, np.float64), k / C)
+            assert (C if idx is None else len(idx)) == k
+            np.testing.assert_array_equal(out[1][0], out[0][0])
+            np.testing.assert_allclose(out[0][0], ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+            ks.append(k)
+        np.testing.assert_allclose(np.stack(run.residuals()), model.residual, rtol=1e-6, atol=1e-6)
+        (variable_set,) = run.gfar.states().values()
+        return ks, variable_set.to_arrays()
+
+    fixed = Runner(2, gf_tf.ChunkSparsity(density=0.1, chunk_size=CS, momentum=0.5),
+                   compression=None)
+    ks, arrays = steps(fixed, [1.0] * 3)
+    assert ks == [10] * 3 and np.any(arrays["p0_residual_r0"])
+
+    auto = Runner(2, gf_tf.ChunkSparsity(density=AutoDensity(min_density=0.001, regime_window=2),
+                                         chunk_size=CS, momentum=0.5), compression=None)
+    auto.gfar.reducer.clock = FakeClock(compute=[1.0, 1.0], comm=[10.0, 10.0])
+    _Restoring(auto, arrays)
+    ks, arrays = steps(auto, [1.0] * 6)
+    assert ks == [C, C, C, 8, 8, 8] and REGIME_KEY in arrays
+
+    back = Runner(2, gf_tf.ChunkSparsity(density=0.25, chunk_size=CS, momentum=0.5),
+                  compression=None)
+    _Restoring(back, arrays)
+    ks, _ = steps(back, [1.0] * 3)
+    assert ks == [25] * 3
+
+
 def _regime(gfar):
     (variable_set,) = gfar.states().values()
     return variable_set.shared.auto.regime.numpy()
