@@ -164,10 +164,10 @@ INITIAL_REGIME = (0.0, 0.0, 0.0, 1.0)
 REGIME_KEY = "auto_regime"
 
 
-def figures(state: AutoState, clock, grads, comm) -> List[tf.Tensor]:
+def figures(state: AutoState, clock, grads, comm, gradient_l1: bool = True) -> List[tf.Tensor]:
     """Per served replica float32 [4]: this step's compute seconds, the previous step's
     communication seconds and bytes (zeros before the first measurement), and the L1 norm of
-    this step's gradients.
+    this step's gradients (0 without `gradient_l1`: no regime test reads it).
 
     grads: per pack, per served replica its gradients. The clock reads
     "ready" once all of the replica's gradients exist; the previous step's
@@ -186,8 +186,8 @@ def figures(state: AutoState, clock, grads, comm) -> List[tf.Tensor]:
                                tf.float32)
             timing = tf.where(done > 0.0, measured, tf.zeros_like(measured))
         with tf.device(tensors[0].device if tensors else "/cpu:0"):
-            l1 = tf.add_n([tf.reduce_sum(tf.abs(tf.cast(t, tf.float32))) for t in tensors]
-                          or [tf.constant(0.0)])
+            l1 = tf.add_n([tf.reduce_sum(tf.abs(tf.cast(t, tf.float32)))
+                           for t in (tensors if gradient_l1 else [])] or [tf.constant(0.0)])
         with tf.device("/cpu:0"):
             vectors.append(tf.concat([timing, [l1]], 0))
     return vectors
@@ -306,7 +306,7 @@ class AutoDensity(DensityRule):
 
     def figures(self, shared, clock, grads, comm):
         """`figures` of the set's `AutoState`."""
-        return figures(shared.auto, clock, grads, comm)
+        return figures(shared.auto, clock, grads, comm, gradient_l1=self.regime_window > 0)
 
     def index(self, stage, current, plans, timing, comm, warmup_steps, shared):
         """The warm-up's `stage`; after it, len(staged plans) + 0 (dense) while the regime is
