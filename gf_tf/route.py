@@ -20,7 +20,7 @@ from typing import Callable, List, Optional, Sequence
 
 import tensorflow as tf
 
-from gf_tf import agreement, collectives, packing, plan, tf_internal, wire
+from gf_tf import agreement, collectives, packing, plan, slices, tf_internal, wire
 from gf_tf.agreement import hex_text
 from gf_tf.collectives import deadline as deadline_lib
 from gf_tf.plan import trial
@@ -64,7 +64,8 @@ class Call:
     replicas: the served replicas' indices among this worker's. tf_sum: TensorFlow's own
     SUM all-reduce of one 1-D tensor per served replica (`gf_tf.collectives.ring.tf_sum`).
     others(indices): the strategy's all-reduce (the caller's reduce_op) of those
-    gradients, per index per served replica. options: the caller's CommunicationOptions
+    gradients, per index per served replica. gather_sum(values): the strategy's SUM of
+    other values (per index, per served replica; `gf_tf.slices`' encoded rows). options: the caller's CommunicationOptions
     (the eager handshake and trial run with them); step_options: what the step's own
     collectives run with (`gf_tf.collectives.deadline.in_step_options`, no timeout: `deadline`,
     a StepWatch or None, keeps it)."""
@@ -75,6 +76,7 @@ class Call:
     reduce_op: tf.distribute.ReduceOp
     tf_sum: Callable
     others: Callable
+    gather_sum: Callable
     options: object
     step_options: object = None
     deadline: Optional[deadline_lib.StepWatch] = None
@@ -111,8 +113,14 @@ def run(orchestrator: Orchestrator, call: Call) -> List[List]:
     else:
         sent = reduce_packs(orchestrator.reducer, state, grads, comm, results)
         rest = [i for i, entry in enumerate(signature) if entry is None]
-    reduce_by_tf(grads, rest, call.others, results)
-    if packable and call.replicas[0] == 0:
+    sparse = [i for i in rest if slices.encodable(grads[0][i])]
+    encoded = sparse if choice != trial.TF_OWN and _wire_bytes(planned.plan) == 2 else []
+    reduce_by_tf(grads, [i for i in rest if i not in encoded], call.others, results)
+    slices.reduce_16bit(grads, encoded, call.gather_sum,
+                        call.reduce_op == tf.distribute.ReduceOp.MEAN,
+                        call.strategy.num_replicas_in_sync, results)
+    sent += slices.sent([grads[0][i] for i in sparse], encoded=bool(encoded))
+    if (packable or sparse) and call.replicas[0] == 0:
         orchestrator.stats.update(**vars(sent))
     if call.deadline is not None:
         call.deadline.end(results)
@@ -128,15 +136,16 @@ def run_merged(orchestrator: Orchestrator, strategy, per_replica, variables, red
     tf_internal.check_not_xla_across_devices(num_local)
     step_options, watch = deadline_lib.for_step(strategy, options)
 
-    def others(indices):
-        pairs = [(per_replica[i], per_replica[i]) for i in indices]
-        return [tf_internal.local_values(r)
-                for r in strategy.extended.batch_reduce_to(reduce_op, pairs, step_options)]
+    def reduce(op, values):   # per value a distributed one -> per value its local results
+        return [tf_internal.local_values(r) for r in strategy.extended.batch_reduce_to(
+            op, [(v, v) for v in values], step_options)]
 
     results = run(orchestrator, Call(
         strategy, [[g[r] for g in grads] for r in range(num_local)], tuple(range(num_local)),
         variables, reduce_op, collectives.ring.tf_sum(orchestrator.cross_ops, step_options),
-        others, options, step_options, watch))
+        lambda indices: reduce(reduce_op, [per_replica[i] for i in indices]),
+        lambda values: reduce(tf.distribute.ReduceOp.SUM, map(tf_internal.per_replica, values)),
+        options, step_options, watch))
     return [tf_internal.mirrored([results[r][i] for r in range(num_local)])
             for i in range(len(per_replica))]
 
@@ -156,14 +165,16 @@ def run_in_replica(orchestrator: Orchestrator, replica_ctx, grads, variables, re
 
     step_options, watch = deadline_lib.for_step(replica_ctx.strategy, options)
 
-    def others(indices):
-        return [[r] for r in replica_ctx.all_reduce(reduce_op, [grads[i] for i in indices],
-                                                    step_options)]
+    def reduce(op, values):   # this replica's values -> per value [its result]
+        return [[r] for r in replica_ctx.all_reduce(op, list(values), step_options)]
 
     tf_sum = collectives.ring.tf_sum(orchestrator.cross_ops, step_options, int(replica_id))
     served = (int(replica_id) % num_local,)
-    return run(orchestrator, Call(replica_ctx.strategy, [list(grads)], served, variables,
-                                  reduce_op, tf_sum, others, options, step_options, watch))[0]
+    return run(orchestrator, Call(
+        replica_ctx.strategy, [list(grads)], served, variables, reduce_op, tf_sum,
+        lambda indices: reduce(reduce_op, [grads[i] for i in indices]),
+        lambda values: reduce(tf.distribute.ReduceOp.SUM, [v[0] for v in values]),
+        options, step_options, watch))[0]
 
 
 def run_locally(orchestrator: Orchestrator, strategy, grads, variables, reduce_op) -> list:
@@ -172,7 +183,8 @@ def run_locally(orchestrator: Orchestrator, strategy, grads, variables, reduce_o
     grads = list(grads)
     return run(orchestrator, Call(strategy, [grads], (0,), variables, reduce_op,
                                   lambda tensors: list(tensors),
-                                  lambda indices: [[grads[i]] for i in indices], None))[0]
+                                  lambda indices: [[grads[i]] for i in indices],
+                                  lambda values: list(values), None))[0]
 
 
 def _communicator(orchestrator: Orchestrator, call: Call, set_plan: plan.Plan,
@@ -218,6 +230,11 @@ def reduce_by_tf(grads, indices, others, results) -> None:
         for i, reduced in zip(group, others(group)):
             for r, value in enumerate(reduced):
                 results[r][i] = value
+
+
+def _wire_bytes(set_plan: plan.Plan) -> int:
+    """Bytes per element of the set's wire (4 for TensorFlow's own all-reduce)."""
+    return 4 if set_plan.method == plan.TF_OWN else wire.format_of(set_plan.method).wire_bytes
 
 
 def _sent_by_tf(grads) -> Sent:

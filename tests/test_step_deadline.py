@@ -82,8 +82,9 @@ class RecordingOps(tf.distribute.ReductionToOneDevice):
 
 
 def test_a_traced_gradient_step_hands_every_all_reduce_options_without_timeout_and_is_counted():
-    """Packs (FP16: scale bounds and packs) and an IndexedSlices gradient (TF's own all-reduce,
-    `others`) alike, against the float64 sum; the step counted in and out once."""
+    """Packs (FP16: scale bounds and packs) and an IndexedSlices gradient (its float16 rows
+    through TF's gather, `gather_sum`) alike, against the float64 sum; the step counted in and
+    out once."""
     wrapped = RecordingOps()
     gradient_flow = gf_tf.GradientFlowAllReduce(compression="fp16", bytes_per_pack=0,
                                                 cross_device_ops=wrapped)
@@ -112,7 +113,7 @@ def test_a_traced_gradient_step_hands_every_all_reduce_options_without_timeout_a
     assert list(watch.counts.numpy() - before) == [1, 1]
     sliced = np.zeros((5, 2))
     sliced[1:3] = values[2][1:3]
-    for got, value, rtol in zip(reduced, [values[0], values[1], sliced], [2e-3, 2e-3, 1e-6]):
+    for got, value, rtol in zip(reduced, [values[0], values[1], sliced], [2e-3, 2e-3, 2.0 ** -11]):
         np.testing.assert_allclose(got, 3.0 * value.astype(np.float64), rtol=rtol, atol=1e-6)
 
 
