@@ -10,7 +10,7 @@ import tensorflow as tf
 import gf_tf
 from gf_tf import collectives
 from gf_tf.collectives import recursive_doubling
-from gf_tf.plan import Forecast, Plan, Planned, PlanReport, planner
+from gf_tf.plan import Forecast, Plan, Planned, PlanReport, planner, trial
 from gf_tf.reducers import CostTerms
 from helpers import GIGABIT, make_costs
 
@@ -61,6 +61,7 @@ def test_predicted_seconds_by_hand():
     assert rd == pytest.approx(3 * 3e-3 + 3 * 4 * e * 8e-9 + 1e-9 * e)   # no bounds
 
 
+HUNDRED_MBIT = make_costs(hop_s=1.5e-3, round_s=3e-3, byte_s=8e-8, copy_s=1e-9, fp16_s=2e-9)
 SHARED_CORES = make_costs(hop_s=1.5e-3, round_s=15e-3, byte_s=8e-9, copy_s=1e-9, fp16_s=2e-9)
 
 
@@ -68,7 +69,11 @@ SHARED_CORES = make_costs(hop_s=1.5e-3, round_s=15e-3, byte_s=8e-9, copy_s=1e-9,
     # ResNet-20, 8 workers: FP16 over recursive doubling at 0.87x TF's predicted seconds: measure.
     (270_000, 8, GIGABIT, Plan("fp16", 4 << 20, "recursive_doubling", trial=True)),
     (270_000, 2, GIGABIT, Plan("fp16", 4 << 20, "ring", trial=True)),          # 0.91x
-    (25_600_000, 2, GIGABIT, Plan("fp16", 4 << 20, "ring", trial=True)),       # ResNet-50: 0.54x
+    # ResNet-50: 0.55x, and TF's all-reduce is 97% wire time: the wire, untimed.
+    (25_600_000, 2, GIGABIT, Plan("fp16", 4 << 20, "ring")),
+    # digits' CNN at 100 Mbit/s: 0.53x, 98% wire time; at 1 Gbit/s 0.75x (83%): measured.
+    (545_000, 2, HUNDRED_MBIT, Plan("fp16", 4 << 20, "ring")),
+    (545_000, 2, GIGABIT, Plan("fp16", 4 << 20, "ring", trial=True)),
     # 1,000 elements at 512 workers: 9 rounds of float32 pairs against 1022 ring hops (0.02x).
     (1_000, 512, GIGABIT, Plan("none", 4 << 20, "recursive_doubling")),
     # A tiny set where rounds cost a whole collective: FP16's 2 collectives against TF's 1.
@@ -91,7 +96,9 @@ def test_choice_is_the_cheapest_wire_measured_against_tf_where_the_model_is_unsu
         assert forecast.seconds == pytest.approx(tf32) and best > high * tf32
     else:
         assert forecast.seconds == pytest.approx(best)
-        assert plan.trial == (low * tf32 <= best <= high * tf32)
+        wire_bound = (best < trial.CLEAR * tf32 and planner.wire_share(
+            elements, workers, costs, tf32) >= planner.WIRE_BOUND)
+        assert plan.trial == (low * tf32 <= best <= high * tf32 and not wire_bound)
         assert forecast.tf_seconds == (pytest.approx(tf32) if plan.trial else None)
         assert PlanReport(plan, forecast).steady_seconds == \
             pytest.approx(min(best, tf32) if plan.trial else best)

@@ -58,6 +58,7 @@ import math
 from typing import List, Optional, Tuple
 
 from gf_tf import collectives, wire
+from gf_tf.plan import trial
 from gf_tf.plan.records import TF_OWN, Costs, Forecast, Plan, Planned
 from gf_tf.reducers.base import CostTerms
 
@@ -75,6 +76,13 @@ PACK_SIZES = (DEFAULT_BYTES_PER_PACK,)
 # docs/benchmarks.md); above its top are the latency-bound sets where a scaled wire's two
 # collectives (bounds, pack) face TF's one.
 TRIAL_BAND = (0.4, 1.9)
+# Inside the band, a set whose TF all-reduce is predicted at least WIRE_BOUND wire time, and whose
+# best wire is predicted below the trial's own early-look margin (`trial.CLEAR` of TF's seconds),
+# takes the wire untimed: where bytes dominate, FP16 halves them and the model's error (latencies,
+# cores shared between workers) is a small part of the step; the trial would reach the same
+# answer at its early look after timing the set's slowest all-reduces (1.6-2 s of digits' first
+# epoch at 100 Mbit/s, docs/planner.md).
+WIRE_BOUND = 0.9
 # overlap="auto" (module docstring, "Overlap"): the overlapped form may be predicted at most this
 # share slower than the one-barrier form when nothing hides behind backprop ...
 OVERLAP_SLACK = 0.05
@@ -107,6 +115,15 @@ def latency_bytes(algorithm: str, workers: int, costs: Optional[Costs]) -> float
     fixed = collective_seconds(algorithm, 0.0, workers, costs)
     per_byte = collective_seconds(algorithm, 1.0, workers, costs) - fixed
     return fixed / per_byte if per_byte > 0.0 else 0.0
+
+
+def wire_share(elements: float, workers: int, costs: Costs, tf_seconds: float) -> float:
+    """The share of `tf_seconds` (TF's own all-reduce of `elements` float32 gradients, as
+    `predict_seconds` gives it) that its bytes take on the wire: 0 to 1."""
+    tf_ring = collectives.tf_own().name
+    wire_s = (collective_seconds(tf_ring, FLOAT32_BYTES * elements, workers, costs)
+              - collective_seconds(tf_ring, 0.0, workers, costs))
+    return wire_s / tf_seconds if tf_seconds > 0 else 0.0
 
 
 def predict_seconds(method: str, algorithm: str, elements: float, tensors: float, workers: int,
@@ -162,10 +179,11 @@ def choose(elements: int, tensors: int, workers: int, costs: Optional[Costs],
       the Plan with the lowest predicted seconds and its Forecast (ties go to the
       earlier candidate: "tf", the first algorithm, fewer packs), except with method "auto",
       where the model's error is larger than many of its margins: the best GradientFlow
-      wire is taken outright only when predicted at most TRIAL_BAND[0] of TF's own
-      seconds, TF's own when the wire is predicted above TRIAL_BAND[1] of it, and in
-      between the wire with `trial` set (both timed at the set's first trace). The same on
-      every worker given the same arguments.
+      wire is taken outright when predicted below TRIAL_BAND[0] of TF's own seconds, or
+      below `trial.CLEAR` of them on a set whose TF all-reduce is at least WIRE_BOUND wire
+      time (`wire_share`); TF's own when the wire is predicted above TRIAL_BAND[1] of it;
+      in between the wire with `trial` set (both timed at the set's first trace). The same
+      on every worker given the same arguments.
     """
     methods = auto_methods() if method == AUTO else (method,)
     algorithms = tuple(collectives.ALGORITHMS) if algorithm == AUTO else (algorithm,)
@@ -193,7 +211,8 @@ def choose(elements: int, tensors: int, workers: int, costs: Optional[Costs],
         ratio = seconds / tf_seconds if tf_seconds > 0 else math.inf
         if ratio > TRIAL_BAND[1]:
             return Planned(tf_own, Forecast(tf_seconds))
-        if ratio >= TRIAL_BAND[0]:
+        if ratio >= TRIAL_BAND[0] and not (ratio < trial.CLEAR and wire_share(
+                elements, workers, costs, tf_seconds) >= WIRE_BOUND):
             best, forecast = dataclasses.replace(best, trial=True), Forecast(seconds,
                                                                              tf_seconds=tf_seconds)
     return choose_overlap(Planned(best, forecast), elements, tensors, workers, costs, overlap,
