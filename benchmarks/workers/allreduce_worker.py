@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 import gf_tf
+from benchmarks import harness
 from benchmarks.workers import gradients, methods
 
 
@@ -312,7 +313,7 @@ def main():
             entry["chunk_path_s"] = chunk_path_seconds(strategy, args.method, values, max(args.iters, 3))
         results["sets"][name] = entry
         del values, step, out
-    print("RESULT " + json.dumps(results), flush=True)
+    harness.write_result(results)
     from gf_tf import worker
     worker.exit_together(args.timeout)   # a worker left alone after its peer exits logs a crash
 
