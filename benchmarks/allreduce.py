@@ -12,7 +12,8 @@ all-reduce a gradient list shaped like the named network
 (benchmarks/workers/gradients.py). Per cell: worker 0's median seconds per
 all-reduce, the bytes each worker's eth0 sent, the ring lower bound
 2(N-1)/N * payload / goodput and the ratios to it and to TF's default
-(`--launches K`: the median launch), CSC's chunk path, the `auto` cell's
+(`--launches K`: the median launch), the CPU seconds of the method's encode
+and decode (everything but the collectives; CSC's chunk path), the `auto` cell's
 paired ratio, FP16's pack+unpack share, with --profile the share of gf_tf's
 ops not hidden by a collective, and the plans GradientFlow recorded. What
 each column means: docs/benchmarks.md, "Reading the figures".
@@ -134,8 +135,8 @@ def run_launch(cluster: netem.EmulatedCluster, launch: Launch, port: int, iters:
         argv.append("--pack-overhead")
     if method == "default":
         argv.append("--paired")
-    if methods.is_csc(method):
-        argv.append("--chunk-path")
+    if methods.is_gradient_flow(method):
+        argv.append("--local-path")
     if profile and methods.is_gradient_flow(method):
         argv += ["--profile", os.path.join(log_dir, f"profile_{method}_n{n}_{rate}")]
     job = harness.run_job(cluster, [argv] * n, port, timeout=120 + 4 * budget, log_dir=log_dir,
@@ -189,8 +190,10 @@ def derive_cells(launch: Launch, outcome: Dict, goodput_bps: float) -> List[Dict
         if "pack_unpack_s" in chief:
             cell["pack_unpack_s"] = statistics.median(w["pack_unpack_s"] for w in per_worker)
             cell["pack_unpack_share"] = cell["pack_unpack_s"] / chief["median_s"]
-        if "chunk_path_s" in chief:
-            cell["chunk_path_s"] = statistics.median(w["chunk_path_s"] for w in per_worker)
+        if "local_path_s" in chief:   # encode + decode: everything but the collectives
+            cell["cpu_s"] = statistics.median(w["local_path_s"] for w in per_worker)
+        if "cpu_s" in cell and methods.is_csc(method):   # CSC's local work is its chunk path
+            cell["chunk_path_s"] = cell["cpu_s"]
             cell["limit_s"] = max(bound, cell["chunk_path_s"])
             cell["ratio_to_limit"] = chief["median_s"] / cell["limit_s"]
         cells.append(cell)

@@ -11,7 +11,7 @@ ALL_SETS = list(gradients.GRADIENT_SETS)
 
 def results_table(cells: List[Dict]) -> str:
     headers = ["gradients", "N", "link", "method", "s/all-reduce", "wire MB/worker", "wire/ideal",
-               "bound s", "x bound", "chunk path s", "x limit", "speedup vs TF fp32", "paired vs TF",
+               "bound s", "CPU s", "x bound", "chunk path s", "x limit", "speedup vs TF fp32", "paired vs TF",
                "bottleneck", "pack+unpack %", "GF ops exposed %",
                "collectives", "plan", "check"]
     rows = []
@@ -21,14 +21,14 @@ def results_table(cells: List[Dict]) -> str:
         gradients_label = f"{c['set']} ({c['elements'] / 1e6:.2f}M)"
         if "error" in c:
             rows.append([gradients_label, c["workers"], report.link_label(c["rate_mbit"]), c["method"],
-                         "FAILED", None, None, None, None, None, None, None, None, None, None, None,
+                         "FAILED", None, None, None, None, None, None, None, None, None, None, None, None,
                          None, None, c["error"][:80]])
             continue
         check = (f"err {c['max_rel_error']:.1e}" if "max_rel_error" in c else
                  f"nnz {100 * c['nonzero_fraction']:.2g}%" if "nonzero_fraction" in c else "")
         rows.append([gradients_label, c["workers"], report.link_label(c["rate_mbit"]), c["method"],
                      c["median_s"], c["wire_tx_bytes_per_worker"] / 1e6, c["wire_over_ideal"], c["bound_s"],
-                     c["ratio_to_bound"], c.get("chunk_path_s"), c.get("ratio_to_limit"),
+                     c.get("cpu_s"), c["ratio_to_bound"], c.get("chunk_path_s"), c.get("ratio_to_limit"),
                      c.get("speedup_vs_tf_fp32"), c.get("paired_speedup"), c.get("bottleneck"),
                      100 * c["pack_unpack_share"] if "pack_unpack_share" in c else None,
                      100 * c["gf_ops_exposed_share"] if "gf_ops_exposed_share" in c else None,

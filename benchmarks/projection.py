@@ -38,7 +38,7 @@ Compute time per step defaults (override with --compute-ms):
 import argparse
 import os
 import sys
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 

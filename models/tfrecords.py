@@ -13,7 +13,7 @@ import os
 
 import tensorflow as tf
 
-from models.datasets import Source
+from models.datasets import TEST, TRAIN, Source
 
 _FEATURES = {"image/encoded": tf.io.FixedLenFeature([], tf.string),
              "image/class/label": tf.io.FixedLenFeature([], tf.int64)}

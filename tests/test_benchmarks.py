@@ -163,6 +163,26 @@ def test_cells_carry_the_plan_and_costs_and_the_report_prints_them():
     assert "| paired vs TF |" in table and "1.5 |" in table
 
 
+def test_cells_carry_the_cpu_seconds_of_encode_and_decode_and_csc_its_chunk_path_and_limit():
+    from benchmarks import allreduce, allreduce_tables
+    def chief(local_s):
+        return {"median_s": 0.5, "times_s": [0.5], "warmup_s": 1.0, "tx_bytes_per_iter": 1000.0,
+                "rx_bytes_per_iter": 1000.0, "sent_payload_bytes_per_iter": 800.0, "local_path_s": local_s}
+    workers = [{"worker": w, "sets": {"tiny": chief(s)}} for w, s in enumerate((0.2, 0.4, 0.3))]
+    outcome = {"error": None, "workers": workers}
+    (dense,) = allreduce.derive_cells((3, 100.0, "gf_fp16", ["tiny"]), outcome, 1e4)
+    (csc,) = allreduce.derive_cells((3, 100.0, "csc_1", ["tiny"]), outcome, 1e4)
+    assert dense["cpu_s"] == csc["cpu_s"] == 0.3   # the median over the workers
+    assert "chunk_path_s" not in dense and csc["chunk_path_s"] == 0.3
+    bound = 2 * 2 / 3 * 800.0 * 8 / 1e4   # the ring bound: 2(N-1)/N x payload / goodput = 0.853 s
+    assert csc["bound_s"] == pytest.approx(bound)
+    assert csc["limit_s"] == pytest.approx(bound) and csc["ratio_to_limit"] == pytest.approx(0.5 / bound)
+    header, _, row = allreduce_tables.results_table([dense]).splitlines()
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    values = [c.strip() for c in row.strip("|").split("|")]
+    assert values[columns.index("CPU s")] == "0.3" and values[columns.index("bound s")] == "0.853"
+
+
 def test_repeated_launches_merge_into_the_median_launch_with_its_spread():
     from benchmarks import allreduce
     def cell(method, median, **extra):
