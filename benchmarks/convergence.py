@@ -199,8 +199,9 @@ def tables(cells: List[Dict]) -> str:
     """One Markdown table per (task, N, link), methods in the table's order, the load average above it."""
     order = methods.METHODS
     out = []
+    task_order = {task: i for i, task in enumerate(TASKS)}
     for key in sorted({(c["task"], c["workers"], c["rate_mbit"]) for c in cells},
-                      key=lambda k: (list(TASKS).index(k[0]) if k[0] in TASKS else 99, k[1], *harness.link_order(k[2]))):
+                      key=lambda k: (task_order.get(k[0], 99), k[1], *harness.link_order(k[2]))):
         rows = sorted([c for c in cells if (c["task"], c["workers"], c["rate_mbit"]) == key],
                       key=lambda c: order.index(c["method"]) if c["method"] in order else 99)
         loads = [x for c in rows for x in c["load_average_1min"]]

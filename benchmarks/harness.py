@@ -1,8 +1,8 @@
 """What the benchmarks' entry points share; allreduce, fit and convergence keep only their cells and tables.
 
-- The frame of an entry point: `matrix_parser` (the flags of a matrix), `choose_preset` (a preset, or the lists given), `start` (the command and
-  machine lines, the methods skipped because gf_tf lacks their API) and `header` (with the load average); `parse_list`,
-  `parse_rates` and `unavailable_methods`.
+- The frame of an entry point: `matrix_parser` (the flags of a matrix), `choose_preset` (a preset, or the
+  lists given), `start` (the command and machine lines, the methods skipped because gf_tf lacks their API)
+  and `header` (with the load average); `parse_list`, `parse_rates` and `unavailable_methods`.
 - The run loop, `sweep`: cells over N x links, one emulated cluster per N (benchmarks.netem), links in
   `link_order`, ports counted from `BASE_PORT`, one progress line per cell; `job_tag` names a cell's logs.
 - The worker supervisor, `run_job`, and the worker result schema: a worker ends with one line
