@@ -120,13 +120,7 @@ def timed_calls(step, warmup, iters):
 
 def median_seconds(fn, iters):
     """Median wall seconds of `iters` calls of `fn`, after one untimed call (the trace)."""
-    fn()
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(timed_calls(fn, 1, iters)[0])
 
 
 def pack_unpack_seconds(values, num_workers, iters):
