@@ -6,35 +6,15 @@ r"""Time to accuracy: tasks x methods x seeds x N x link, each run a real `gf-tf
     python -m benchmarks.convergence --tasks digits --methods tf_fp32,default --seeds 0 --workers 2 --links none
     python -m benchmarks.convergence --merge a.json b.json --out all.json   # summarize earlier outputs, run nothing
 
-Every run trains `python -m models.train --dataset TASK --curve` (the dataset's model,
-the trainer's defaults: 10 epochs, batch 64, SGD lr 0.05 cosine, momentum 0.9, CSC
-after 50 dense warm-up steps) on N workers launched by `gf-tf-run`, with the flags of
-its method (`benchmarks.workers.methods.trainer_flags`: the GradientFlowAllReduce the
-allreduce and fit workers build, at the trainer's CSC warm-up). On an emulated link (a rate in Mbit/s, root) each worker runs in
-its own network namespace behind a token bucket, as in benchmarks.fit
-(benchmarks.netem.EmulatedCluster, `gf-tf-run` given the task TF_CONFIG names);
-an unshaped link without root runs `gf-tf-run -n N` on this machine's loopback.
-
-After every epoch the chief records its test accuracy (the whole test split), the
-training seconds since its first step began (evaluation excluded) and the bytes it
-has put into gradient all-reduces (gf_tf's CommStats; for TensorFlow's own
-all-reduce the gradients' bytes in float32 or float16 per step).
-
-Per cell (task, N, link, method), over the seeds:
-  final acc    median final test accuracy, and its range (min-max) over the seeds
-  vs fp32      the median's difference to tf_fp32's, in points
-  time to tgt  median seconds until the accuracy first reaches the target: tf_fp32's
-               median final accuracy in that (task, N, link) minus 1 point; "not reached"
-               when fewer than half the seeds reach it within the run
-  time / fp32  per seed the time to target over tf_fp32's (paired: same data order and
-               initial weights), median over the seeds; "not reached" as above
-  bytes/step   mean bytes a worker put into gradient all-reduces per step (warm-up included)
-The 1-minute load average of the machine (min-max over the cell's runs) goes beside each
-table: the runs are CPU-bound on 2 cores and other jobs slow them.
-
-Output: JSON (--out), the tables on stdout, with --report a dated Markdown report in
-benchmarks/results/, and with --plots the figures of benchmarks.plots
-(accuracy against seconds and against bytes, per task and link) in docs/img/.
+Every run trains `python -m models.train --dataset TASK --curve` with its method's flags
+(`benchmarks.workers.methods.trainer_flags`) on N workers started by `gf-tf-run`: on an
+emulated link (root) one worker per network namespace (benchmarks.netem), as in
+benchmarks.fit; an unshaped link without root over this machine's loopback. Per cell
+(task, N, link, method), over the seeds: final accuracy, its difference to tf_fp32's, the
+time to tf_fp32's median final accuracy minus 1 point and its paired ratio, bytes per step,
+the load average. The columns: docs/benchmarks.md, "Time to accuracy". Output: JSON
+(--out), the tables, with --report a dated report in benchmarks/results/, with --plots the
+figures of benchmarks.plots in docs/img/.
 """
 
 import argparse
@@ -45,23 +25,18 @@ import json
 import math
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from benchmarks import netem, report
-from benchmarks.allreduce import parse_list, parse_rates
+from benchmarks import convergence_summary as summary
+from benchmarks import harness, netem, report
 from benchmarks.workers import methods
-
-BASE_PORT = 25000
-TARGET_MARGIN = 0.01   # the target: tf_fp32's median final accuracy minus 1 point
 
 # The methods are benchmarks.workers.methods.TABLE's: each run passes `methods.trainer_flags`;
 # the full preset takes methods.CONVERGENCE_METHODS, the others run when named.
-BASELINE = "tf_fp32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +84,7 @@ def matrix(tasks: Sequence[str], methods: Sequence[str], seeds: Sequence[int], w
            links: Sequence[Optional[float]]) -> List[Run]:
     """Every run, grouped by (N, link) so that each emulated cluster is set up once; tf_fp32 first
     in each group (the target comes from it)."""
-    ordered = sorted(methods, key=lambda m: m != BASELINE)
+    ordered = sorted(methods, key=lambda m: m != summary.BASELINE)
     return [(t, n, r, m, s) for n, r in itertools.product(workers, links)
             for t in tasks for s in seeds for m in ordered]
 
@@ -137,75 +112,6 @@ def estimate_run_seconds(run: Run) -> float:
     link = 0.0 if rate is None else 2 * (n - 1) / n * payload_bytes_per_step(task, method) * 8 / (rate * 0.95e6)
     compute = t.compute_s_per_step * max(1.0, n / 2)
     return START_SECONDS + START_SECONDS_PER_WORKER * n + EPOCHS * t.steps_per_epoch * (compute + link)
-
-
-def time_to_target(curve: Sequence[Dict], target: float) -> Optional[float]:
-    """Seconds of the first curve point whose test accuracy is >= target, or None if none is.
-
-    curve: points {"seconds": float, "test_accuracy": float} in training order.
-    """
-    for point in curve:
-        if point["test_accuracy"] is not None and point["test_accuracy"] >= target:
-            return float(point["seconds"])
-    return None
-
-
-def median_time_to_target(times: Sequence[Optional[float]]) -> Optional[float]:
-    """Median over seeds with "not reached" (None) counted as later than any time; None if that
-    median is "not reached" (fewer than half the seeds reached the target)."""
-    if not times:
-        return None
-    ordered = sorted(times, key=lambda t: (t is None, t or 0.0))
-    middle = ordered[(len(ordered) - 1) // 2: len(ordered) // 2 + 1]
-    return None if None in middle else statistics.mean(middle)
-
-
-def cell_key(run: Dict) -> tuple:
-    """A run's cell: (task, N, link in Mbit/s or None, method)."""
-    return run["task"], run["workers"], run["rate_mbit"], run["method"]
-
-
-def paired_time_ratio(times: Dict[int, Optional[float]], base: Dict[int, Optional[float]]) -> Optional[float]:
-    """Median over the seeds where tf_fp32 reached the target of time / tf_fp32's time, per seed
-    (paired: a seed is the same data order and initial weights in both); a seed this method did
-    not reach counts as slower than any; None if that median is not reached or no seed pairs.
-
-    times, base: seed -> seconds to target, or None (not reached)."""
-    return median_time_to_target([None if times[s] is None else times[s] / base[s]
-                                  for s in sorted(times) if base.get(s) is not None])
-
-
-def summarize(runs: List[Dict]) -> List[Dict]:
-    """Per cell (task, N, link, method) over its seeds' runs: final accuracy median and range, its
-    difference to tf_fp32, the target, the median time to target and its paired ratio to tf_fp32's
-    (`paired_time_ratio`), bytes per step, load average."""
-    cells: Dict[tuple, List[Dict]] = {}
-    for r in runs:
-        if "error" not in r:
-            cells.setdefault(cell_key(r), []).append(r)
-    base = {k[:3]: statistics.median(x["final_accuracy"] for x in v)
-            for k, v in cells.items() if k[3] == BASELINE}
-    times = {k: {r["seed"]: time_to_target(r["curve"], base[k[:3]] - TARGET_MARGIN) for r in rs}
-             for k, rs in cells.items() if k[:3] in base}
-    out = []
-    for (task, n, rate, method), rs in cells.items():
-        accuracies = [r["final_accuracy"] for r in rs]
-        reference = base.get((task, n, rate))
-        mine, base_times = times.get((task, n, rate, method), {}), times.get((task, n, rate, BASELINE), {})
-        out.append({"task": task, "workers": n, "rate_mbit": rate, "method": method, "seeds": len(rs),
-                    "final_accuracy_median": statistics.median(accuracies),
-                    "final_accuracy_min": min(accuracies), "final_accuracy_max": max(accuracies),
-                    "vs_tf_fp32_points": None if reference is None
-                    else 100 * (statistics.median(accuracies) - reference),
-                    "target": None if reference is None else reference - TARGET_MARGIN,
-                    "times_to_target_s": list(mine.values()),
-                    "time_to_target_s": median_time_to_target(list(mine.values())),
-                    "time_vs_tf_fp32": paired_time_ratio(mine, base_times),
-                    "bytes_per_step": statistics.median(r["sent_bytes_per_step"] for r in rs),
-                    "seconds_median": statistics.median(r["curve"][-1]["seconds"] for r in rs),
-                    "load_average_1min": [min(r["load_average_1min"] for r in rs),
-                                          max(r["load_average_1min"] for r in rs)]})
-    return out
 
 
 def train_argv(run: Run, model_dir: str, extra: Sequence[str] = ()) -> List[str]:
@@ -240,7 +146,7 @@ def _outcome(run: Run, model_dir: str, error: Optional[str]) -> Dict:
 def run_local(run: Run, workdir: str, timeout: float, extra: Sequence[str] = ()) -> Dict:
     """One unshaped run: `gf-tf-run -n N` on this machine (no root needed); `extra`: more
     models.train flags."""
-    model_dir = os.path.join(workdir, "_".join(map(str, run)).replace(".", "p"))
+    model_dir = os.path.join(workdir, harness.job_tag(*run))
     env = dict(os.environ, PYTHONPATH=netem.REPO_ROOT, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("TF_CONFIG", None)
     try:
@@ -256,65 +162,46 @@ def run_emulated(cluster: netem.EmulatedCluster, run: Run, port: int, workdir: s
                  log_dir: str) -> Dict:
     """One run on the emulated cluster: worker i in namespace i, `gf-tf-run` running the task its
     TF_CONFIG names; benchmarks.workers.train_job prints the chief's results.json as its RESULT."""
-    model_dir = os.path.join(workdir, "_".join(map(str, run)).replace(".", "p"))
+    model_dir = os.path.join(workdir, harness.job_tag(*run))
     argv = [sys.executable, "-m", "benchmarks.workers.train_job", model_dir, _launcher(), "--",
             *train_argv(run, model_dir)]
-    job = cluster.run_job([argv] * run[1], port, timeout=timeout, log_dir=log_dir,
-                          tag="_".join(map(str, run)).replace(".", "p"))
+    job = harness.run_job(cluster, [argv] * run[1], port, timeout=timeout, log_dir=log_dir,
+                          tag=harness.job_tag(*run))
     return _outcome(run, model_dir, job["error"])
 
 
 def run_matrix(runs: List[Run], timeout: float, say=print) -> List[Dict]:
     """Runs every run, unshaped ones locally without root, the others on an emulated cluster per N."""
-    results: List[Dict] = []
     workdir = tempfile.mkdtemp(prefix="gf_tf_convergence_")
     log_dir = os.path.join(workdir, "logs")
     os.makedirs(log_dir)
-    emulate = os.geteuid() == 0 or any(r[2] is not None for r in runs)
-    port = BASE_PORT
-    for n in sorted({r[1] for r in runs}):
-        group = [r for r in runs if r[1] == n]
-        cluster = netem.EmulatedCluster(n) if emulate else None
-        if cluster is not None:
-            cluster.up()
-        try:
-            for rate in sorted({r[2] for r in group}, key=lambda x: (x is None, x or 0)):
-                if cluster is not None:
-                    cluster.set_rate(rate)
-                for run in [r for r in group if r[2] == rate]:
-                    began = time.time()
-                    port += 1
-                    result = (run_emulated(cluster, run, port, workdir, timeout, log_dir) if cluster
-                              else run_local(run, workdir, timeout))
-                    results.append(result)
-                    say(f"  {run[0]} N={n} {report.link_label(rate)} {run[3]} seed {run[4]}: "
+
+    def one(cluster, run: Run, port: int, _goodput) -> Tuple[Dict, str]:
+        result = (run_emulated(cluster, run, port, workdir, timeout, log_dir) if cluster
+                  else run_local(run, workdir, timeout))
+        return result, (f"{run[0]} N={run[1]} {report.link_label(run[2])} {run[3]} seed {run[4]}: "
                         + (f"FAILED: {result['error']}" if "error" in result
                            else f"accuracy {result['final_accuracy']:.4f}")
-                        + f"  [{time.time() - began:.0f} s, load {result['load_average_1min']:.1f}]")
-        finally:
-            if cluster is not None:
-                cluster.down()
-    return results
+                        + f", load {result['load_average_1min']:.1f}")
+
+    emulate = os.geteuid() == 0 or any(r[2] is not None for r in runs)
+    return harness.sweep(runs, lambda r: r[1], lambda r: r[2], one, emulate=emulate, say=say)
 
 
-def _time_cell(seconds: Optional[float], target: Optional[float]) -> str:
+def _against_target(value: Optional[float], target: Optional[float], fmt: str) -> str:
+    """A time-to-target cell: "-" without a target, "not reached" for None, else `value` in `fmt`."""
     if target is None:
         return "-"
-    return "not reached" if seconds is None else f"{seconds:.1f} s"
-
-
-def _ratio_cell(ratio: Optional[float], target: Optional[float]) -> str:
-    if target is None:
-        return "-"
-    return "not reached" if ratio is None else f"{ratio:.2f}x"
+    return "not reached" if value is None else fmt.format(value)
 
 
 def tables(cells: List[Dict]) -> str:
     """One Markdown table per (task, N, link), methods in the table's order, the load average above it."""
     order = methods.METHODS
     out = []
+    task_order = {task: i for i, task in enumerate(TASKS)}
     for key in sorted({(c["task"], c["workers"], c["rate_mbit"]) for c in cells},
-                      key=lambda k: (list(TASKS).index(k[0]) if k[0] in TASKS else 99, k[1], k[2] is None, k[2] or 0)):
+                      key=lambda k: (task_order.get(k[0], 99), k[1], *harness.link_order(k[2]))):
         rows = sorted([c for c in cells if (c["task"], c["workers"], c["rate_mbit"]) == key],
                       key=lambda c: order.index(c["method"]) if c["method"] in order else 99)
         loads = [x for c in rows for x in c["load_average_1min"]]
@@ -329,21 +216,11 @@ def tables(cells: List[Dict]) -> str:
             [[c["method"], c["seeds"], 100 * c["final_accuracy_median"],
               f"{100 * c['final_accuracy_min']:.2f}-{100 * c['final_accuracy_max']:.2f}",
               None if c["vs_tf_fp32_points"] is None else f"{c['vs_tf_fp32_points']:+.2f}",
-              _time_cell(c["time_to_target_s"], c["target"]), _ratio_cell(c["time_vs_tf_fp32"], c["target"]),
+              _against_target(c["time_to_target_s"], c["target"], "{:.1f} s"),
+              _against_target(c["time_vs_tf_fp32"], c["target"], "{:.2f}x"),
               c["seconds_median"],
               f"{c['bytes_per_step']:,.0f}"] for c in rows]) + "\n")
     return "\n".join(out)
-
-
-def merge_runs(payloads: Sequence[Dict]) -> List[Dict]:
-    """The runs of several `benchmarks.convergence` JSON payloads, in order; a later payload's run of the
-    same task, N, link, method and seed replaces an earlier one (a cell re-run after a change)."""
-    keyed: Dict[tuple, Dict] = {}
-    for payload in payloads:
-        for r in payload["runs"]:
-            r = {**r, "method": methods.canonical(r["method"])}   # "auto": an older file's "default"
-            keyed[(*cell_key(r), r["seed"])] = r
-    return list(keyed.values())
 
 
 def describe(runs: List[Run]) -> str:
@@ -352,7 +229,7 @@ def describe(runs: List[Run]) -> str:
     seconds = sum(estimate_run_seconds(r) for r in runs)
     return (f"tasks {axes[0]} x methods {[m for m in methods.METHODS if m in axes[3]]} x seeds {axes[4]} x "
             f"N {axes[1]} x links {[report.link_label(r) for r in axes[2]]}: {len(runs)} runs, "
-            f"estimated {seconds / 60:.0f} min ({seconds / 3600:.1f} h) on 2 cores")
+            f"estimated {seconds / 60:.0f} min ({seconds / 3600:.1f} h) on {os.cpu_count()} cores")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -379,7 +256,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     axes = preset("quick" if args.quick else "full", os.geteuid() == 0)
     if args.tasks:
-        axes["tasks"] = parse_list(args.tasks, list(TASKS), "--tasks")
+        axes["tasks"] = harness.parse_list(args.tasks, list(TASKS), "--tasks")
     if args.methods:
         axes["methods"] = methods.parse(args.methods)
     if args.seeds:
@@ -387,15 +264,15 @@ def main(argv=None) -> int:
     if args.workers:
         axes["workers"] = [int(n) for n in args.workers.split(",")]
     if args.links:
-        axes["links"] = parse_rates(args.links)
-    command = "python -m benchmarks.convergence " + " ".join(sys.argv[1:] if argv is None else argv)
+        axes["links"] = harness.parse_rates(args.links)
+    command = harness.command_line("convergence", argv)
     parts = ""
     if args.merge:
         payloads = []
         for path in args.merge:
             with open(path) as f:
                 payloads.append(json.load(f))
-        results = merge_runs(payloads)
+        results = summary.merge_runs(payloads)
         meta = report.machine_description(command)
         meta["merged"] = [{key: p["meta"].get(key) for key in ("command", "date_utc", "git_commit", "wall_seconds",
                                                              "load_average_at_start", "load_average_at_end")}
@@ -424,11 +301,10 @@ def main(argv=None) -> int:
         results = run_matrix(runs, args.timeout, say=lambda s: print(s, flush=True))
         meta["wall_seconds"] = time.time() - started
         meta["load_average_at_end"] = os.getloadavg()
-    cells = summarize(results)
+    cells = summary.summarize(results)
     payload = {"meta": meta, "axes": axes, "runs": results, "cells": cells}
     text = tables(cells)
-    print(f"\ntime to accuracy, {meta['date_utc']}, {meta['cpu']} x{meta['logical_cpus']}, TF {meta['tensorflow']}, "
-          f"wall {meta['wall_seconds'] / 60:.1f} min\n\n{text}")
+    print(harness.header("time to accuracy", meta) + f"\n{text}")
     out = args.out or os.path.join(tempfile.gettempdir(), "gf_tf_convergence.json")
     if args.report:
         stem = os.path.join(netem.REPO_ROOT, "benchmarks", "results",
@@ -443,11 +319,11 @@ def main(argv=None) -> int:
         print(f"report: {stem}.md")
     report.write_json(out, payload)
     print(f"JSON: {out}")
-    if args.plots:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from benchmarks import plots
+    plt = harness.pyplot() if args.plots else None
+    if args.plots and plt is None:
+        print(f"figures: {harness.PLOT_MISSING}")
+    elif args.plots:
+        from benchmarks import plots   # pylint: disable=import-outside-toplevel
         for path in plots.convergence_figures([out], plots.DEFAULT_OUT_DIR, plt):
             print(f"figure: {path}")
     failed = [r for r in results if "error" in r]

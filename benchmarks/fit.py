@@ -9,22 +9,13 @@ digits, ResNet-20 on synthetic 32x32, AlexNet and ResNet-50 on synthetic
 224x224 images (models.datasets.load_synthetic). Each worker trains with a
 fixed per-worker batch (weak scaling), SGD with momentum 0.9.
 
-Per cell: images/s of the whole cluster in steady state (second `fit` call,
-from the end of its first step to the end of its last; the first call traces
-the step function and is not timed), worker 0's median step time, and:
-- scaling efficiency = images/s / (min(N, cores) x reference images/s), where
-  the reference is 1 worker, no strategy, no communication, pinned to one
-  core. Workers are pinned to core (i mod cores), so with N=2 on this 2-core
-  machine every worker has the reference's CPU; with N>2 they share cores and
-  the best possible is min(N, cores) x the reference.
-- vs unshaped: images/s / the same model, N and method on the unshaped link.
-- speedup vs TF fp32: images/s / TF default's on the same link.
-- compute_s, allreduce_s, step_s and overlap (benchmarks.overlap; skipped with
-  --no-overlap): the same step with the collectives replaced by a local reduce,
-  the all-reduce of the model's gradients alone, the fit's median step time, and
-  (compute_s + allreduce_s - step_s) / min(compute_s, allreduce_s), 0 when a step
-  costs their sum, 1 when the shorter is fully hidden. All worker 0's, measured
-  in the same worker processes after the timed fit.
+Per cell: images/s of the whole cluster in steady state (the second `fit`
+call; the first traces the step function), worker 0's median step time, the
+scaling efficiency against 1 worker with no communication pinned to one core
+(workers are pinned to core i mod cores), the ratios to the unshaped link and
+to TF's default, and (unless --no-overlap) compute_s, allreduce_s and their
+overlap (benchmarks.overlap). What each column means: docs/benchmarks.md,
+"How a cell is measured" and "Reading the figures".
 With --profile DIR, worker 0 of every cell writes a tf.profiler trace of one
 step to DIR/<cell> (README, "Reading a step's trace").
 Methods as in benchmarks.allreduce, except tf_fp16 (casting by hand needs a
@@ -40,11 +31,9 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Tuple
 
-from benchmarks import netem, overlap, report
-from benchmarks.allreduce import parse_list, parse_rates, unavailable_methods
+from benchmarks import harness, netem, overlap, report
 from benchmarks.workers import methods
 
-BASE_PORT = 24000
 FIT_METHODS = [m for m in methods.METHODS if m != "tf_fp16"]
 # model -> (images per worker per step, untimed warm-up steps, timed steps)
 MODELS: Dict[str, Tuple[int, int, int]] = {
@@ -104,53 +93,49 @@ def chief_fields(chief: Dict) -> Dict:
 def run_cells(launches: List[Launch], steps_override, log_dir: str, goodput_seconds: float,
               measure_overlap: bool = True, profile_dir: Optional[str] = None):
     cores = os.cpu_count() or 1
-    cells: List[Dict] = []
     references: Dict[str, Dict] = {}
     goodputs: List[Dict] = []
-    port = BASE_PORT
-    for n in sorted({l[1] for l in launches}):
-        with netem.EmulatedCluster(n) as cluster:
-            if not references.keys() >= {l[0] for l in launches}:
-                cluster.set_rate(None)
-                for model in sorted({l[0] for l in launches} - references.keys()):
-                    t0 = time.time()
-                    job = cluster.run_job([worker_argv(model, None, steps_override, 0, 600)], None,
-                                          timeout=1800, log_dir=log_dir, tag=f"{model}_reference", hosts=[0])
-                    references[model] = job["results"][0] if not job["error"] else {"error": job["error"]}
-                    ips = references[model].get("images_per_s")
-                    print(f"reference {model}: " + (f"{ips:.1f} images/s" if ips else job["error"])
-                          + f"  [{time.time() - t0:.0f}s]", flush=True)
-            for rate in sorted({l[2] for l in launches if l[1] == n}, key=lambda r: (r is None, r or 0)):
-                cluster.set_rate(rate)
-                gp = cluster.measure_goodput(seconds=goodput_seconds)
-                goodputs.append({"workers": n, "rate_mbit": rate, **gp, "used_bps": max(gp["per_link_bps"])})
-                print(f"N={n} {report.link_label(rate)}: goodput {max(gp['per_link_bps']) / 1e6:.1f} Mbit/s",
-                      flush=True)
-                for model, _, _, method in [l for l in launches if l[1] == n and l[2] == rate]:
-                    port += 1
-                    t0 = time.time()
-                    timeout = 120.0 if rate is None else max(120.0, 2.5 * 61e6 * 4 * 8 / (rate * 1e6 * 0.9))
-                    tag = f"{model}_{method}_n{n}_{report.link_label(rate).replace(' ', '').replace('/', '')}"
-                    argvs = [worker_argv(model, method, steps_override, i % cores, timeout, measure_overlap,
-                                         os.path.join(profile_dir, tag) if profile_dir else None)
-                             for i in range(n)]
-                    job = cluster.run_job(argvs, port, timeout=3600, log_dir=log_dir, tag=tag)
-                    cell = {"model": model, "workers": n, "rate_mbit": rate, "method": method,
-                            "goodput_bps": max(gp["per_link_bps"]), "load_average_1min": os.getloadavg()[0]}
-                    if job["error"] or len(job["results"]) != n:
-                        cell["error"] = job["error"] or "missing worker results"
-                    else:
-                        cell.update(chief_fields(job["results"][0]))
-                        cell["images_per_s_per_worker_view"] = [r["images_per_s"] for r in job["results"]]
-                    cells.append(cell)
-                    print(f"  {model:10s} {method:8s} "
-                          + (f"{cell['images_per_s']:.1f} images/s, step {cell['median_step_s']:.3f}s"
-                             if "images_per_s" in cell else f"FAILED: {cell['error']}")
-                          + (f", compute {cell['compute_s']:.3f}s, all-reduce {cell['allreduce_s']:.3f}s"
-                             if "compute_s" in cell and "allreduce_s" in cell else "")
-                          + f"  [{time.time() - t0:.0f}s]", flush=True)
+
+    def measure_references(cluster: netem.EmulatedCluster) -> None:
+        cluster.set_rate(None)
+        for model in sorted({l[0] for l in launches} - references.keys()):
+            t0 = time.time()
+            job = harness.run_job(cluster, [worker_argv(model, None, steps_override, 0, 600)], None,
+                                  timeout=1800, log_dir=log_dir, tag=harness.job_tag(model, "reference"), hosts=[0])
+            references[model] = job["results"][0] if not job["error"] else {"error": job["error"]}
+            ips = references[model].get("images_per_s")
+            say(f"reference {model}: " + (f"{ips:.1f} images/s" if ips else job["error"])
+                + f"  [{time.time() - t0:.0f}s]")
+
+    def run(cluster, launch: Launch, port: int, goodput: float):
+        model, n, rate, method = launch
+        timeout = 120.0 if rate is None else max(120.0, 2.5 * 61e6 * 4 * 8 / (rate * 1e6 * 0.9))
+        tag = harness.job_tag(model, method, f"n{n}", report.link_label(rate))
+        argvs = [worker_argv(model, method, steps_override, i % cores, timeout, measure_overlap,
+                             os.path.join(profile_dir, tag) if profile_dir else None)
+                 for i in range(n)]
+        job = harness.run_job(cluster, argvs, port, timeout=3600, log_dir=log_dir, tag=tag)
+        cell = {"model": model, "workers": n, "rate_mbit": rate, "method": method,
+                "goodput_bps": goodput, "load_average_1min": os.getloadavg()[0]}
+        if job["error"] or len(job["results"]) != n:
+            cell["error"] = job["error"] or "missing worker results"
+        else:
+            cell.update(chief_fields(job["results"][0]))
+            cell["images_per_s_per_worker_view"] = [r["images_per_s"] for r in job["results"]]
+        return cell, (f"{model:10s} {method:8s} "
+                      + (f"{cell['images_per_s']:.1f} images/s, step {cell['median_step_s']:.3f}s"
+                         if "images_per_s" in cell else f"FAILED: {cell['error']}")
+                      + (f", compute {cell['compute_s']:.3f}s, all-reduce {cell['allreduce_s']:.3f}s"
+                         if "compute_s" in cell and "allreduce_s" in cell else ""))
+
+    cells = harness.sweep(launches, lambda l: l[1], lambda l: l[2], run, goodput_seconds=goodput_seconds,
+                          goodputs=goodputs, on_cluster=measure_references, say=say)
     derive(cells, references, cores)
     return cells, references, goodputs
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
 
 
 def derive(cells: List[Dict], references: Dict[str, Dict], cores: int) -> None:
@@ -251,16 +236,10 @@ def targets_table(cells: List[Dict]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smoke test: digits_cnn, N=2, 100 Mbit/s, few steps")
-    parser.add_argument("--preset", default=None, help="quick | targets | full")
-    parser.add_argument("--models", help=f"comma-separated subset of {list(MODELS)}")
-    parser.add_argument("--workers", help="comma-separated N, e.g. 2,4")
-    parser.add_argument("--rates", help="comma-separated Mbit/s or 'none' for unshaped")
-    parser.add_argument("--methods", help=f"comma-separated subset of {FIT_METHODS}")
+    parser = harness.matrix_parser(__doc__, "digits_cnn, N=2, 100 Mbit/s, few steps", "quick | targets | full",
+                                   "models", list(MODELS), FIT_METHODS)
     parser.add_argument("--warmup-steps", type=int, default=None, help="override the per-model defaults")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (>= 2); override the per-model defaults")
-    parser.add_argument("--goodput-seconds", type=float, default=3.0)
     parser.add_argument("--no-overlap", action="store_true",
                         help="skip compute_s / allreduce_s / overlap (each cell runs about half as long)")
     parser.add_argument("--profile", default=None, metavar="DIR",
@@ -271,20 +250,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _parse_methods(text: str) -> List[str]:
     """--methods: the table's names ("auto": "default") among FIT_METHODS; SystemExit otherwise."""
-    return parse_list(",".join(methods.parse(text)), FIT_METHODS, "--methods")
+    return harness.parse_list(",".join(methods.parse(text)), FIT_METHODS, "--methods")
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
 
-    custom = any([args.models, args.workers, args.rates]) or (args.methods and not (args.quick or args.preset))
-    preset = "quick" if args.quick else (args.preset or ("custom" if custom else "targets"))
+    preset = harness.choose_preset(args, ("models", "workers", "rates"), "targets")
     if preset == "custom":
-        models_ = parse_list(args.models, list(MODELS), "--models") if args.models else list(MODELS)
+        models_ = harness.parse_list(args.models, list(MODELS), "--models") if args.models else list(MODELS)
         meths = (_parse_methods(args.methods) if args.methods
                  else [m for m in FIT_METHODS if m in methods.PRESET_METHODS])
         ns = [int(x) for x in args.workers.split(",")] if args.workers else [2]
-        rates = parse_rates(args.rates) if args.rates else [100.0, 1000.0, None]
+        rates = harness.parse_rates(args.rates) if args.rates else [100.0, 1000.0, None]
         launches = [(m, n, r, meth) for m in models_ for n in ns for r in rates for meth in meths]
     else:
         launches = preset_launches(preset)
@@ -300,17 +278,10 @@ def main(argv=None) -> int:
         steps_override = (args.warmup_steps if args.warmup_steps is not None else 2, args.steps or 5)
     print(f"fit matrix '{preset}': {len(launches)} launches", flush=True)
     netem.require_root()
-    missing = unavailable_methods()
-    for m, why in missing.items():
-        if any(l[3] == m for l in launches):
-            print(f"{m} skipped: {why}", flush=True)
-    launches = [l for l in launches if l[3] not in missing]
-
+    launches, meta = harness.start("fit", argv, launches, lambda l: l[3], say=say)
     out_path = args.out or os.path.join(netem.REPO_ROOT, "benchmarks", "results", "fit.json")
-    command = "python -m benchmarks.fit " + " ".join(sys.argv[1:] if argv is None else argv)
-    meta = report.machine_description(command)
-    meta.update({"preset": preset, "skipped_methods": missing,
-                 "batch_warmup_steps": {k: list(v) for k, v in MODELS.items()}, "steps_override": steps_override})
+    meta.update({"preset": preset, "batch_warmup_steps": {k: list(v) for k, v in MODELS.items()},
+                 "steps_override": steps_override})
     log_dir = tempfile.mkdtemp(prefix="gf_fit_logs_")
     started = time.time()
     cells, references, goodputs = run_cells(launches, steps_override, log_dir, args.goodput_seconds,
@@ -321,12 +292,7 @@ def main(argv=None) -> int:
     report.write_json(out_path, {"meta": meta, "references": references, "goodput": goodputs, "cells": cells})
     print(f"\nJSON: {out_path}\nworker logs: {log_dir}"
           + (f"\nprofiles (tensorboard --logdir): {os.path.abspath(args.profile)}" if args.profile else ""))
-    print(f"\nmodel.fit benchmark, {meta['date_utc']}, {meta['cpu']} x{meta['logical_cpus']}, "
-          f"TF {meta['tensorflow']}, wall {meta['wall_seconds'] / 60:.1f} min\n")
-    loads = [c["load_average_1min"] for c in cells if "load_average_1min" in c]
-    if loads:
-        print(f"1-min load average of the machine (2 cores) at the end of each cell: "
-              f"{min(loads):.1f} to {max(loads):.1f}; other jobs slow the CPU-bound cells\n")
+    print(harness.header("model.fit benchmark", meta, cells=cells))
     if any(c["model"] == "alexnet" for c in cells):
         print(targets_table(cells) + "\n")
     print(results_table(cells, references))

@@ -19,12 +19,13 @@ Each N runs in a fresh process (the logical device count is fixed at start-up).
 """
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 
 import numpy as np
+
+from benchmarks import harness
 
 ELEMENTS = 4096
 DEFAULT_SCALES = (1e-8, 1e-6, 1e-5, 1e-4, 1e-2, 1.0, 1e2)
@@ -102,7 +103,7 @@ def _worker(num_replicas: int, scales, compression: str) -> None:
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(
         cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(num_replicas)])
-    print("RESULT " + json.dumps(measure(num_replicas, scales, [compression])), flush=True)
+    harness.write_result(measure(num_replicas, scales, [compression]))
 
 
 def run_worker(num_replicas: int, scales, compressions=("fp16", "bf16"),
@@ -118,12 +119,12 @@ def run_worker(num_replicas: int, scales, compressions=("fp16", "bf16"),
             [sys.executable, "-m", "benchmarks.fp16_accuracy", "--worker", str(num_replicas),
              "--compression", compression, "--scales", ",".join(map(repr, scales))],
             cwd=root, env=env, capture_output=True, text=True, timeout=timeout, check=False)
-        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-        if proc.returncode or not lines:
+        result = harness.read_result(proc.stdout)
+        if proc.returncode or result is None:
             raise RuntimeError(f"fp16_accuracy worker for N={num_replicas}, {compression} failed "
                                f"(exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
                                f"{proc.stderr[-3000:]}")
-        errors.update(json.loads(lines[-1][len("RESULT "):]))
+        errors.update(result)
     return errors
 
 

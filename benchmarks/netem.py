@@ -194,58 +194,6 @@ class EmulatedCluster:
         self._procs.append(proc)
         return proc
 
-    def run_job(self, argvs: Sequence[Sequence[str]], port: Optional[int], timeout: float,
-                log_dir: str, tag: str, hosts: Optional[Sequence[int]] = None) -> Dict[str, object]:
-        """Runs argvs[i] in host namespace hosts[i] (default: host i) and waits for all of them.
-
-        With `port`, each process gets TF_CONFIG for a worker cluster of those hosts on that
-        port. stdout/stderr go to `log_dir/<tag>_w<i>.{out,err}`. Each process must print one
-        line `RESULT <json>`. Returns {"error": None or a message, "results": [json, ...]};
-        on a failure or after `timeout` seconds every process of the job is killed.
-        """
-        hosts = list(range(len(argvs))) if hosts is None else list(hosts)
-        spec = {"worker": [f"{self.addresses[h]}:{port}" for h in hosts]}
-        procs, files = [], []
-        for i, (host, argv) in enumerate(zip(hosts, argvs)):
-            out = open(os.path.join(log_dir, f"{tag}_w{i}.out"), "w+")
-            err = open(os.path.join(log_dir, f"{tag}_w{i}.err"), "w+")
-            env = {}
-            if port is not None:
-                env["TF_CONFIG"] = json.dumps({"cluster": spec, "task": {"type": "worker", "index": i}})
-            procs.append(self.popen(host, argv, env=env, stdout=out, stderr=err))
-            files.append((out, err))
-        deadline = time.time() + timeout
-        error = None
-        while error is None and any(p.poll() is None for p in procs):
-            failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
-            if failed:
-                break  # one worker died: the others would only wait for it until their timeout
-            if time.time() > deadline:
-                error = f"{tag}: not finished after {timeout:.0f} s (killed)"
-            time.sleep(0.2)
-        killed = set()
-        for i, p in enumerate(procs):
-            if p.poll() is None:
-                p.kill()
-                killed.add(i)
-            p.wait()
-        results, failures = [], []
-        for i, (p, (out, err)) in enumerate(zip(procs, files)):
-            out.seek(0)
-            err.seek(0)
-            lines = [l for l in out.read().splitlines() if l.startswith("RESULT ")]
-            if p.returncode == 0 and lines:
-                results.append(json.loads(lines[-1][len("RESULT "):]))
-            else:
-                tail = [l.strip() for l in err.read().splitlines() if l.strip()][-2:]
-                how = "killed by the benchmark" if i in killed else f"exited {p.returncode}"
-                failures.append((i in killed, f"{tag} worker {i} {how}: " + " | ".join(tail)))
-            out.close()
-            err.close()
-        if error is None and failures:
-            error = sorted(failures)[0][1]   # the worker that failed by itself names the cause
-        return {"error": error, "results": results}
-
     def interface_bytes(self, host: int) -> Dict[str, int]:
         """tx/rx byte counters of host `host`'s eth0 (from inside its namespace)."""
         stats = json.loads(_run(["ip", "-n", self.hosts[host], "-j", "-s", "link", "show", "dev", "eth0"]).stdout)

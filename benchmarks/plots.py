@@ -41,7 +41,7 @@ import os
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from benchmarks import report
+from benchmarks import harness, report
 from benchmarks.workers import methods
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -118,7 +118,7 @@ def speed_figure(paths: Sequence[str], out: str, plt) -> None:
              if "speedup_vs_tf_fp32" in c and c["method"] != "tf_fp32" and "error" not in c]
     if not cells:
         raise SystemExit(f"benchmarks.plots: no cells with speedup_vs_tf_fp32 in {', '.join(paths)}")
-    links = sorted({c["rate_mbit"] for c in cells}, key=lambda r: (r is None, r or 0))
+    links = sorted({c["rate_mbit"] for c in cells}, key=harness.link_order)
     fig, axes = plt.subplots(1, len(links), figsize=(4.6 * len(links), 4.8), squeeze=False, sharey=True)
     series: Dict[tuple, List] = {}
     for c in cells:
@@ -258,7 +258,7 @@ def convergence_figures(paths: Sequence[str], out_dir: str, plt) -> List[str]:
     docs = [load(p) for p in paths]
     runs = [r for d in docs for r in d["runs"] if "error" not in r]
     written = []
-    for task, rate in sorted({(r["task"], r["rate_mbit"]) for r in runs}, key=lambda k: (k[0], k[1] is None, k[1] or 0)):
+    for task, rate in sorted({(r["task"], r["rate_mbit"]) for r in runs}, key=lambda k: (k[0], *harness.link_order(k[1]))):
         fig, (by_time, by_bytes) = plt.subplots(1, 2, figsize=(10, 4.2))
         shown = [r for r in runs if (r["task"], r["rate_mbit"]) == (task, rate)]
         for r in shown:
@@ -298,12 +298,9 @@ def main(argv=None) -> int:
     parser.add_argument("--link-gbit", type=float, default=56.0, help="the projection's link rate to draw")
     parser.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="where the PNGs go (default docs/img)")
     args = parser.parse_args(argv)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("benchmarks.plots: matplotlib is not installed (pip install '.[plot]')", file=sys.stderr)
+    plt = harness.pyplot()
+    if plt is None:
+        print(f"benchmarks.plots: {harness.PLOT_MISSING}", file=sys.stderr)
         return 2
     for path in [*args.speed, *args.bytes, *args.projection, *args.convergence]:
         if not os.path.exists(path):

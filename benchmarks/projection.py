@@ -12,48 +12,18 @@ benchmarks/calibration/allreduce.json (`sudo python -m benchmarks.allreduce
 missing, unreadable or too small file ends with a one-line message saying what
 to run, never a traceback.
 
-1. Fit. The all-reduce of one step of method m (TF default fp32, GradientFlow
-   FP16, CSC at density d; over TF's ring or recursive doubling) on N workers
-   whose links carry B bit/s is modelled as (alpha-beta-gamma model of
-   collectives, Thakur, Rabenseifner & Gropp 2005, plus our local costs):
-
-     ring:  T = alpha * 2(N-1) * c_m                  per-hop latency, c_m collectives
-              + kappa * 2(N-1)/N * P_m * 8 / B        wire time of P_m payload bytes
-              + gamma * (N-1)/N * P_m * s             reduction
-     recursive doubling (R = gf_tf.collectives.recursive_doubling.rounds(N) rounds of pairs):
-            T = rho * R * c_m                         per-round latency, fitted on its own
-              + kappa * R * P_m * 8 / B  +  gamma * R/2 * P_m * s
-     both:    + delta_m * E * s                       local work (E elements of the model)
-
-   beta, the seconds per byte on the wire, is 8 / B times kappa (wire bytes over
-   payload bytes: TCP/IP and gRPC framing, ideally 1); B is the goodput that
-   benchmarks.allreduce measured in the same run. delta_m is the local cost per
-   element of the model: TF's own copies (tf_fp32), pack + unpack (gf_fp16*), the
-   CSC chunk path (csc_*). s = max(1, N / cores) is the CPU contention of the
-   emulation (N worker processes share this machine's cores); it is 1 in the
-   projection (a worker per host). rho is not 2 alpha: where worker processes
-   share cores a round costs about a whole collective's scheduling (gf_tf.plan.planner);
-   without recursive-doubling cells it is taken as 2 alpha (a 2-member ring).
-   The seven parameters (alpha, rho, kappa, gamma, delta_tf, delta_gf, delta_csc)
-   are fitted by non-negative least squares on relative error.
-2. Validate. The model is fitted again on the cells with N in --fit-workers
-   (default 2,3,4) only and predicts the others (N = 6 and 8 of the `scale`
-   preset); the median and worst |error| are printed. Cells of --validate
-   files (runs not fitted on) are predicted by the fit on every cell.
-3. Project. Step time = compute + the all-reduce. "default" (gf_tf's default,
-   GradientFlowAllReduce() with no arguments) is literally the planner's pick:
-   `gf_tf.plan.planner.choose` with `Costs` derived from the fitted parameters
-   (`planner_costs`), its predicted seconds the all-reduce. Overlap with
-   backprop is OFF by default (--backward-share 0), as in GradientFlowAllReduce
-   (overlap=False: one barrier waits for every gradient). `--fit-json F` takes it as measured
-   instead: per (model, method) the median `overlap` of F's cells
-   (benchmarks.overlap: (compute + all-reduce - step) / the shorter, clamped to
-   [0, 1]), so step = compute + all-reduce - overlap x min(compute, all-reduce);
-   a (model, method) F does not hold hides nothing.
-   The low-rank methods (lowrank_1/2/4, lowrank_2_acp) are projected from their traffic
-   (`benchmarks.workers.methods.traffic`: factors, dense remainder and control, 2 or 1
-   factor collectives) at FP16 packs' local cost; none of their cells is fitted on (no term prices their matmuls).
-   Scaling efficiency = compute / step time; speedup = N x efficiency.
+The model of one step's all-reduce, its fit on the measured cells and its check on
+held-out N are benchmarks.step_model's. Projected step time = compute + the all-reduce.
+"default" (GradientFlowAllReduce() with no arguments) is the planner's pick:
+`gf_tf.plan.planner.choose` with `Costs` from the fitted parameters (`planner_costs`), its
+predicted seconds the all-reduce. Overlap with backprop is off by default
+(--backward-share 0, as GradientFlowAllReduce's overlap=False); `--fit-json F` takes per
+(model, method) the median measured `overlap` of F's cells (benchmarks.overlap, clamped to
+[0, 1]): step = compute + all-reduce - overlap x min(compute, all-reduce); a (model,
+method) F does not hold hides nothing. The low-rank methods (lowrank_*) are projected from
+their traffic (`benchmarks.workers.methods.traffic`) at FP16 packs' local cost; none of their
+cells is fitted on (no term prices their matrix products). Scaling efficiency = compute /
+step time; speedup = N x efficiency.
 
 Compute time per step defaults (override with --compute-ms):
   alexnet 38.8 ms: 128 images per GPU at 3,297 images/s. The rate is derived
@@ -66,29 +36,24 @@ Compute time per step defaults (override with --compute-ms):
 """
 
 import argparse
-import dataclasses
-import json
 import os
 import sys
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from benchmarks import overlap as overlap_lib
-from benchmarks import report
+from benchmarks import harness, report, step_model
 from benchmarks.workers import gradients, methods
 from gf_tf import collectives
-from gf_tf.collectives import recursive_doubling
-from gf_tf.plan import DEFAULT_BYTES_PER_PACK, Costs, PlanReport, planner
+from gf_tf.plan import Costs, PlanReport, planner
 
-PARAMETERS = ("alpha", "rho", "kappa", "gamma", "delta_tf", "delta_gf", "delta_csc")
-AUTO = "default"   # gf_tf's default: the planner's pick
-LOWRANK_METHODS = tuple(m for m in methods.METHODS if methods.get(m).lowrank is not None)
-CSC_METHODS = tuple(m for m in methods.METHODS if methods.is_csc(m))
+PARAMETERS = step_model.PARAMETERS
+AUTO = step_model.AUTO
+LOWRANK_METHODS = step_model.LOWRANK_METHODS
 PROJECTED_METHODS = ("tf_fp32", "gf_fp16", "gf_fp16_rd", "csc_1", "csc_1_rd", "csc_1_ahead", "csc_1_ahead_rd",
                      "csc_0.1", *LOWRANK_METHODS, AUTO)
 COMPARED_METHODS = ("tf_fp32", "gf_fp16", "csc_1", "csc_1_ahead", "csc_0.1", AUTO)   # alpha matters
-MODELLED_METHODS = ("tf_fp32", "gf_fp16", "gf_fp16_rd", *CSC_METHODS)
 DEFAULT_CALIBRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration",
                                    "allreduce.json")
 LOCAL_PARAMETERS = ("gamma", "delta_tf", "delta_gf", "delta_csc")   # scaled by --local-scale
@@ -96,43 +61,6 @@ VALIDATION_TARGETS = {"median": 0.15, "worst": 0.35}   # |error| on held-out cel
 PAPER_SPEEDUP = {"workers": 512, "link_gbit": 56.0, "model": "alexnet", "speedup": 410.2}
 OPEN_SOURCE_SPEEDUP = {"workers": 64, "link_gbit": 56.0, "speedup": 2.5}
 DEFAULT_COMPUTE_MS = {"alexnet": 38.8, "resnet50": 128.0}
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """One all-reduce of a gradient set: what the model needs to know about it.
-
-    workers: N. link_bps: ring goodput per link, bit/s. elements: E.
-    payload_bytes: P, bytes each worker puts into collectives per step.
-    collectives: c, collectives per step. cpu_share: s (>= 1).
-    The algorithm is the method's (benchmarks.workers.methods.algorithm).
-    """
-    method: str
-    workers: int
-    link_bps: float
-    elements: int
-    payload_bytes: float
-    collectives: int
-    cpu_share: float = 1.0
-
-
-def features(case: Case) -> np.ndarray:
-    """The model's regressors, in PARAMETERS order: T = features . parameters (seconds)."""
-    n, h = case.workers, case.workers - 1
-    if methods.algorithm(case.method) == collectives.RECURSIVE_DOUBLING:
-        rounds = recursive_doubling.rounds(n)
-        latency, share = [0.0, rounds * case.collectives], float(rounds)
-    else:
-        latency, share = [2.0 * h * case.collectives, 0.0], 2.0 * h / n
-    local = np.zeros(3)
-    local[_local_index(case.method)] = case.elements * case.cpu_share
-    return np.concatenate([latency, [share * case.payload_bytes * 8.0 / case.link_bps,
-                                     share / 2 * case.payload_bytes * case.cpu_share], local])
-
-
-def all_reduce_seconds(case: Case, params: Dict[str, float]) -> float:
-    """Modelled seconds of one step's all-reduce (module docstring, step 1)."""
-    return float(features(case) @ np.array([params[p] for p in PARAMETERS]))
 
 
 def step_seconds(comm_seconds: float, compute_seconds: float, overlapped_share: float) -> float:
@@ -144,41 +72,6 @@ def measured_step_seconds(comm_seconds: float, compute_seconds: float, overlap: 
     """Step time with a measured overlap fraction (benchmarks.overlap): compute plus
     communication, less `overlap` of the shorter of the two."""
     return compute_seconds + comm_seconds - overlap * min(comm_seconds, compute_seconds)
-
-
-def _local_index(method: str) -> int:
-    """delta_tf, delta_gf or delta_csc. The low-rank methods are priced at delta_gf, their FP16
-    packs' work: their matrix products and Gram-Schmidt have no fitted term of their own."""
-    if method == "tf_fp32":
-        return 0
-    if method in ("gf_fp16", "gf_fp16_rd") or method in LOWRANK_METHODS:
-        return 1
-    if method in CSC_METHODS:
-        return 2
-    raise ValueError(f"no model for method {method!r}; choose tf_fp32, gf_fp16(_rd), csc_* or "
-                     f"lowrank_*")
-
-
-def fit(cases: Sequence[Case], seconds: Sequence[float]) -> Dict[str, float]:
-    """Non-negative least squares on relative error: min sum((T_model / T - 1)^2), parameters >= 0.
-
-    rho without recursive-doubling cases is 2 alpha (a 2-member ring: module docstring).
-    Raises ValueError with fewer cases than parameters.
-    """
-    if len(cases) < len(PARAMETERS):
-        raise ValueError(f"need at least {len(PARAMETERS)} measured cells to fit, got {len(cases)}")
-    x = np.array([features(c) for c in cases]) / np.array(seconds)[:, None]
-    y = np.ones(len(cases))
-    free = [j for j in range(len(PARAMETERS)) if x[:, j].any()]
-    while True:   # active set: drop the most negative coefficient until all are >= 0
-        coef = np.zeros(len(PARAMETERS))
-        coef[free] = np.linalg.lstsq(x[:, free], y, rcond=None)[0]
-        if coef.min() >= 0:
-            params = dict(zip(PARAMETERS, coef.tolist()))
-            if not x[:, PARAMETERS.index("rho")].any():
-                params["rho"] = 2.0 * params["alpha"]
-            return params
-        free.remove(int(np.argmin(coef)))
 
 
 def overlapped_share(method: str, backward_share: float) -> float:
@@ -203,113 +96,6 @@ def planner_costs(params: Dict[str, float], link_bps: float, cpu_share: float = 
         local_s={"none": copy_s, "bf16": copy_s, "fp16": fp16_s})
 
 
-# -- measured cells -----------------------------------------------------------------------
-
-def modelled_method(cell: Dict) -> Optional[Tuple[str, int]]:
-    """(modelled method, bytes per pack) of a measured cell, or None when it has no fixed-traffic model.
-
-    A "default" cell ("auto" in older files) is modelled by the plan it recorded: TF's own
-    all-reduce as tf_fp32,
-    FP16 packs as gf_fp16 / gf_fp16_rd; float32 or BF16 packs have no model. Low-rank cells
-    are not fitted on either: the fit has no term for their matrix products (`_local_index`).
-    """
-    method = methods.canonical(cell["method"])   # "auto" in files written before the table
-    if method == AUTO:
-        plans = cell.get("plans") or []
-        if len(plans) != 1 or plans[0]["method"] not in ("tf", "fp16"):
-            return None
-        plan = plans[0]
-        if plan["method"] == "tf":
-            return "tf_fp32", DEFAULT_BYTES_PER_PACK
-        rd = plan["algorithm"] == collectives.RECURSIVE_DOUBLING
-        return ("gf_fp16_rd" if rd else "gf_fp16"), int(plan["bytes_per_pack"])
-    if method not in MODELLED_METHODS or methods.density(method) == "auto":
-        return None   # csc_auto's traffic changes from step to step: not a fixed-traffic sample
-    return method, DEFAULT_BYTES_PER_PACK
-
-
-def measured_cases(path: str, cores: int) -> List[Tuple[Case, float, Dict]]:
-    """(case, measured seconds, cell) for every successful, modelled cell of a benchmarks.allreduce JSON."""
-    with open(path) as f:
-        cells = json.load(f)["cells"]
-    out = []
-    for cell in cells:
-        modelled = modelled_method(cell) if "median_s" in cell else None
-        if modelled is None:
-            continue
-        method, bytes_per_pack = modelled
-        payload, collectives = methods.traffic(method, gradients.GRADIENT_SETS[cell["set"]],
-                                               bytes_per_pack)
-        case = Case(method, cell["workers"], cell["goodput_bps"], cell["elements"],
-                    cell.get("payload_bytes", payload), collectives,
-                    max(1.0, cell["workers"] / cores))
-        out.append((case, cell["median_s"], cell))
-    return out
-
-
-_MEASURE_HINT = ("measure them first: `sudo python -m benchmarks.allreduce --preset scale --out "
-                 "benchmarks/calibration/allreduce.json` (about 30 minutes on 2 cores; `--quick` "
-                 "is a smoke test of 3 cells, too few to fit)")
-
-
-def load_cells(paths: Sequence[str], cores: int, need: int = 0) -> List[Tuple[Case, float, Dict]]:
-    """The measured cells of every benchmarks.allreduce JSON in `paths`.
-
-    Raises SystemExit with what to run when a file is missing or unreadable, or
-    when fewer than `need` usable cells (modelled methods that succeeded) remain.
-    """
-    cells = []
-    for path in paths:
-        try:
-            cells += measured_cases(path, cores)
-        except FileNotFoundError:
-            raise SystemExit(f"benchmarks.projection: no measurements at {path}; {_MEASURE_HINT}") from None
-        except OSError as e:
-            raise SystemExit(f"benchmarks.projection: cannot read {path} ({e.strerror or e}); "
-                             f"{_MEASURE_HINT}") from None
-        except (ValueError, KeyError, TypeError, AttributeError) as e:   # JSON errors are ValueErrors
-            raise SystemExit(f"benchmarks.projection: {path} is not a benchmarks.allreduce result "
-                             f"({type(e).__name__}: {e}); {_MEASURE_HINT}") from None
-    if len(cells) < need:
-        raise SystemExit(f"benchmarks.projection: {', '.join(paths)} hold {len(cells)} usable cells; "
-                         f"fitting the {need} parameters ({', '.join(PARAMETERS)}) needs at least "
-                         f"{need}; {_MEASURE_HINT}")
-    return cells
-
-
-def validation_table(params, measured) -> Tuple[str, List[float]]:
-    rows, errors = [], []
-    for case, seconds, cell in measured:
-        predicted = all_reduce_seconds(case, params)
-        error = predicted / seconds - 1
-        errors.append(error)
-        rows.append([cell["set"], case.workers, report.link_label(cell["rate_mbit"]), case.method,
-                     seconds, predicted, f"{100 * error:+.1f}%"])
-    table = report.markdown_table(["gradients", "N", "link", "method", "measured s", "model s", "error"],
-                                  rows)
-    return table, errors
-
-
-def held_out_validation(measured, fit_workers: Sequence[int]) -> Dict:
-    """Fits on the cells with N in `fit_workers`, predicts the others.
-
-    Returns {"fit_workers", "held_out_workers", "cells", "median_abs_error",
-    "worst_abs_error", "table", "params"}, or {"skipped": why} when either side is too small.
-    """
-    inside = [m for m in measured if m[0].workers in fit_workers]
-    outside = [m for m in measured if m[0].workers not in fit_workers]
-    if len(inside) < len(PARAMETERS) or not outside:
-        return {"skipped": f"{len(inside)} cells with N in {sorted(fit_workers)} (need "
-                           f"{len(PARAMETERS)}) and {len(outside)} held out"}
-    params = fit([c for c, _, _ in inside], [t for _, t, _ in inside])
-    table, errors = validation_table(params, outside)
-    worst = float(np.max(np.abs(errors)))
-    return {"fit_workers": sorted(fit_workers),
-            "held_out_workers": sorted({c.workers for c, _, _ in outside}), "cells": len(outside),
-            "median_abs_error": float(np.median(np.abs(errors))), "worst_abs_error": worst,
-            "table": table, "params": params}
-
-
 # -- projection ---------------------------------------------------------------------------
 
 def project(params, model: str, method: str, workers: int, link_gbit: float, compute_s: float,
@@ -329,8 +115,8 @@ def project(params, model: str, method: str, workers: int, link_gbit: float, com
         comm, extra["plan"] = plan.steady_seconds or 0.0, plan   # a trial keeps the faster
     else:
         payload, collectives = methods.traffic(method, shapes)
-        comm = all_reduce_seconds(Case(method, workers, link_gbit * 1e9, elements, payload,
-                                       collectives), params)
+        case = step_model.Case(method, workers, link_gbit * 1e9, elements, payload, collectives)
+        comm = step_model.all_reduce_seconds(case, params)
     if isinstance(overlap, dict):
         step = measured_step_seconds(comm, compute_s, overlap.get((model, method), 0.0))
     else:
@@ -394,12 +180,9 @@ def comparison(params, compute_ms, overlap) -> str:
 
 
 def plot(points, path: str) -> Optional[str]:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (pip install '.[plot]'); plot skipped"
+    plt = harness.pyplot()
+    if plt is None:
+        return harness.PLOT_MISSING
     models = sorted({p["model"] for p in points})
     links = sorted({p["link_gbit"] for p in points})
     fig, axes = plt.subplots(len(models), len(links), figsize=(4 * len(links), 3.6 * len(models)),
@@ -468,7 +251,7 @@ def _print_fit(params: Dict[str, float], cells) -> None:
           f"; kappa {params['kappa']:.3f} wire/payload; gamma {params['gamma'] * 1e9:.3f} ns/byte; "
           f"local ns/element: TF {params['delta_tf'] * 1e9:.2f}, GF FP16 {params['delta_gf'] * 1e9:.2f}, "
           f"CSC {params['delta_csc'] * 1e9:.2f}\n")
-    table, errors = validation_table(params, cells)
+    table, errors = step_model.validation_table(params, cells)
     print(f"Fit residuals (median |error| {100 * np.median(np.abs(errors)):.1f}%):\n{table}\n")
 
 
@@ -522,14 +305,14 @@ def main(argv=None) -> int:
         raise SystemExit(f"benchmarks.projection: --fit-workers, --workers and --links take "
                          f"comma-separated numbers ({e})") from None
 
-    fit_cells = load_cells(args.fit, args.cores, need=len(PARAMETERS))
-    params = fit([c for c, _, _ in fit_cells], [s for _, s, _ in fit_cells])
+    fit_cells = step_model.load_cells(args.fit, args.cores, need=len(PARAMETERS))
+    params = step_model.fit([c for c, _, _ in fit_cells], [s for _, s, _ in fit_cells])
     _print_fit(params, fit_cells)
-    held_out = held_out_validation(fit_cells, fit_workers)
+    held_out = step_model.held_out_validation(fit_cells, fit_workers)
     _print_validation(held_out)
-    validate_cells = load_cells(args.validate, args.cores)
+    validate_cells = step_model.load_cells(args.validate, args.cores)
     if validate_cells:
-        table, errors = validation_table(params, validate_cells)
+        table, errors = step_model.validation_table(params, validate_cells)
         print(f"Validation on runs not fitted on (median |error| {100 * np.median(np.abs(errors)):.1f}%, "
               f"worst {100 * max(np.abs(errors)):.1f}%):\n{table}\n")
     fitted = dict(params)

@@ -11,7 +11,7 @@ import tensorflow as tf
 
 import gf_tf
 from gf_tf import cluster
-from models import datasets, networks
+from models import datasets, networks, tfrecords
 
 # name -> (builder(input_shape, num_classes), default input shape (used by --dataset synthetic))
 MODELS: Dict[str, Tuple[Callable[..., keras.Model], Tuple[int, ...]]] = {
@@ -31,8 +31,8 @@ DATASETS: Dict[str, Callable[[str, Tuple[int, int, int], int], datasets.Source]]
     "digits": lambda data_dir, shape, seed: datasets.load_digits(seed),
     "mnist": lambda data_dir, shape, seed: datasets.load_mnist(seed),
     "cifar10": lambda data_dir, shape, seed: datasets.load_cifar10(seed),
-    "imagenet": lambda data_dir, shape, seed: datasets.load_imagenet(data_dir, seed),
-    "tfrecord": lambda data_dir, shape, seed: datasets.load_tfrecord(data_dir, seed),
+    "imagenet": lambda data_dir, shape, seed: tfrecords.load_imagenet(data_dir, seed),
+    "tfrecord": lambda data_dir, shape, seed: tfrecords.load_tfrecord(data_dir, seed),
     "synthetic": lambda data_dir, shape, seed: datasets.load_synthetic(
         shape, 1000 if shape[0] >= 128 else 10, seed=seed),
     "mnist1d": lambda data_dir, shape, seed: datasets.load_mnist1d(seed),

@@ -142,7 +142,7 @@ def test_scale_preset_covers_issue_17s_cells_and_estimates_its_time():
 
 
 def test_cells_carry_the_plan_and_costs_and_the_report_prints_them():
-    from benchmarks import allreduce
+    from benchmarks import allreduce, allreduce_tables
     plan = {"method": "fp16", "algorithm": "recursive_doubling", "bytes_per_pack": 0, "seconds": 0.002,
             "describe": "fp16 packs (one pack per dtype), recursive doubling, predicted 2.00 ms per step"}
     chief = {"median_s": 0.01, "times_s": [0.01], "warmup_s": 1.0, "tx_bytes_per_iter": 1000.0,
@@ -152,14 +152,35 @@ def test_cells_carry_the_plan_and_costs_and_the_report_prints_them():
                for w in range(2)]
     (cell,) = allreduce.derive_cells((2, 1000.0, "default", ["tiny"]), {"error": None, "workers": workers}, 9e8)
     assert cell["plans"] == [plan] and cell["costs"] == [1e-3, 8e-3, 1e-9, 1e-9, 2e-9]
-    assert allreduce.short_plan(cell["plans"]) == "fp16 rd 1 pack"
-    assert allreduce.short_plan([dict(plan, method="tf", algorithm="ring")]) == "tf"
-    assert allreduce.short_plan([dict(plan, algorithm="ring", bytes_per_pack=4 * 2 ** 20)]) == "fp16 ring 4MiB"
-    report_text = allreduce.plans_report([cell])
+    assert allreduce_tables.short_plan(cell["plans"]) == "fp16 rd 1 pack"
+    assert allreduce_tables.short_plan([dict(plan, method="tf", algorithm="ring")]) == "tf"
+    assert allreduce_tables.short_plan([dict(plan, algorithm="ring", bytes_per_pack=4 * 2 ** 20)]) == "fp16 ring 4MiB"
+    report_text = allreduce_tables.plans_report([cell])
     assert "tiny, N=2, 1 Gbit/s, default: fp16 packs" in report_text and "1.000 ms/hop, 8.000 ms/round" in report_text
-    assert "fp16 rd 1 pack" in allreduce.results_table([cell])
+    assert "fp16 rd 1 pack" in allreduce_tables.results_table([cell])
     assert cell["paired_speedup"] == pytest.approx(0.012 / 0.008)   # TF's own / ours, same processes
-    assert "| paired vs TF |" in allreduce.results_table([cell]) and "1.5 |" in allreduce.results_table([cell])
+    table = allreduce_tables.results_table([cell])
+    assert "| paired vs TF |" in table and "1.5 |" in table
+
+
+def test_cells_carry_the_cpu_seconds_of_encode_and_decode_and_csc_its_chunk_path_and_limit():
+    from benchmarks import allreduce, allreduce_tables
+    def chief(local_s):
+        return {"median_s": 0.5, "times_s": [0.5], "warmup_s": 1.0, "tx_bytes_per_iter": 1000.0,
+                "rx_bytes_per_iter": 1000.0, "sent_payload_bytes_per_iter": 800.0, "local_path_s": local_s}
+    workers = [{"worker": w, "sets": {"tiny": chief(s)}} for w, s in enumerate((0.2, 0.4, 0.3))]
+    outcome = {"error": None, "workers": workers}
+    (dense,) = allreduce.derive_cells((3, 100.0, "gf_fp16", ["tiny"]), outcome, 1e4)
+    (csc,) = allreduce.derive_cells((3, 100.0, "csc_1", ["tiny"]), outcome, 1e4)
+    assert dense["cpu_s"] == csc["cpu_s"] == 0.3   # the median over the workers
+    assert "chunk_path_s" not in dense and csc["chunk_path_s"] == 0.3
+    bound = 2 * 2 / 3 * 800.0 * 8 / 1e4   # the ring bound: 2(N-1)/N x payload / goodput = 0.853 s
+    assert csc["bound_s"] == pytest.approx(bound)
+    assert csc["limit_s"] == pytest.approx(bound) and csc["ratio_to_limit"] == pytest.approx(0.5 / bound)
+    header, _, row = allreduce_tables.results_table([dense]).splitlines()
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    values = [c.strip() for c in row.strip("|").split("|")]
+    assert values[columns.index("CPU s")] == "0.3" and values[columns.index("bound s")] == "0.853"
 
 
 def test_repeated_launches_merge_into_the_median_launch_with_its_spread():

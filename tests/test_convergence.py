@@ -8,7 +8,7 @@ import tempfile
 
 import pytest
 
-from benchmarks import convergence
+from benchmarks import convergence, convergence_summary
 from benchmarks.workers import methods
 from models import factory, train
 
@@ -20,11 +20,11 @@ def _curve(points):
 
 def test_time_to_target_is_the_first_point_at_or_above_the_target():
     curve = _curve([(2.0, 0.50), (4.0, 0.79), (6.0, 0.80), (8.0, 0.78), (10.0, 0.85)])
-    assert convergence.time_to_target(curve, 0.80) == 6.0      # reached exactly, not interpolated
-    assert convergence.time_to_target(curve, 0.81) == 10.0     # the dip at 8 s does not count
-    assert convergence.time_to_target(curve, 0.40) == 2.0
-    assert convergence.time_to_target(curve, 0.86) is None     # not reached
-    assert convergence.time_to_target(_curve([(1.0, None), (2.0, 0.9)]), 0.5) == 2.0
+    assert convergence_summary.time_to_target(curve, 0.80) == 6.0      # reached exactly, not interpolated
+    assert convergence_summary.time_to_target(curve, 0.81) == 10.0     # the dip at 8 s does not count
+    assert convergence_summary.time_to_target(curve, 0.40) == 2.0
+    assert convergence_summary.time_to_target(curve, 0.86) is None     # not reached
+    assert convergence_summary.time_to_target(_curve([(1.0, None), (2.0, 0.9)]), 0.5) == 2.0
 
 
 @pytest.mark.parametrize("times, expected", [
@@ -35,7 +35,7 @@ def test_time_to_target_is_the_first_point_at_or_above_the_target():
     ([], None),
 ])
 def test_median_time_to_target_counts_not_reached_as_latest(times, expected):
-    assert convergence.median_time_to_target(times) == expected
+    assert convergence_summary.median_time_to_target(times) == expected
 
 
 def _run(method, seed, final, curve_points, task="mnist1d", n=2, rate=100.0, bytes_per_step=1000.0, load=1.5):
@@ -51,7 +51,7 @@ def test_summary_sets_the_target_from_tf_fp32_and_reports_each_cell():
              _run("csc_1", 2, 0.88, [(3.0, 0.87), (6.0, 0.88)], bytes_per_step=70.0),
              {"task": "mnist1d", "workers": 2, "rate_mbit": 100.0, "method": "gf_fp16", "seed": 0,
               "load_average_1min": 1.0, "error": "exit 1"}]
-    cells = {c["method"]: c for c in convergence.summarize(runs)}
+    cells = {c["method"]: c for c in convergence_summary.summarize(runs)}
     assert set(cells) == {"tf_fp32", "csc_1"}   # a failed run is left out
     base, csc = cells["tf_fp32"], cells["csc_1"]
     assert base["final_accuracy_median"] == 0.91 and base["vs_tf_fp32_points"] == 0
@@ -77,7 +77,7 @@ def test_summary_sets_the_target_from_tf_fp32_and_reports_each_cell():
     ({0: 5.0}, {1: 10.0}, None),                                       # no seed pairs
 ])
 def test_paired_time_ratio_is_the_median_of_per_seed_ratios(times, base, expected):
-    ratio = convergence.paired_time_ratio(times, base)
+    ratio = convergence_summary.paired_time_ratio(times, base)
     assert ratio == (None if expected is None else pytest.approx(expected))
 
 

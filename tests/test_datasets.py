@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 from gf_tf import worker
-from models import datasets
+from models import datasets, tfrecords
 
 
 def _all(ds):
@@ -168,7 +168,7 @@ def cifar_style_dir(tmp_path):
 
 def test_tfrecord_reads_counts_size_classes_and_exact_pixels(cifar_style_dir):
     data_dir, images, labels = cifar_style_dir
-    source = datasets.load_tfrecord(str(data_dir))
+    source = tfrecords.load_tfrecord(str(data_dir))
     assert source.input_shape == (6, 6, 3) and source.num_classes == 5
     assert source.num_examples == {"train": 14, "test": 3}
     x, y = _all(source.examples("test"))
@@ -178,7 +178,7 @@ def test_tfrecord_reads_counts_size_classes_and_exact_pixels(cifar_style_dir):
 
 def test_tfrecord_shards_by_file_when_there_are_enough_files(cifar_style_dir):
     data_dir, images, labels = cifar_style_dir
-    source = datasets.load_tfrecord(str(data_dir))
+    source = tfrecords.load_tfrecord(str(data_dir))
     shards = _check_shards_partition(source, "train", 2)
     # Files 0 and 2 go to worker 0, file 1 to worker 1.
     expected_1 = sorted(_rows(images[5:10].astype(np.float32) / 255.0, labels[5:10]))
@@ -187,14 +187,14 @@ def test_tfrecord_shards_by_file_when_there_are_enough_files(cifar_style_dir):
 
 def test_tfrecord_shards_by_record_when_files_are_fewer_than_workers(cifar_style_dir):
     data_dir, _, _ = cifar_style_dir
-    _check_shards_partition(datasets.load_tfrecord(str(data_dir)), "test", 2)
+    _check_shards_partition(tfrecords.load_tfrecord(str(data_dir)), "test", 2)
 
 
 def test_tfrecord_errors_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match="--data_dir must be a directory"):
-        datasets.load_tfrecord(str(tmp_path / "missing"))
+        tfrecords.load_tfrecord(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="no train files"):
-        datasets.load_tfrecord(str(tmp_path))
+        tfrecords.load_tfrecord(str(tmp_path))
 
 
 def test_imagenet_layout_maps_labels_to_zero_based_and_resizes(tmp_path):
@@ -206,7 +206,7 @@ def test_imagenet_layout_maps_labels_to_zero_based_and_resizes(tmp_path):
                        labels[3 * f:3 * f + 3], encode=tf.io.encode_jpeg)
     _write_records(tmp_path / "validation-00000-of-00001", images[:2], labels[:2],
                    encode=tf.io.encode_jpeg)
-    source = datasets.load_imagenet(str(tmp_path), image_size=16)
+    source = tfrecords.load_imagenet(str(tmp_path), image_size=16)
     assert source.input_shape == (16, 16, 3) and source.num_classes == 1000
     x, y = _all(source.examples("test"))
     assert x.shape == (2, 16, 16, 3) and np.isfinite(x).all()

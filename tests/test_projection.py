@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from benchmarks import projection
+from benchmarks import projection, step_model
 from benchmarks.workers import gradients, methods
 from gf_tf.plan import PlanReport, planner
 
@@ -21,12 +21,12 @@ def test_all_reduce_seconds_by_hand():
     #   wire:  1.1 * 2 * 3/4 * 1e6 * 8 / 8e7    = 0.165
     #   gamma: 2e-10 * 3/4 * 1e6 * 2            = 0.0003
     #   local (GF FP16): 3e-9 * 2e5 * 2         = 0.0012
-    case = projection.Case("gf_fp16", 4, 8e7, 200_000, 1e6, 3, cpu_share=2.0)
-    assert projection.all_reduce_seconds(case, PARAMS) == pytest.approx(0.018 + 0.165 + 0.0003 + 0.0012,
+    case = step_model.Case("gf_fp16", 4, 8e7, 200_000, 1e6, 3, cpu_share=2.0)
+    assert step_model.all_reduce_seconds(case, PARAMS) == pytest.approx(0.018 + 0.165 + 0.0003 + 0.0012,
                                                                         rel=1e-12)
     # The local term is the method's own: CSC's delta, not GF FP16's.
-    csc = projection.Case("csc_1", 4, 8e7, 200_000, 1e6, 3, cpu_share=2.0)
-    assert projection.all_reduce_seconds(csc, PARAMS) == pytest.approx(0.018 + 0.165 + 0.0003 + 0.002,
+    csc = step_model.Case("csc_1", 4, 8e7, 200_000, 1e6, 3, cpu_share=2.0)
+    assert step_model.all_reduce_seconds(csc, PARAMS) == pytest.approx(0.018 + 0.165 + 0.0003 + 0.002,
                                                                        rel=1e-12)
 
 
@@ -37,12 +37,12 @@ def test_recursive_doubling_seconds_by_hand():
     #   wire:  1.1 * 4 * 1e6 * 8 / 8e7          = 0.44
     #   gamma: 2e-10 * 4/2 * 1e6 * 3            = 0.0012
     #   local (GF FP16): 3e-9 * 2e5 * 3         = 0.0018
-    case = projection.Case("gf_fp16_rd", 6, 8e7, 200_000, 1e6, 3, cpu_share=3.0)
-    assert projection.all_reduce_seconds(case, PARAMS) == pytest.approx(0.084 + 0.44 + 0.0012 + 0.0018,
+    case = step_model.Case("gf_fp16_rd", 6, 8e7, 200_000, 1e6, 3, cpu_share=3.0)
+    assert step_model.all_reduce_seconds(case, PARAMS) == pytest.approx(0.084 + 0.44 + 0.0012 + 0.0018,
                                                                         rel=1e-12)
     # alpha does not enter: the rounds have their own latency.
-    assert projection.all_reduce_seconds(case, PARAMS | {"alpha": 1.0}) == pytest.approx(
-        projection.all_reduce_seconds(case, PARAMS), rel=1e-12)
+    assert step_model.all_reduce_seconds(case, PARAMS | {"alpha": 1.0}) == pytest.approx(
+        step_model.all_reduce_seconds(case, PARAMS), rel=1e-12)
 
 
 def test_step_time_hides_only_the_overlapped_share():
@@ -120,22 +120,22 @@ def test_fit_recovers_known_parameters():
             for link in (1e8, 1e9, 8e9):
                 payload = {"tf_fp32": 1e8, "gf_fp16": 5e7, "csc_1": 6e5, "gf_fp16_rd": 5e7,
                            "csc_1_rd": 6e5}[method] * rng.uniform(0.5, 2)
-                cases.append(projection.Case(method, n, link, 25_000_000, payload,
+                cases.append(step_model.Case(method, n, link, 25_000_000, payload,
                                              int(rng.integers(1, 16)), max(1.0, n / 2)))
-    seconds = [projection.all_reduce_seconds(c, PARAMS) for c in cases]
-    fitted = projection.fit(cases, seconds)
+    seconds = [step_model.all_reduce_seconds(c, PARAMS) for c in cases]
+    fitted = step_model.fit(cases, seconds)
     for name, value in PARAMS.items():
         assert fitted[name] == pytest.approx(value, rel=1e-6), name
 
 
 def test_fit_keeps_parameters_non_negative_and_needs_enough_cells():
-    cases = [projection.Case("tf_fp32", n, 1e9, 1000, 4000.0, 1) for n in (2, 3, 4, 5, 6, 7, 8)]
+    cases = [step_model.Case("tf_fp32", n, 1e9, 1000, 4000.0, 1) for n in (2, 3, 4, 5, 6, 7, 8)]
     # Times that fall with N would need a negative alpha: it is held at 0.
-    fitted = projection.fit(cases, [1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4])
+    fitted = step_model.fit(cases, [1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4])
     assert min(fitted.values()) >= 0.0
     assert fitted["rho"] == pytest.approx(2 * fitted["alpha"])   # no recursive-doubling cells
     with pytest.raises(ValueError, match="at least 7"):
-        projection.fit(cases[:3], [1.0, 1.0, 1.0])
+        step_model.fit(cases[:3], [1.0, 1.0, 1.0])
 
 
 def test_alpha_for_speedup_is_the_break_even_latency():
@@ -183,9 +183,9 @@ def test_planner_costs_carry_the_same_model():
         for method, wire, algorithm in (("tf_fp32", "tf", "ring"), ("gf_fp16", "fp16", "ring"),
                                         ("gf_fp16_rd", "fp16", "recursive_doubling")):
             payload, collectives = methods.traffic(method, shapes, bytes_per_pack=0)
-            case = projection.Case(method, n, 2e9, elements, payload, collectives, cpu_share=1.5)
+            case = step_model.Case(method, n, 2e9, elements, payload, collectives, cpu_share=1.5)
             assert planner.predict_seconds(wire, algorithm, elements, tensors, n, costs) == \
-                pytest.approx(projection.all_reduce_seconds(case, PARAMS), rel=1e-12), (method, n)
+                pytest.approx(step_model.all_reduce_seconds(case, PARAMS), rel=1e-12), (method, n)
 
 
 def test_auto_is_the_planners_pick_on_hand_made_costs():
@@ -232,11 +232,11 @@ def _synthetic_calibration(path, params, cores=2):
                 for rate, goodput in ((100.0, 9.5e7), (1000.0, 9.4e8), (None, 8e9)):
                     shapes = gradients.GRADIENT_SETS[name]
                     payload, collectives = methods.traffic(method, shapes)
-                    case = projection.Case(method, n, goodput, gradients.num_elements(shapes), payload,
+                    case = step_model.Case(method, n, goodput, gradients.num_elements(shapes), payload,
                                            collectives, max(1.0, n / cores))
                     cells.append({"set": name, "workers": n, "rate_mbit": rate, "method": method,
                                   "elements": case.elements, "goodput_bps": goodput,
-                                  "median_s": projection.all_reduce_seconds(case, params)})
+                                  "median_s": step_model.all_reduce_seconds(case, params)})
     # A "default" cell ("auto", as here, in files written before the method table) is modelled
     # by its recorded plan; tf_fp16 has no model and is skipped.
     auto = dict(cells[0], method="auto", plans=[{"method": "tf", "algorithm": "ring", "bytes_per_pack": 0}])
@@ -297,8 +297,8 @@ def test_shipped_calibration_missing_or_unreadable_says_what_to_run(tmp_path, mo
 
 
 def test_held_out_validation_needs_both_sides():
-    cells = [(projection.Case("tf_fp32", 2, 1e9, 1000, 4000.0, 1), 1.0, {})] * 3
-    assert "skipped" in projection.held_out_validation(cells, [2, 3, 4])
+    cells = [(step_model.Case("tf_fp32", 2, 1e9, 1000, 4000.0, 1), 1.0, {})] * 3
+    assert "skipped" in step_model.held_out_validation(cells, [2, 3, 4])
 
 
 def test_measured_overlap_from_a_fit_json_replaces_the_assumed_share(tmp_path, monkeypatch, capsys):

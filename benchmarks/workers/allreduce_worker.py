@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 import gf_tf
+from benchmarks import harness
 from benchmarks.workers import gradients, methods
 
 
@@ -119,13 +120,7 @@ def timed_calls(step, warmup, iters):
 
 def median_seconds(fn, iters):
     """Median wall seconds of `iters` calls of `fn`, after one untimed call (the trace)."""
-    fn()
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(timed_calls(fn, 1, iters)[0])
 
 
 def pack_unpack_seconds(values, num_workers, iters):
@@ -142,12 +137,14 @@ def pack_unpack_seconds(values, num_workers, iters):
     return median_seconds(pack_unpack, iters)
 
 
-def chunk_path_seconds(strategy, method, values, iters):
-    """Local time of CSC's whole chunk path with no network: the same GradientFlowAllReduce
-    pipeline (accumulate, chunk norms, top-k, gather into the wire dtype, scatter, residual
-    update) with every collective replaced by the identity, on this worker's replica.
+def local_path_seconds(strategy, method, values, iters):
+    """Local time of a GradientFlow method's encode and decode with no network: the same
+    GradientFlowAllReduce pipeline (packing and FP16 scaling; CSC's accumulate, chunk norms,
+    top-k, gather, scatter and residual update; low rank's products and orthogonalisation)
+    with every collective replaced by the identity, on this worker's replica.
 
-    This is the CPU floor of a CSC step: with the ring bound it gives CSC's limit.
+    This is the CPU floor of a step; for CSC, its chunk path, which with the ring bound gives
+    CSC's limit.
     """
     _, gradient_flow = methods.make_strategy(method, timeout_seconds=60.0, build_strategy=False)
     variables = list(values)
@@ -254,8 +251,9 @@ def main():
                         help="also time each set's all-reduce alternating with TF's own, same processes")
     parser.add_argument("--pack-overhead", action="store_true",
                         help="also time gf_tf.ops pack+unpack of each set locally")
-    parser.add_argument("--chunk-path", action="store_true",
-                        help="also time CSC's local chunk path of each set with no collectives")
+    parser.add_argument("--local-path", action="store_true",
+                        help="also time the method's local work on each set (encode + decode: everything "
+                             "but the collectives)")
     parser.add_argument("--profile", default=None,
                         help="directory: run one more step under the TF profiler and summarise its ops")
     args = parser.parse_args()
@@ -308,11 +306,11 @@ def main():
             entry["paired_s"], entry["paired_tf_s"] = paired_seconds(strategy, step, shapes, calls)
         if args.pack_overhead:
             entry["pack_unpack_s"] = pack_unpack_seconds(values, num_workers, max(args.iters, 3))
-        if args.chunk_path and methods.is_csc(args.method):
-            entry["chunk_path_s"] = chunk_path_seconds(strategy, args.method, values, max(args.iters, 3))
+        if args.local_path and methods.is_gradient_flow(args.method):
+            entry["local_path_s"] = local_path_seconds(strategy, args.method, values, max(args.iters, 3))
         results["sets"][name] = entry
         del values, step, out
-    print("RESULT " + json.dumps(results), flush=True)
+    harness.write_result(results)
     from gf_tf import worker
     worker.exit_together(args.timeout)   # a worker left alone after its peer exits logs a crash
 

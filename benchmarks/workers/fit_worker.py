@@ -63,6 +63,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from benchmarks import harness  # noqa: E402
 from benchmarks.workers import methods  # noqa: E402
 from models import datasets, factory  # noqa: E402
 
@@ -154,7 +155,7 @@ def main():
         result["sent_payload_bytes_per_step"] = (stats_after["sent_bytes"] - stats_before["sent_bytes"]) / steps
         result["dense_payload_bytes_per_step"] = (stats_after["dense_bytes"] - stats_before["dense_bytes"]) / steps
         result["density_per_step"] = (stats_after["densities"] - stats_before["densities"]) / steps
-    print("RESULT " + json.dumps(result), flush=True)
+    harness.write_result(result)
     from gf_tf import worker
     worker.exit_together(args.timeout)   # a worker left alone after its peer exits logs a crash
 

@@ -4,14 +4,15 @@
 
 Runs `GF_TF_RUN -- <command>` (gf-tf-run starting the task its inherited TF_CONFIG
 names), then prints `RESULT {"returncode": 0, "results_json": bool}`, the line
-benchmarks.netem.EmulatedCluster.run_job waits for; results_json says whether the
+benchmarks.harness.run_job waits for; results_json says whether the
 chief's MODEL_DIR/results.json exists. Exits with the job's exit code.
 """
 
-import json
 import os
 import subprocess
 import sys
+
+from benchmarks import harness
 
 
 def main(argv) -> int:
@@ -20,8 +21,8 @@ def main(argv) -> int:
         raise SystemExit("usage: python -m benchmarks.workers.train_job MODEL_DIR GF_TF_RUN -- COMMAND...")
     code = subprocess.call([launcher, "--", *command])
     if code == 0:
-        print("RESULT " + json.dumps({"returncode": code, "results_json": os.path.exists(
-            os.path.join(model_dir, "results.json"))}), flush=True)
+        harness.write_result({"returncode": code, "results_json": os.path.exists(
+            os.path.join(model_dir, "results.json"))})
     return code
 
 
