@@ -125,6 +125,25 @@ def test_replicas_differ_between_meetings_and_are_bitwise_equal_after():
     assert stats["dense_bytes"] == 12 * 4 * elements
 
 
+def test_outer_state_is_saved_and_restored_with_the_weights(tmp_path):
+    """A fit of 2 epochs against 1 epoch, save_weights, a new model + LocalSGD loading it, 1 epoch."""
+    path = str(tmp_path / "diloco.weights.h5")
+    _, _, straight = linear_model()
+    fit(straight, [gf_tf.keras.LocalSGD(3, outer_optimizer="nesterov")], epochs=2)
+    _, _, first = linear_model()
+    fit(first, [gf_tf.keras.LocalSGD(3, outer_optimizer="nesterov")])
+    first.save_weights(path)
+    _, _, resumed = linear_model()
+    local_sgd = gf_tf.keras.LocalSGD(3, outer_optimizer="nesterov")
+    fit(resumed, [local_sgd], epochs=0)    # builds the outer optimizer, then the restore reaches it
+    resumed.load_weights(path)
+    momentum = [v.numpy() for v in local_sgd.outer_optimizer.variables if "momentum" in v.path]
+    assert momentum and all(np.any(m != 0) for m in momentum)
+    fit(resumed, [local_sgd])
+    for got, want in zip(resumed.get_weights(), straight.get_weights()):
+        assert got.tobytes() == want.tobytes()
+
+
 def test_later_fit_without_local_sgd_is_synchronous_again():
     gfar, strategy, model = linear_model()
     fit(model, [gf_tf.keras.LocalSGD(2)])

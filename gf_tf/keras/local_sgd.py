@@ -17,6 +17,9 @@ AVERAGE = "average"
 NESTEROV = "nesterov"
 DILOCO_LEARNING_RATE = 0.7   # DiLoCo's outer Nesterov SGD (Douillard et al., 2023, s3)
 DILOCO_MOMENTUM = 0.9
+# The model's optimizer holds the outer optimizer under this attribute, so Keras's weight saving
+# (save_weights, ModelCheckpoint, BackupAndRestore) saves and loads its state with the model's.
+OUTER_ATTRIBUTE = "_gf_tf_local_sgd_outer"
 
 
 def outer_optimizer_named(name: str, learning_rate: float = DILOCO_LEARNING_RATE,
@@ -60,8 +63,10 @@ class LocalSGD(keras.callbacks.Callback, LocalSteps):
 
     `ModelCheckpoint`/`BackupAndRestore` saving per epoch see met weights; saving every N
     batches sees met weights only when N is a multiple of `sync_every` and this callback is
-    listed before the saving one. The outer optimizer's state (DiLoCo's momentum) is not in
-    the model's checkpoint: a resumed fit restarts it from zero at the saved weights.
+    listed before the saving one. The outer optimizer's state (DiLoCo's momentum, its step
+    count) is saved with the model's optimizer (under `optimizer/_gf_tf_local_sgd_outer`) once
+    a fit with this callback has begun; a restore reaches it when the callback's fit began
+    first (list LocalSGD before `BackupAndRestore`), else the outer optimizer starts afresh.
 
     Args:
       sync_every (int): H >= 1, inner steps between meetings (1: every step, which with
@@ -204,6 +209,7 @@ class LocalSGD(keras.callbacks.Callback, LocalSteps):
             self._averager = _copy(self._averager)
             if averaged:
                 self._averager.build(averaged)
+        setattr(model.optimizer, OUTER_ATTRIBUTE, self.outer_optimizer)
 
         def replica_step():
             scale = 1.0 / strategy.num_replicas_in_sync
