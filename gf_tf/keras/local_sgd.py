@@ -54,8 +54,9 @@ class LocalSGD(keras.callbacks.Callback, LocalSteps):
       GradientFlowAllReduce (its packing, FP16 with power-of-two scaling, CSC or LowRank as
       configured, with state of its own), and `outer_optimizer` applies the sum, the mean
       pseudo-gradient, to the shared start point, which every replica then takes as its
-      weights: bitwise equal on every worker. Non-trainable float weights (BatchNorm moving
-      statistics) are averaged at each meeting the same way (outer SGD(1.0)).
+      weights: bitwise equal on every worker; `CommStats` counts it as one more all-reduce
+      step, with its bytes. Non-trainable float weights (BatchNorm moving statistics) are
+      averaged at each meeting the same way (outer SGD(1.0)).
     - The first `warmup_steps` steps are synchronous (the ordinary all-reduce); the inner
       optimizer's state (momentum) stays per replica, never averaged (as in PyTorch's
       PostLocalSGDOptimizer). Steps are counted by the inner optimizer's `iterations`, the
