@@ -144,6 +144,27 @@ def test_outer_state_is_saved_and_restored_with_the_weights(tmp_path):
         assert got.tobytes() == want.tobytes()
 
 
+def test_batch_norm_statistics_are_averaged_at_meetings():
+    """A meeting only at the epoch's last batch: the moving statistics after it are the mean of the
+    replicas' own (seen just before it by a callback listed first)."""
+    gfar = gf_tf.GradientFlowAllReduce(cross_device_ops=tf.distribute.ReductionToOneDevice())
+    strategy = tf.distribute.MirroredStrategy(DEVICES[:2], cross_device_ops=gfar)
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4),
+                                  keras.layers.BatchNormalization(), keras.layers.Dense(3)])
+        model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+    before = PerReplicaWeights(strategy)
+    fit(model, [before, gf_tf.keras.LocalSGD(100)])
+    statistics = [i for i, w in enumerate(model.weights) if "moving" in w.path]
+    assert len(statistics) == 2
+    for i in statistics:
+        replicas = [r.astype(np.float64) for r in before.seen[-1][i]]
+        assert np.any(replicas[0] != replicas[1])
+        np.testing.assert_allclose(model.weights[i].numpy(), (replicas[0] + replicas[1]) / 2,
+                                   rtol=0, atol=1e-6)
+
+
 def test_later_fit_without_local_sgd_is_synchronous_again():
     gfar, strategy, model = linear_model()
     fit(model, [gf_tf.keras.LocalSGD(2)])
