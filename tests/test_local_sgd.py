@@ -100,6 +100,21 @@ def test_fit_matches_float64_reference(sync_every, outer, warmup_steps, meetings
     assert local_sgd.meetings == meetings
 
 
+def test_steps_per_execution_meets_at_the_first_batch_end_after_h_steps():
+    """steps_per_execution=2 with H = 2: Keras's batch ends fall after steps 2 and 4, the meetings'."""
+    gfar = gf_tf.GradientFlowAllReduce(cross_device_ops=tf.distribute.ReductionToOneDevice())
+    strategy = tf.distribute.MirroredStrategy(DEVICES[:2], cross_device_ops=gfar)
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+        model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", steps_per_execution=2)
+    local_sgd = gf_tf.keras.LocalSGD(2, outer_optimizer="nesterov")
+    fit(model, [local_sgd])
+    for got, want in zip(model.get_weights(), reference(2, "nesterov")):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert local_sgd.meetings == 2
+
+
 @pytest.mark.parametrize("compression, tolerance", [(None, 1e-6), ("fp16", 2e-4)])
 def test_averaging_every_step_is_synchronous_sgd(compression, tolerance):
     _, _, synchronous = linear_model(compression)
