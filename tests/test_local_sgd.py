@@ -180,6 +180,29 @@ def test_batch_norm_statistics_are_averaged_at_meetings():
                                    rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("reducer", ["csc", "lowrank"])
+def test_compressed_pseudo_gradient_keeps_error_feedback_of_its_own(reducer):
+    """CSC or LowRank on the meetings: the pseudo-gradient is a variable set of its own (the start
+    point's), with its own residual; the replicas still leave every meeting bitwise equal."""
+    settings = ({"sparsity": gf_tf.ChunkSparsity(density=0.25, chunk_size=4, warmup_steps=0)}
+                if reducer == "csc" else {"reducer": gf_tf.reducers.LowRank(rank=1)})
+    gfar = gf_tf.GradientFlowAllReduce(cross_device_ops=tf.distribute.ReductionToOneDevice(),
+                                       **settings)
+    strategy = tf.distribute.MirroredStrategy(DEVICES[:2], cross_device_ops=gfar)
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(6), keras.layers.Dense(3)])
+        model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+    record = PerReplicaWeights(strategy)
+    fit(model, [gf_tf.keras.LocalSGD(2), record])
+    equal = [all(r[0].tobytes() == r[1].tobytes() for r in step) for step in record.seen]
+    assert equal == [False, True, False, True]
+    (name, state), = gfar.states().items()    # no gradient set: every step local
+    assert "local_sgd_start" in name
+    residuals = {k: v for k, v in state.to_arrays().items() if "residual" in k}
+    assert residuals and any(np.any(v != 0) for v in residuals.values())
+
+
 def test_later_fit_without_local_sgd_is_synchronous_again():
     gfar, strategy, model = linear_model()
     fit(model, [gf_tf.keras.LocalSGD(2)])
