@@ -11,7 +11,7 @@ from typing import List, Optional, Sequence
 
 import tensorflow as tf
 
-from gf_tf import integrations, plan, route, tf_internal
+from gf_tf import integrations, local_steps as local_steps_lib, plan, route, tf_internal
 from gf_tf.plan import AUTO, probe, trial
 from gf_tf.reducers import DenseReducer, Reducer
 from gf_tf.state import StateRegistry
@@ -131,6 +131,7 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         self._stats = None
         self._states = StateRegistry()
         self.trial_clock = time.perf_counter   # gf_tf.plan.trial's clock (seconds); tests replace it
+        self._local_steps = None
         # Keras's gradient all-reduce comes here; Keras's fit fixes (multi-step loop, replicas
         # skipping non-finite steps together) for MirroredStrategy users too.
         integrations.install_all()
@@ -159,6 +160,20 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         """{variable-set name: gf_tf.state.VariableSetState} (read-only use), oldest first; a
         name an older set has gets " (#2)", " (#3)", ... appended."""
         return self._states.states()
+
+    @property
+    def local_steps(self):
+        """The `gf_tf.local_steps.LocalSteps` that makes some gradient all-reduces local (each
+        replica keeps its own gradient, no collective; `gf_tf.keras.LocalSGD` sets it while it
+        trains), or None. Read when a step is traced."""
+        return self._local_steps
+
+    @local_steps.setter
+    def local_steps(self, value):
+        if value is not None and not isinstance(value, local_steps_lib.LocalSteps):
+            raise TypeError(f"local_steps must be a gf_tf.local_steps.LocalSteps or None, "
+                            f"got {type(value).__name__}")
+        self._local_steps = value
 
     @property
     def workers(self):
@@ -240,11 +255,21 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         ways TensorFlow runs it, merge_call (every CPU run) and the replica context (XLA on
         all-GPU devices), go through `gf_tf.route.run`, so they cannot drift apart."""
         orchestrator = self._orchestrator(self._cross_ops())
+        local = None if self._local_steps is None else self._local_steps.local_for(variables)
         if tf_internal.use_merge_call(replica_ctx.strategy):
             def merge_fn(strategy, *per_replica):
-                return route.run_merged(orchestrator, strategy, list(per_replica), variables,
-                                        reduce_op, options)
+                def synchronous():
+                    return route.run_merged(orchestrator, strategy, list(per_replica), variables,
+                                            reduce_op, options)
+                if local is None:
+                    return synchronous()
+                return local_steps_lib.run_merged(local, strategy, per_replica, reduce_op,
+                                                  self.stats, synchronous)
             return replica_ctx.merge_call(merge_fn, args=tuple(grads))
+        if local is not None:
+            raise ValueError("gf_tf: local steps (gf_tf.keras.LocalSGD) need the merge-call "
+                             "gradient all-reduce; this strategy all-reduces in replica context "
+                             "(XLA on all-GPU devices): train without jit_compile, or without LocalSGD")
         return route.run_in_replica(orchestrator, replica_ctx, grads, variables, reduce_op,
                                     options)
 

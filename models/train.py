@@ -30,6 +30,8 @@ import time
 
 from absl import app, flags, logging
 
+from models import local_sgd_flags
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "", "digits_cnn, mnist1d_cnn, wide_mlp, topic_attention, resnet20, resnet32, "
                     "resnet56, resnet50, alexnet; '' = the dataset's (mnist1d: mnist1d_cnn, "
@@ -208,7 +210,8 @@ def _test_accuracy(model, source, batch_size):
     return accuracy
 
 
-_AT_LEAST = {"epochs": 1, "batch_size": 1, "num_devices": 1, "steps_per_epoch": 0, "seed": 0}
+_AT_LEAST = {"epochs": 1, "batch_size": 1, "num_devices": 1, "steps_per_epoch": 0, "seed": 0,
+             **local_sgd_flags.AT_LEAST}
 
 
 def _check_flag_ranges():
@@ -286,7 +289,7 @@ def main(argv):
         f"{source.num_examples}, {FLAGS.epochs} epochs x {steps} steps of {FLAGS.batch_size} images")
 
     throughput = _throughput_callback(FLAGS.batch_size)
-    callbacks = [throughput]
+    callbacks = local_sgd_flags.callbacks() + [throughput]   # LocalSGD before BackupAndRestore
     test_accuracy = _test_accuracy(model, source, FLAGS.batch_size)
     if FLAGS.curve:
         curve = _curve_callback(
@@ -350,7 +353,7 @@ _TRAIN_FLAGS = ("model", "dataset", "data_dir", "strategy", "num_devices", "comp
                 "selection", "scoring", "tf_all_reduce_dtype", "curve", "epochs", "steps_per_epoch",
                 "batch_size", "learning_rate", "momentum", "momentum_correction",
                 "mixed_precision", "model_dir", "seed", "collective_timeout", "startup_timeout",
-                "heartbeat_timeout")
+                "heartbeat_timeout") + local_sgd_flags.NAMES
 
 
 def parse_flags(argv):

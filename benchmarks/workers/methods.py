@@ -48,6 +48,7 @@ class Method:
     csc: gf_tf.ChunkSparsity keywords (density, selection, chunk_size, scoring, momentum),
       warm-up excluded; None: no CSC.
     lowrank: gf_tf.reducers.LowRank keywords (rank, alternate); None: no low rank.
+    local: models.train's --sync_every H and --outer ("average", "nesterov"): LocalSGD; None: synchronous.
     presets: the presets' loops that take it (ALLREDUCE, CONVERGENCE).
     """
     name: str
@@ -57,6 +58,7 @@ class Method:
     csc: Optional[Mapping[str, object]] = None
     lowrank: Optional[Mapping[str, object]] = None
     presets: frozenset = frozenset()
+    local: Optional[Mapping[str, object]] = None
 
 
 _BOTH, _ALLREDUCE, _CONVERGENCE = frozenset({ALLREDUCE, CONVERGENCE}), frozenset({ALLREDUCE}), frozenset({CONVERGENCE})
@@ -117,6 +119,9 @@ _ENTRIES = [
     # lowrank_2 sending one factor a step, the P's and the Q's in turn (ACP-SGD).
     Method("lowrank_2_acp", "GradientFlow low-rank, rank 2, P and Q in turn (ACP-SGD)",
            lowrank={"rank": 2, "alternate": True}),
+    # 8 steps alone, then averaging (post-local SGD) or DiLoCo's outer Nesterov step (gf_tf.keras.LocalSGD).
+    Method("local_8", "GradientFlow local SGD, averaging every 8", local={"sync_every": 8, "outer": "average"}),
+    Method("diloco_8", "GradientFlow DiLoCo, Nesterov every 8", local={"sync_every": 8, "outer": "nesterov"}),
 ]
 TABLE: Dict[str, Method] = {}
 METHODS: List[str] = []   # TABLE's names in order (list views, kept current by register)
@@ -278,7 +283,7 @@ def trainer_flags(name: str) -> List[str]:
     if method.lowrank is not None:
         flags += ["--reducer", "lowrank", "--rank", str(lowrank["rank"])]
         flags += ["--lowrank_alternate"] if lowrank.get("alternate") else []
-    return flags
+    return flags + [x for key, value in (method.local or {}).items() for x in (f"--{key}", str(value))]
 
 
 # -- the byte model -------------------------------------------------------------------------
@@ -327,8 +332,8 @@ def _traffic(name: str, shapes, bytes_per_pack: Optional[int]) -> Tuple[float, i
     specs = packing.plan_packs([(tf.TensorShape(s), tf.float32) for s in shapes], bytes_per_pack, wire.FP16)
     if method.lowrank is not None:
         return _lowrank_traffic(method, specs)
-    if method.csc is None:
-        return 2.0 * elements + 4.0 * len(shapes), len(specs) + 1   # packs + the bounds' control
+    if method.csc is None:   # packs + the bounds' control (local SGD: once every H steps)
+        return (2.0 * elements + 4.0 * len(shapes)) / (method.local or {}).get("sync_every", 1), len(specs) + 1
     fraction = largest_density(name)
     chunk_size = int(method.csc.get("chunk_size", DEFAULT_CHUNK_SIZE))
     chunks = [math.ceil(spec.num_elements / chunk_size) for spec in specs]

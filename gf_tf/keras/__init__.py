@@ -10,8 +10,16 @@
   backup      restoring every worker from the chief's files: BackupAndRestore, load_weights_from_chief,
               the other workers' side files
   callbacks   GradientFlowStats, the Keras callback of a GradientFlowAllReduce's CommStats
+  local_sgd   LocalSGD (gf_tf.keras.LocalSGD): local SGD and DiLoCo in model.fit (Keras 3)
 
 gf_tf/__init__.py registers `install` with gf_tf.integrations, which GradientFlowAllReduce runs.
 """
 
 from gf_tf.keras.patches import install  # noqa: F401
+
+
+def __getattr__(name):
+    if name == "LocalSGD":   # imported on first use: it needs Keras 3, the wing's other modules do not
+        from gf_tf.keras.local_sgd import LocalSGD  # pylint: disable=import-outside-toplevel
+        return LocalSGD
+    raise AttributeError(f"module 'gf_tf.keras' has no attribute {name!r}")

@@ -1,0 +1,53 @@
+"""gf_tf.keras.LocalSGD on 2 worker processes (127.0.0.1, TF_CONFIG): the workers' weights differ
+between meetings and are bitwise equal after each (tests/workers/local_sgd_worker.py)."""
+
+import numpy as np
+import pytest
+
+import cluster
+
+pytestmark = pytest.mark.slow   # starts 2 worker processes
+
+MODEL_ELEMENTS = 8 * 16 + 16 + 16 * 3 + 3
+
+
+def start(*args, comm_timeout=30):
+    return cluster.run_workers("local_sgd_worker.py", 2, args, timeout=180, comm_timeout=comm_timeout)
+
+
+def run(*args):
+    results = start(*args)
+    assert all(r.ok for r in results), cluster.describe(results)
+    return [r.result for r in results]
+
+
+@pytest.mark.parametrize("args", [(), ("--mixed_precision",)])
+def test_workers_differ_between_meetings_and_are_bitwise_equal_after(args):
+    first, second = run("--sync_every", "3", "--outer", "nesterov", "--steps", "6", *args)
+    equal = [a.tobytes() == b.tobytes() for a, b in zip(first["after_step"], second["after_step"])]
+    assert equal == [False, False, True, False, False, True]
+    assert int(first["meetings"]) == 2 and int(first["applied_steps"]) == 6
+    assert first["evaluate_loss"] == second["evaluate_loss"]
+    # 6 local steps send nothing; each meeting one float16 pack and its float32 scale bounds
+    # (one per tensor): the FP16 wire with its power-of-two scaling.
+    assert float(first["stat_steps"]) == 6 + 2
+    assert float(first["sent_bytes"]) == 2 * (2 * MODEL_ELEMENTS + 4 * 4)
+
+
+def test_sigkill_then_backup_and_restore_matches_an_uninterrupted_run_bitwise(tmp_path):
+    """DiLoCo with H = 3 over 3 epochs of 4 steps; worker 1 SIGKILLed after epoch 1; the relaunched
+    job (LocalSGD listed before BackupAndRestore) restores the weights, the optimizer's step count and
+    the outer Nesterov momentum, and ends with the uninterrupted run's weights and momentum, bitwise."""
+    settings = ("--sync_every", "3", "--outer", "nesterov", "--steps", "4", "--epochs", "3")
+    reference = run(*settings, "--backup_dir", str(tmp_path / "reference"))
+    job = ("--backup_dir", str(tmp_path / "job"))
+    killed = start(*settings, *job, "--kill_after_epoch", "1", comm_timeout=20)
+    assert killed[1].returncode == -9, cluster.describe(killed)
+    resumed = run(*settings, *job)
+    for worker in range(2):
+        want, got = reference[worker], resumed[worker]
+        assert int(got["applied_steps"]) == 12 and len(got["after_step"]) == 4   # epoch 2 only
+        keys = [k for k in want if k[0] in "wo" and k[-1].isdigit()]
+        assert len([k for k in keys if k.startswith("outer")]) >= 3   # iterations, lr, momentum
+        for key in keys:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
