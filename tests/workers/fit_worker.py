@@ -50,7 +50,7 @@ if not args.baseline:
         gradient_flow = gf_tf.GradientFlowAllReduce(
             compression=None if args.compression == "none" else args.compression,
             bytes_per_pack=args.bytes_per_pack,
-            reducer=gf_tf.reducers.LowRank(rank=args.rank) if args.reducer == "lowrank" else None)
+            reducer=gf_tf.reducers.LowRank(rank=args.rank, warmup_steps=0) if args.reducer == "lowrank" else None)
     strategy = gf_tf.MultiWorkerMirroredStrategy(
         communication_options=worker_util.communication_options(), gradient_flow=gradient_flow)
 
