@@ -45,9 +45,14 @@ def orthogonalise(p: tf.Tensor) -> tf.Tensor:
 
 
 def largest_norm(ms: Sequence[tf.Tensor], axis: int) -> tf.Tensor:
-    """float32 [len(ms)]: the largest row (axis=1) or column (axis=0) norm of each matrix."""
-    return tf.stack([tf.sqrt(tf.reduce_max(tf.reduce_sum(tf.square(m), axis=axis)))
-                     for m in ms])
+    """float32 [len(ms)]: the largest row (axis=1) or column (axis=0) norm of each matrix. The
+    column sums of squares are a product with a row of ones: TensorFlow's CPU Sum over the
+    outer axis of a row-major matrix takes about three times as long as the matrix product."""
+    def squares(m):
+        if axis == 0:
+            return tf.matmul(tf.ones([1, int(m.shape[0])]), tf.square(m))
+        return tf.reduce_sum(tf.square(m), axis=1)
+    return tf.stack([tf.sqrt(tf.reduce_max(squares(m))) for m in ms])
 
 
 def products(a: tf.Tensor, b: tf.Tensor, c: tf.Tensor, d: tf.Tensor
