@@ -91,7 +91,7 @@ class LowRank(Reducer):
     The module docstring (`gf_tf.reducers.lowrank`) gives the step. Two all-reduces per step
     carry the factors (the P's of every matrix, then the Q's, one buffer per wire format; one
     with `alternate`), plus the dense remainder's packs and, on a scaled wire, one control
-    all-reduce.
+    all-reduce; a warm-up step issues the dense reducer's collectives instead.
     """
 
     def __init__(self, rank: int = 2, min_compression: float = 2.0, seed: int = 0,
