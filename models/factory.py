@@ -156,8 +156,9 @@ def build_gradient_flow(compression: str = "fp16", bytes_per_pack: Union[int, st
     momentum: CSC momentum correction (the optimizer must then run without
     momentum). selection: CSC's top-k "per_pack", "global" or "ahead"; scoring: "ahead"'s
     next-step score, "error_feedback" or "paper". reducer: "default" (dense, or CSC by
-    density) or "lowrank" (`gf_tf.reducers.LowRank(rank=rank, alternate=lowrank_alternate)`, not
-    with CSC; `lowrank_alternate`: one factor all-reduce a step, ACP-SGD). The CSC flags
+    density) or "lowrank" (`gf_tf.reducers.LowRank(rank=rank, alternate=lowrank_alternate,
+    warmup_steps=warmup_steps)`, not with CSC; `lowrank_alternate`: one factor all-reduce a
+    step, ACP-SGD). warmup_steps: the dense steps before CSC or low rank starts. The CSC flags
     are checked by gf_tf.ChunkSparsity, even for a dense run, and its
     ValueError names the flag ("--density must be a fraction in (0, 1] ...");
     bytes_per_pack: wire bytes per pack, or "auto" (the planner's);
@@ -178,7 +179,8 @@ def build_gradient_flow(compression: str = "fp16", bytes_per_pack: Union[int, st
     except ValueError as e:
         raise ValueError(f"--{e}") from None
     sparsity = settings if uses_csc(density) else None
-    own_reducer = _reducer(choose("reducer", reducer, REDUCERS), rank, lowrank_alternate, sparsity)
+    own_reducer = _reducer(choose("reducer", reducer, REDUCERS), rank, lowrank_alternate,
+                           warmup_steps, sparsity)
     if (wire is None and sparsity is None and own_reducer is None and algorithm == "auto"
             and overlap is False):
         return None
@@ -187,14 +189,15 @@ def build_gradient_flow(compression: str = "fp16", bytes_per_pack: Union[int, st
                                        reducer=own_reducer)
 
 
-def _reducer(name: str, rank: int, alternate: bool, sparsity) -> Optional[gf_tf.reducers.Reducer]:
+def _reducer(name: str, rank: int, alternate: bool, warmup_steps: int,
+             sparsity) -> Optional[gf_tf.reducers.Reducer]:
     """The --reducer's object: None for "default" (dense, or CSC's by --density)."""
     if name == "default":
         return None
     if sparsity is not None:
         raise ValueError("--reducer lowrank cannot be combined with CSC: pass --density 1")
     try:
-        return gf_tf.reducers.LowRank(rank=rank, alternate=alternate)
+        return gf_tf.reducers.LowRank(rank=rank, alternate=alternate, warmup_steps=warmup_steps)
     except ValueError as e:
         raise ValueError(f"--{e}") from None
 

@@ -73,7 +73,7 @@ flags.DEFINE_string("density", "auto", "CSC after warm-up: auto = dense or spars
                     "link and the gradient's regime say (ChunkSparsity's default); a fraction of chunks "
                     "sent per step; 1 = dense (with --reducer lowrank 1 unless given)")
 flags.DEFINE_integer("chunk_size", 1024, "CSC chunk size in elements")
-flags.DEFINE_integer("warmup_steps", 50, "dense steps before CSC starts")
+flags.DEFINE_integer("warmup_steps", 50, "dense steps before CSC or low rank starts")
 flags.DEFINE_enum("selection", "per_pack", ["per_pack", "global", "ahead"],
                   "CSC top-k: per_pack (k chunks of each pack), global (K chunks over the whole "
                   "model) or ahead (each pack's k chosen at the step before: one collective a step)")

@@ -31,7 +31,8 @@ def on_wire(values, bound, fp16):
 
 class Model:
     """The method in float64, in pack order: per compressed matrix its Q (and P, alternating
-    form) and per replica its residual; the other tensors summed."""
+    form) and per replica its residual; the other tensors summed. The first
+    `reducer.warmup_steps` steps sum every tensor (the dense warm-up)."""
 
     def __init__(self, reducer, spec, replicas, fp16):
         self.reducer, self.fp16 = reducer, fp16
@@ -40,12 +41,12 @@ class Model:
         self.qs = [initial_factor(m, reducer.rank, reducer.seed, 0, j).astype(np.float64)
                    for j, (_, m) in enumerate(self.layout.dims)]
         self.ps = [np.zeros((n, reducer.rank)) for n, _ in self.layout.dims]
-        self.count = 0   # the alternating form's steps
+        self.count = 0   # the steps run (the set's count: warm-up, the alternating form's phase)
         self.residuals = [[np.zeros((n, m)) for n, m in self.layout.dims] for _ in range(replicas)]
 
     def load(self, arrays, count=0):
         """Q (and P) and the residuals from the reducer's state arrays (`LowRankState.to_arrays`),
-        and the alternating form's step count."""
+        and the set's step count."""
         self.count = count
         for j, (n, m) in enumerate(self.layout.dims):
             self.qs[j] = arrays[f"q{j}_r0"].astype(np.float64)
@@ -68,6 +69,8 @@ class Model:
         return out
 
     def step(self, grads):
+        if self.count < self.reducer.warmup_steps:
+            return self._dense(grads)
         out = {}
         for position in self.layout.dense:
             i = self.indices[position]
@@ -80,7 +83,7 @@ class Model:
                 continue
             q = self.qs[j]
             ps = [mm @ q for mm in ms]
-            bound = sum(np.linalg.norm(mm, axis=1).max() for mm in ms) * np.linalg.norm(q, axis=0).max()
+            bound = sum(np.abs(p).max() for p in ps)
             p_hat = gram_schmidt(sum(on_wire(ps, bound, self.fp16)))
             local_qs = [mm.T @ p_hat for mm in ms]
             bound = sum(np.linalg.norm(mm, axis=0).max() for mm in ms)
@@ -91,10 +94,18 @@ class Model:
         self.count += 1
         return [out[i] for i in range(len(grads[0]))]
 
+    def _dense(self, grads):
+        """A warm-up step: every tensor summed as a dense FP16 pack sends it (scaled by the power
+        of two of the SUM of its max |g|); the state unchanged but the count."""
+        self.count += 1
+        return [sum(on_wire([g[i].astype(np.float64) for g in grads],
+                            sum(np.abs(g[i]).max() for g in grads), self.fp16))
+                for i in range(len(grads[0]))]
+
     def _alternate(self, j, ms):
         """Matrix j's ACP-SGD step: on an even count P = SUM M_r Q^, else Q = SUM M_r^T P^ (the
         other factor orthogonalised); the reduced matrix; the residuals."""
-        if self.count % 2 == 0:
+        if (self.count - self.reducer.warmup_steps) % 2 == 0:
             q_hat = gram_schmidt(self.qs[j])
             local = [mm @ q_hat for mm in ms]
             bound = sum(np.linalg.norm(mm, axis=1).max() for mm in ms)

@@ -108,8 +108,9 @@ def test_the_matrix_is_every_combination_with_tf_fp32_first_in_each_group():
     assert len(runs) == 2 * 2 * 2 * 2 * 2 == len(set(runs))
     assert runs[0] == ("digits", 2, 100.0, "tf_fp32", 0) and runs[1] == ("digits", 2, 100.0, "csc_1", 0)
     full = convergence.preset("full", root=True)
-    assert set(full["methods"]) == {"tf_fp32", "tf_fp16", "gf_fp16", "default", "csc_1", "csc_1_ahead", "csc_auto"}
-    assert len(convergence.matrix(**full)) == 4 * 7 * 3 * 2 * 2   # 4 tasks
+    assert set(full["methods"]) == {"tf_fp32", "tf_fp16", "gf_fp16", "default", "csc_1", "csc_1_ahead", "csc_auto",
+                                    "lowrank_2"}
+    assert len(convergence.matrix(**full)) == 4 * 8 * 3 * 2 * 2   # 4 tasks
     quick = convergence.matrix(**convergence.preset("quick", root=True))
     assert [(r[0], r[1], r[2], r[4]) for r in quick] == [("mnist1d_wide", 2, 100.0, 0)] * 2
     assert convergence.preset("quick", root=False)["links"] == [None]

@@ -86,7 +86,7 @@ def test_each_of_20_steps_matches_the_float64_model(replicas, compression, rtol,
     each power step amplifies the previous steps' rounding, 1e-7 at step 1 to 1e-4 at step 20.)
     On the FP16 wire the gradients are 1e4 in size: unscaled, the factors' sums would
     overflow float16 (their entries reach about 1e5)."""
-    reducer = LowRank(rank=2)
+    reducer = LowRank(rank=2, warmup_steps=0)
     run = Harness(replicas, reducer, compression)
     rng = np.random.default_rng(replicas)
     model = None
@@ -117,7 +117,7 @@ def test_each_of_20_alternating_steps_matches_the_float64_model(replicas, compre
     """The one-collective form (ACP-SGD) as the two-collective test above: from the state the
     reducer holds before each step (Q, P, residuals, step count), the outputs and the new state
     match the float64 model; the count moves by one a step on every replica."""
-    reducer = LowRank(rank=2, alternate=True)
+    reducer = LowRank(rank=2, alternate=True, warmup_steps=0)
     run = Harness(replicas, reducer, compression)
     rng = np.random.default_rng(10 + replicas)
     model = None
@@ -150,7 +150,7 @@ def test_error_feedback_sends_what_rank_1_left_behind():
     rng = np.random.default_rng(0)
     u, v = rng.normal(size=(16, 2)), rng.normal(size=(8, 2))
     g = (u @ np.diag([3.0, 1.0]) @ v.T).astype(np.float32)
-    run = Harness(2, LowRank(rank=1, min_compression=1), None, shapes=[shape])
+    run = Harness(2, LowRank(rank=1, min_compression=1, warmup_steps=0), None, shapes=[shape])
     total = 2 * g.astype(np.float64)
     sent, missed = np.zeros(shape), []
     for t in range(1, 61):
@@ -161,7 +161,7 @@ def test_error_feedback_sends_what_rank_1_left_behind():
 
 def test_small_tensors_travel_dense_and_exact():
     shapes = [(12, 10), (4, 3), (10,), (2, 2, 2)]
-    reducer = LowRank(rank=2)
+    reducer = LowRank(rank=2, warmup_steps=0)
     run = Harness(2, reducer, None, shapes=shapes)
     grads = gradients(np.random.default_rng(1), 2, shapes)
     out = run(grads)
@@ -196,7 +196,7 @@ def test_matrix_shape_folds_all_dimensions_but_the_last():
 
 
 def test_figures_count_compressed_and_factor_elements():
-    run = Harness(2, LowRank(rank=2), None)
+    run = Harness(2, LowRank(rank=2, warmup_steps=0), None)
     run(gradients(np.random.default_rng(2), 2))
     totals = run.gfar.stats.totals()
     assert totals["figure_compressed_elements"] == 12 * 10 + 36 * 6
@@ -213,6 +213,9 @@ def test_figures_count_compressed_and_factor_elements():
     ({"min_compression": float("inf")}, r"min_compression must be a finite number >= 1 .* got inf"),
     ({"min_compression": "2"}, r"min_compression must be a finite number >= 1 .* got '2'"),
     ({"seed": -1}, "seed must be an integer >= 0, got -1"),
+    ({"warmup_steps": -1}, r"warmup_steps must be an integer >= 0 \(dense steps before "
+                           r"compression starts\), got -1"),
+    ({"warmup_steps": 2.0}, r"warmup_steps must be an integer >= 0 .* got 2.0"),
 ])
 def test_bad_settings_name_the_setting_and_its_accepted_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -222,7 +225,8 @@ def test_bad_settings_name_the_setting_and_its_accepted_values(kwargs, message):
 def test_settings_and_cost():
     reducer = LowRank(rank=4, min_compression=3)
     assert [(name, value) for name, value, _ in reducer.settings()] == [
-        ("low-rank rank", 4), ("low-rank min_compression", 3.0), ("low-rank seed", 0)]
+        ("low-rank rank", 4), ("low-rank min_compression", 3.0), ("low-rank seed", 0),
+        ("low-rank warmup_steps", 50)]
     assert reducer.cost(1 << 20, wire.FP16).collective_bytes == (8, 2 * 1024 * 4, 2 * 1024 * 4)
     assert reducer.cost(1 << 20, wire.get(None)).collective_bytes == (4 * 1024 * 4,) * 2
     assert reducer.cost(100, wire.get(None)).collective_bytes == (400,)   # 10 x 10: dense
@@ -231,7 +235,7 @@ def test_settings_and_cost():
 @pytest.mark.parametrize("bad_variable", [0, 2])   # a compressed matrix; a dense bias
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_a_non_finite_step_reaches_the_outputs_and_leaves_the_state(bad_variable, bad):
-    run = Harness(2, LowRank(rank=2), "fp16")
+    run = Harness(2, LowRank(rank=2, warmup_steps=0), "fp16")
     rng = np.random.default_rng(3)
     for _ in range(3):
         run(gradients(rng, 2))
@@ -254,7 +258,8 @@ def test_backup_and_restore_gives_back_q_and_residuals_bitwise(tmp_path):
     """fit on 2 replicas (both kernels compressed at rank 1, FP16 wire), preempted after epoch 1
     under BackupAndRestore; the restarted job gets Q and the residuals back bit for bit and ends
     with the weights and state of an uninterrupted run."""
-    saved, gfar_a, gfar_c = preempted_and_resumed(lambda: LowRank(rank=1), tmp_path)
+    saved, gfar_a, gfar_c = preempted_and_resumed(lambda: LowRank(rank=1, warmup_steps=0),
+                                                  tmp_path)
     assert {"p0_q0_r0", "p0_q1_r1", "p0_residual_r0", "p0_residual_r1"} <= set(saved)
     assert np.any(saved["p0_residual_r1"] != saved["p0_residual_r0"])
     assert gfar_c.stats.totals() == gfar_a.stats.totals()
@@ -267,7 +272,7 @@ def test_backup_and_restore_gives_back_q_and_residuals_bitwise(tmp_path):
 def test_a_step_issues_one_all_reduce_for_the_ps_and_one_for_the_qs(compression, collectives):
     """The reducer called directly with a Communicator that records each all-reduce (2 replicas
     on one worker): the P's of both matrices travel in one buffer, the Q's in another."""
-    reducer = LowRank(rank=2)
+    reducer = LowRank(rank=2, warmup_steps=0)
     signature = [(tf.TensorShape(s), tf.float32) for s in SHAPES]
     (spec,) = gf_tf.packing.plan_packs(signature, 0, wire.get(compression))
     devices = tuple(DEVICES[:2])
@@ -314,7 +319,7 @@ def _direct_step(reducer, spec, states, grads, issued):
 def test_an_alternating_step_issues_one_all_reduce_for_the_ps_or_the_qs(compression, collectives):
     """Direct calls as above: the first step sends the P's of both matrices in one buffer, the
     second their Q's, the third the P's again; each step one factor all-reduce."""
-    reducer = LowRank(rank=2, alternate=True)
+    reducer = LowRank(rank=2, alternate=True, warmup_steps=0)
     signature = [(tf.TensorShape(s), tf.float32) for s in SHAPES]
     (spec,) = gf_tf.packing.plan_packs(signature, 0, wire.get(compression))
     states = reducer.create_states([spec], DEVICES[:2])
@@ -334,7 +339,7 @@ def test_a_restored_alternating_state_continues_on_its_phase():
     """3 steps (the next one sends the Q's), the set's arrays saved and assigned into a fresh
     state: the 4th step from the restored state issues the Q's and gives the same bits as the
     4th step of the original."""
-    reducer = LowRank(rank=2, alternate=True)
+    reducer = LowRank(rank=2, alternate=True, warmup_steps=0)
     signature = [(tf.TensorShape(s), tf.float32) for s in SHAPES]
     (spec,) = gf_tf.packing.plan_packs(signature, 0, wire.FP16)
     rng = np.random.default_rng(5)
@@ -362,8 +367,8 @@ def test_backup_and_restore_keeps_the_alternating_phase(tmp_path):
     """As the test above it for the two-collective form: fit preempted after epoch 1 and resumed
     under BackupAndRestore; the step counter, P and Q come back, and the resumed run ends with
     the uninterrupted run's weights and state, bit for bit."""
-    saved, gfar_a, gfar_c = preempted_and_resumed(lambda: LowRank(rank=1, alternate=True),
-                                                  tmp_path)
+    saved, gfar_a, gfar_c = preempted_and_resumed(
+        lambda: LowRank(rank=1, alternate=True, warmup_steps=0), tmp_path)
     assert saved["step_r0"] == saved["step_r1"] == 8
     assert {"p0_q0_r0", "p0_p_factor1_r1", "p0_residual_r1"} <= set(saved)
     assert gfar_c.stats.totals() == gfar_a.stats.totals()
@@ -371,7 +376,7 @@ def test_backup_and_restore_keeps_the_alternating_phase(tmp_path):
 
 @pytest.mark.parametrize("bad_variable", [0, 2])   # a compressed matrix; a dense bias
 def test_a_non_finite_alternating_step_leaves_the_state_and_the_phase(bad_variable):
-    run = Harness(2, LowRank(rank=2, alternate=True), "fp16")
+    run = Harness(2, LowRank(rank=2, alternate=True, warmup_steps=0), "fp16")
     rng = np.random.default_rng(6)
     for _ in range(3):
         run(gradients(rng, 2))
@@ -389,15 +394,112 @@ def test_a_non_finite_alternating_step_leaves_the_state_and_the_phase(bad_variab
 
 
 def test_the_alternating_form_declares_itself_and_costs_one_factor():
-    reducer = LowRank(rank=4, min_compression=3, alternate=True)
+    reducer = LowRank(rank=4, min_compression=3, alternate=True, warmup_steps=0)
     assert [(name, value) for name, value, _ in reducer.settings()] == [
         ("low-rank rank", 4), ("low-rank min_compression", 3.0), ("low-rank seed", 0),
-        ("low-rank alternate", 1)]
+        ("low-rank warmup_steps", 0), ("low-rank alternate", 1)]
     assert reducer.cost(1 << 20, wire.FP16).collective_bytes == (8, 2 * 1024 * 4)
     assert reducer.cost(1 << 20, wire.get(None)).collective_bytes == (4 * 1024 * 4,)
     assert reducer.cost(100, wire.get(None)).collective_bytes == (400,)   # 10 x 10: dense
     with pytest.raises(ValueError, match="alternate must be True or False, got 'yes'"):
         LowRank(alternate="yes")
+
+
+WARMUP = 3
+
+
+@pytest.mark.parametrize("alternate", [False, True])
+@pytest.mark.parametrize("compression, rtol, scale", [(None, 1e-6, 1.0), ("fp16", 1e-3, 1e4)])
+def test_warm_up_steps_are_dense_then_compression_starts_as_from_step_one(alternate, compression,
+                                                                         rtol, scale):
+    """LowRank(warmup_steps=3) on 2 replicas: steps 1 to 3 give every tensor's dense sum (the
+    FP16 pack's rounding on that wire) and leave Q and the residuals at their first values while
+    the count moves; step 4 matches the float64 model of a reducer without warm-up at its first
+    step (the same Q, zero residuals; the alternating form sends the P's), and steps 5 and 6
+    follow the model started there."""
+    reducer = LowRank(rank=2, alternate=alternate, warmup_steps=WARMUP)
+    run = Harness(2, reducer, compression)
+    rng = np.random.default_rng(20)
+    first = None
+    for t in range(WARMUP):
+        grads = gradients(rng, 2, scale=scale)
+        out = run(grads)
+        if first is None:
+            spec, state = run.spec_and_state()
+            first = state.to_arrays()
+            dense = Model(reducer, spec, 2, fp16=compression == "fp16")
+        want = dense.step(grads)
+        for r in range(2):
+            for got, expected in zip(out[r], want):
+                assert_close(got, expected, rtol)
+        assert run.step_count() == t + 1
+        for key, value in state.to_arrays().items():
+            np.testing.assert_array_equal(value, first[key], err_msg=key)
+    assert not np.any(first["residual_r0"])
+    model = Model(LowRank(rank=2, alternate=alternate, warmup_steps=0), spec, 2,
+                  fp16=compression == "fp16")
+    for t in range(3):
+        grads = gradients(rng, 2, scale=scale)
+        out = run(grads)
+        want = model.step(grads)
+        for r in range(2):
+            for i, (got, expected) in enumerate(zip(out[r], want)):
+                assert_close(got, expected, rtol), (t, r, i)
+        for key, value in model.arrays().items():
+            assert_close(state.to_arrays()[key], value, rtol), (t, key)
+        assert run.step_count() == WARMUP + t + 1
+
+
+def test_a_non_finite_warm_up_step_does_not_count():
+    """An inf in a warm-up step reaches the outputs and leaves the count: the warm-up still
+    takes 3 finite steps, on every worker alike (the flag is the all-reduced values')."""
+    run = Harness(2, LowRank(rank=2, warmup_steps=WARMUP), "fp16")
+    rng = np.random.default_rng(21)
+    run(gradients(rng, 2))
+    grads = gradients(rng, 2)
+    grads[1][0].flat[2] = np.inf
+    assert not np.all(np.isfinite(run(grads)[0][0]))
+    assert run.step_count() == 1
+    for _ in range(2):
+        run(gradients(rng, 2))
+    _, state = run.spec_and_state()
+    assert run.step_count() == WARMUP and not np.any(state.to_arrays()["residual_r0"])
+    run(gradients(rng, 2))
+    assert np.any(state.to_arrays()["residual_r0"])
+
+
+def test_backup_and_restore_keeps_the_warm_up_count(tmp_path):
+    """fit preempted during the warm-up (10 steps; 8 run when the backup is written) and resumed
+    under BackupAndRestore: the count comes back with the (zero) residuals, the resumed run
+    switches to compression at the same step and ends with the uninterrupted run's weights and
+    state, bit for bit."""
+    saved, gfar_a, _ = preempted_and_resumed(lambda: LowRank(rank=1, warmup_steps=10), tmp_path)
+    assert saved["step_r0"] == saved["step_r1"] == 8
+    assert not np.any(saved["p0_residual_r0"]) and not np.any(saved["p0_residual_r1"])
+    (variable_set,) = gfar_a.states().values()
+    assert np.any(variable_set.to_arrays()["p0_residual_r0"])   # compressed after step 10
+
+
+def test_a_warm_up_declares_its_count_and_a_direct_step_issues_the_dense_packs():
+    """The set state holds the count ("step_r{r}") with a warm-up and not without one; a
+    warm-up step called directly issues the dense reducer's collectives (the control vector,
+    then the whole pack on its wire) and sends no factor."""
+    signature = [(tf.TensorShape(s), tf.float32) for s in SHAPES]
+    (spec,) = gf_tf.packing.plan_packs(signature, 0, wire.FP16)
+    assert LowRank(rank=2, warmup_steps=0).create_states([spec], DEVICES[:2])[0] is None
+    reducer = LowRank(rank=2, warmup_steps=1)
+    states = reducer.create_states([spec], DEVICES[:2])
+    assert sorted(states[0].to_arrays()) == ["step_r0", "step_r1"]
+    issued = []
+    _, sent = _direct_step(reducer, spec, states, gradients(np.random.default_rng(22), 2), issued)
+    assert issued == [("float32", len(SHAPES)), ("float16", spec.num_elements)]
+    assert int(sent.sent_bytes) == 2 * spec.num_elements + 4 * len(SHAPES)
+    assert int(sent.figures["factor_elements"]) == 0
+    assert [int(v.numpy()) for v in states[0].steps] == [1, 1]
+    issued.clear()
+    _, sent = _direct_step(reducer, spec, states, gradients(np.random.default_rng(23), 2), issued)
+    assert [dtype for dtype, _ in issued] == ["float32"] + ["float16"] * 3
+    assert int(sent.figures["factor_elements"]) == (36 + 6) * 2 + (12 + 10) * 2
 
 
 @pytest.mark.slow   # 2 and 3 worker processes
@@ -414,7 +516,7 @@ def test_workers_get_the_same_bits_and_match_the_model(workers):
     shapes = [(24, 16), (3, 3, 4, 8), (16,)]
     signature = [(tf.TensorShape(s), tf.float32) for s in shapes]
     (spec,) = gf_tf.packing.plan_packs(signature, 0, wire.FP16)
-    reducer = LowRank(rank=2)
+    reducer = LowRank(rank=2, warmup_steps=0)
     model = Model(reducer, spec, workers, fp16=True)
     for step in range(4):
         if step:

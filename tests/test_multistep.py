@@ -191,7 +191,7 @@ class NumpyLowRank:
     def __init__(self, rank):
         signature = [(tf.TensorShape([8, 3]), tf.float32), (tf.TensorShape([3]), tf.float32)]
         (spec,) = gf_tf.packing.plan_packs(signature, 0, gf_tf.wire.get(None))
-        self.model = Model(LowRank(rank=rank), spec, 2, fp16=False)
+        self.model = Model(LowRank(rank=rank, warmup_steps=0), spec, 2, fp16=False)
 
     def step(self, g, density=None):   # pylint: disable=unused-argument
         out = self.model.step([[gr[3:].reshape(8, 3), gr[:3]] for gr in g])

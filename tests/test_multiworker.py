@@ -104,6 +104,8 @@ def test_mismatched_settings_fail_fast_naming_setting_and_workers():
     ([["--reducer", "lowrank", "--rank", "2"], ["--reducer", "lowrank", "--rank", "1"]],
      "low-rank rank: worker 0 = 2, worker 1 = 1"),
     ([["--reducer", "lowrank"], []], "reducer: worker 0 = LowRank, worker 1 = DenseReducer"),
+    ([["--reducer", "lowrank", "--warmup_steps", "5"], ["--reducer", "lowrank"]],
+     "low-rank warmup_steps: worker 0 = 5, worker 1 = 0"),
     # Rank 4 compresses none of the model's matrices (8x32 takes rank 1 to 3): worker 1's
     # reducer refuses the set, and worker 0 hears the mismatch, not only that its peer stopped.
     ([["--reducer", "lowrank", "--rank", "2"], ["--reducer", "lowrank", "--rank", "4"]],

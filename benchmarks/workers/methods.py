@@ -114,8 +114,8 @@ _ENTRIES = [
     Method("csc_1_ahead_overlap", "GradientFlow CSC 1% ahead, a group per pack",
            gradient_flow={"overlap": True}, csc={"density": 0.01, "selection": "ahead"}),
     # Each matrix's gradient as two rank-r factors (PowerSGD), the rest dense, on the FP16 wire.
-    *[Method(f"lowrank_{r}", f"GradientFlow low-rank (PowerSGD), rank {r}", lowrank={"rank": r})
-      for r in (1, 2, 4)],
+    *[Method(f"lowrank_{r}", f"GradientFlow low-rank (PowerSGD), rank {r}", lowrank={"rank": r},
+             presets=_CONVERGENCE if r == 2 else frozenset()) for r in (1, 2, 4)],
     # lowrank_2 sending one factor a step, the P's and the Q's in turn (ACP-SGD).
     Method("lowrank_2_acp", "GradientFlow low-rank, rank 2, P and Q in turn (ACP-SGD)",
            lowrank={"rank": 2, "alternate": True}),
@@ -234,7 +234,8 @@ def _pinned_settings(name: str) -> Dict[str, object]:
 
 def gradient_flow_kwargs(name: str, warmup_steps: int = 0) -> Dict[str, object]:
     """The GradientFlowAllReduce keywords of a GradientFlow method, sparsity or reducer included
-    (a new gf_tf.ChunkSparsity(warmup_steps=warmup_steps, ...) or LowRank each call). csc_1_mc's
+    (a new gf_tf.ChunkSparsity(warmup_steps=warmup_steps, ...) or
+    LowRank(warmup_steps=warmup_steps, ...) each call). csc_1_mc's
     momentum correction is ChunkSparsity(momentum=0.9) here too.
 
     Raises ValueError for an unknown method or one of TensorFlow's own all-reduce."""
@@ -246,7 +247,7 @@ def gradient_flow_kwargs(name: str, warmup_steps: int = 0) -> Dict[str, object]:
     if method.csc is not None:
         kwargs["sparsity"] = gf_tf.ChunkSparsity(warmup_steps=warmup_steps, **method.csc)
     if method.lowrank is not None:
-        kwargs["reducer"] = gf_tf.reducers.LowRank(**method.lowrank)
+        kwargs["reducer"] = gf_tf.reducers.LowRank(warmup_steps=warmup_steps, **method.lowrank)
     return kwargs
 
 

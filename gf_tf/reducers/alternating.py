@@ -9,10 +9,11 @@ with an even count (`LowRankSetState.steps`) sends the P's and the next one the 
 
 (out times 1/N for MEAN). Each step is half a power-iteration step, warm-started from the other
 factor, and the residuals of all replicas add up to SUM_r M_r - out, as in the two-collective
-form (`gf_tf.reducers.lowrank`). The phase is one `tf.cond` over the step, so every worker (whose
-counters are equal) issues the same one collective. On a scaled wire the bounds are those of the
-two-collective form with Q^'s unit columns: |P_r| <= max row norm of M_r, |Q_r| <= max column
-norm of M_r.
+form (`gf_tf.reducers.lowrank`). The phase is one `tf.cond` over the factors (the count moves
+together on every worker, so every worker issues the same one collective); out and M_r minus the
+residual are then one batched product, and the residual is written only on a finite step. On a
+scaled wire the bound of the phase's factor uses Q^'s (P^'s) unit columns: |P_r| <= max row
+norm of M_r, |Q_r| <= max column norm of M_r.
 
 Source: Zhang, Zhang, Shi, Chu and Li, "Evaluation and Optimization of Gradient Compression for
 Distributed Deep Learning" (ICDCS 2023), ACP-SGD (Alternate Compressed PowerSGD), Algorithm 2.
@@ -24,7 +25,7 @@ import tensorflow as tf
 
 from gf_tf import ops, wire
 from gf_tf.reducers.base import Sent, StepInput, wire_scales
-from gf_tf.reducers.factors import Matrix, orthogonalise
+from gf_tf.reducers.factors import Matrix, orthogonalise, products, residual_commits
 
 
 def alternate_factors(step: StepInput, group: List[Matrix], ms, bounds, wire_format: wire.WireFormat,
@@ -37,7 +38,8 @@ def alternate_factors(step: StepInput, group: List[Matrix], ms, bounds, wire_for
         bounds of the P's, then of the Q's (unused on an unscaled wire); sums: the communicator
         without MEAN; sends_p: bool scalar, this step sends the P's.
       outputs, finite, commits: filled as `LowRank.reduce`'s (per pack, per replica the reduced
-        tensors; per replica the AND of finiteness; per replica (variable, new value) pairs).
+        tensors; per replica the AND of finiteness; per replica (variable, new value) pairs,
+        a residual's value as a function that computes it).
 
     Returns:
       What the step sent (a scalar tensor: the factor's bytes depend on the phase).
@@ -54,44 +56,45 @@ def alternate_factors(step: StepInput, group: List[Matrix], ms, bounds, wire_for
                 fixed = [orthogonalise(f) for f in held]
                 if p_step:
                     local = [m @ q for m, q in zip(m_list, fixed)]
-                    pairs = zip(local, fixed)
                 else:
                     local = [tf.matmul(m, p, transpose_a=True) for m, p in zip(m_list, fixed)]
-                    pairs = zip(fixed, local)
-                residuals = [m - tf.matmul(p, q, transpose_b=True)
-                             for m, (p, q) in zip(m_list, pairs)]
                 prescale, postscale = wire_scales(wire_format, sums,
                                                   lambda: bound[:k] if p_step else bound[k:])
-                return ops.pack(local, dtype, prescale), postscale, fixed, residuals
-            buffers, posts, fixed, residuals = zip(*comm.map(send, ms, bounds))
+                return ops.pack(local, dtype, prescale), postscale, fixed, local
+            buffers, posts, fixed, local = zip(*comm.map(send, ms, bounds))
             summed = comm.all_reduce_sum(list(buffers))
 
-            def receive(r, total, post, fixed_list):
+            def receive(r, total, post, fixed_list, local_list):
                 got = ops.unpack(total, [[x.n if p_step else x.m, rank] for x in group],
                                  [tf.float32] * k, post)
-                outs = [tf.matmul(*((g, f) if p_step else (f, g)), transpose_b=True)
-                        * comm.postscale for g, f in zip(got, fixed_list)]
                 kept = [(s.qs if p_step else s.ps)[x.j][r].read_value()
                         for s, x in zip(states, group)]
-                new = (got, kept) if p_step else (kept, got)
-                return outs, new, tf.reduce_all(tf.math.is_finite(total))
-            received = comm.map(receive, summed, posts, fixed)
-            return [[outs, ps, qs, list(res), ok]
-                    for (outs, (ps, qs), ok), res in zip(received, residuals)]
+                # Per matrix the factors of out (MEAN's 1/N on the sum) and of M_r - residual_r.
+                if p_step:
+                    factors = [(g * comm.postscale, f, own, f)
+                               for g, f, own in zip(got, fixed_list, local_list)]
+                    new = (got, kept)
+                else:
+                    factors = [(f, g * comm.postscale, f, own)
+                               for g, f, own in zip(got, fixed_list, local_list)]
+                    new = (kept, got)
+                return factors, new, tf.reduce_all(tf.math.is_finite(total))
+            return comm.map(receive, summed, posts, fixed, local)
         return run
 
     per_replica = tf.cond(sends_p, branch(True), branch(False))
-    for i, (r, (outs, ps, qs, residuals, ok)) in enumerate(zip(comm.replicas, per_replica)):
+    for i, (r, m_list, (factors, (ps, qs), ok)) in enumerate(zip(comm.replicas, ms, per_replica)):
         finite[i] = finite[i] & ok
-        for x, state, out, p, q in zip(group, states, outs, ps, qs):
-            pack = step.packs[x.pack]
-            shape, out_dtype = pack.spec.shapes[x.position], pack.spec.dtypes[x.position]
-            outputs[x.pack][i][x.position] = tf.cast(tf.reshape(out, shape), out_dtype)
-            commits[i] += [(state.ps[x.j][r], p), (state.qs[x.j][r], q)]
-        for state in dict.fromkeys(states):   # each pack's residual: its matrices in order
-            own = [res for s, res in zip(states, residuals) if s is state]
-            commits[i].append((state.residuals[r],
-                               tf.concat([tf.reshape(res, [-1]) for res in own], 0)))
+        approximations = []
+        with tf.device(comm.devices[i]):
+            for x, state, p, q, (a, b, a_own, b_own) in zip(group, states, ps, qs, factors):
+                out, approximation = products(a, b, a_own, b_own)
+                pack = step.packs[x.pack]
+                shape, out_dtype = pack.spec.shapes[x.position], pack.spec.dtypes[x.position]
+                outputs[x.pack][i][x.position] = tf.cast(tf.reshape(out, shape), out_dtype)
+                commits[i] += [(state.ps[x.j][r], p), (state.qs[x.j][r], q)]
+                approximations.append(approximation)
+        commits[i] += residual_commits(group, states, r, m_list, approximations)
     with tf.device("/cpu:0"):
         elements = tf.where(sends_p, sum(x.n for x in group), sum(x.m for x in group)) * rank
         sent_bytes = tf.cast(elements, tf.int64) * dtype.size + (4 * 2 * k if wire_format.scaled

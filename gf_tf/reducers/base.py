@@ -170,7 +170,7 @@ Reduced = List[List[List[tf.Tensor]]]
 
 # Settings a reducer may declare for the handshake: the handshake has a fixed width (one
 # collective that cannot itself mismatch), so every reducer's settings are padded to this.
-MAX_REDUCER_SETTINGS = 4
+MAX_REDUCER_SETTINGS = 5
 
 
 @dataclasses.dataclass(frozen=True)

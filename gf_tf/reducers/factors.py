@@ -44,6 +44,38 @@ def orthogonalise(p: tf.Tensor) -> tf.Tensor:
     return tf.stack(columns, axis=1)
 
 
+def largest_norm(ms: Sequence[tf.Tensor], axis: int) -> tf.Tensor:
+    """float32 [len(ms)]: the largest row (axis=1) or column (axis=0) norm of each matrix. The
+    column sums of squares are a product with a row of ones: TensorFlow's CPU Sum over the
+    outer axis of a row-major matrix takes about three times as long as the matrix product."""
+    def squares(m):
+        if axis == 0:
+            return tf.matmul(tf.ones([1, int(m.shape[0])]), tf.square(m))
+        return tf.reduce_sum(tf.square(m), axis=1)
+    return tf.stack([tf.sqrt(tf.reduce_max(squares(m))) for m in ms])
+
+
+def products(a: tf.Tensor, b: tf.Tensor, c: tf.Tensor, d: tf.Tensor
+             ) -> Tuple[tf.Tensor, tf.Tensor]:
+    """(a b^T, c d^T) for float32 a, c [n, rank] and b, d [m, rank], as one batched matrix
+    product: the reduced gradient and M_r's approximation (M_r - residual_r) of one matrix."""
+    first, second = tf.unstack(tf.matmul(tf.stack([a, c]), tf.stack([b, d]), transpose_b=True))
+    return first, second
+
+
+def residual_commits(group, states, r: int, ms, approximations) -> List[tuple]:
+    """Per pack of the matrices `group` (`states`: each matrix's pack state), (its replica-r
+    residual variable, a function giving its new value: M - approximation of each of its
+    matrices, flattened and concatenated in pack order). A function, so a non-finite step
+    neither computes nor writes it (`LowRank.reduce`)."""
+    commits = []
+    for state in dict.fromkeys(states):
+        own = [(m, a) for s, m, a in zip(states, ms, approximations) if s is state]
+        commits.append((state.residuals[r], lambda own=own: tf.concat(
+            [tf.reshape(m - a, [-1]) for m, a in own], 0)))
+    return commits
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Which tensors of a pack are compressed.
@@ -96,11 +128,13 @@ class LowRankState(VariablesState):
 
 
 class LowRankSetState(VariablesState):
-    """The alternating form's state of a variable set, shared by its packs.
+    """The state of a variable set shared by its packs (with a warm-up or the alternating form).
 
     steps: per local replica, int64 scalar on the host: the steps that all-reduced finite
-      factors; an even count sends the P's next, an odd one the Q's. It moves on every worker
-      together (the finiteness it waits for is that of all-reduced values).
+      values, dense warm-up steps included. Below `LowRank.warmup_steps` the next step is
+      dense; after it, in the alternating form, an even count of compressed steps sends the P's
+      next, an odd one the Q's. It moves on every worker together (the finiteness it waits for
+      is that of all-reduced values).
     """
 
     def __init__(self, name: str, num_replicas: int):

@@ -4,11 +4,13 @@ Each matrix-shaped gradient M (2-D, or a kernel reshaped to [fan-in, fan-out]: a
 but the last by the last; n x m) of replica r, plus that replica's residual, is compressed by
 one step of power iteration with a warm-started Q (float32 [m, rank], equal on every replica):
 
-    P   = SUM_r M_r Q                  (one all-reduce for the P's of all matrices of the step)
+    P_r = M_r Q;  P = SUM_r P_r        (one all-reduce for the P's of all matrices of the step)
     P^  = orthogonalise(P)             (modified Gram-Schmidt in float32, the same on every replica)
     Q_r = M_r^T P^
     Q'  = SUM_r Q_r                    (one all-reduce for the Q's)
-    out = P^ Q'^T (times 1/N for MEAN); residual_r = M_r - P^ Q_r^T; Q = Q' for the next step.
+    out = P^ Q'^T (Q' times 1/N for MEAN); residual_r = M_r - P^ Q_r^T; Q = Q' for the next step.
+
+out and P^ Q_r^T are one batched matrix product (`factors.products`).
 
 The residual is each replica's own share of what the approximation missed (error feedback,
 Vogels et al.'s Algorithm 2), so the residuals of all replicas add up to SUM_r M_r - P^ Q'^T.
@@ -16,27 +18,35 @@ Tensors that would not shrink by `min_compression` ((n + m) rank > n m / min_com
 biases, small layers) travel as dense packs through `gf_tf.reducers.DenseReducer.reduce_pack`.
 
 On a scaled wire (FP16) every factor is multiplied by a power of two from an all-reduced bound
-(`wire_scales`), as packs are: |P_r| <= max row norm of M_r x max column norm of Q, and
-|Q_r| <= max column norm of M_r (P^'s columns have unit norm), so the bounds of the P's, the Q's
-and the dense packs travel in the step's one control all-reduce (`fuse_controls`) and no partial
-sum of the factors can overflow.
+(`wire_scales`), as packs are. P_r is computed before the control all-reduce, so its bound is
+its own max |P_r|; |Q_r| <= max column norm of M_r (P^'s columns have unit norm), the one bound
+that reads M. The bounds of the P's, the Q's and the dense packs travel in the step's one control
+all-reduce (`fuse_controls`); each factor's scale comes from the SUM over the N replicas of its
+bound, which bounds every partial sum of the all-reduce, so no partial sum can overflow.
 
 `LowRank(alternate=True)` sends one factor a step instead, the P's and the Q's in turn
 (ACP-SGD, `gf_tf.reducers.alternating`): one factor all-reduce per step.
 
 A step whose all-reduced factors or dense tensors hold inf or NaN returns them (the loss-scale
 optimizer then skips it on every worker: the all-reduced values are the same everywhere) and
-leaves Q and the residuals unchanged.
+leaves Q and the residuals unchanged: the state is written in one branch on the step's finite
+flag, so a finite step does not read the old residual and a non-finite one computes none.
+
+Warm-up (`warmup_steps`): the first steps that all-reduce finite values are dense, the whole
+packs on their wire as the dense reducer sends them (`DenseReducer.reduce`); Q keeps its first
+value and the residuals stay zero. The count (`LowRankSetState.steps`) moves together on every
+worker, so every worker switches at the same step (one `tf.cond` over the step).
 
 Source: Vogels, Karimireddy and Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for
 Distributed Optimization" (NeurIPS 2019), Algorithms 1 and 2; PyTorch's `powerSGD_hook`
-(`torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook`: warm start, `min_compression_rate`).
+(`torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook`: warm start, `min_compression_rate`,
+`start_powerSGD_iter`).
 """
 
 import dataclasses
 import math
 import numbers
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import tensorflow as tf
 
@@ -47,10 +57,14 @@ from gf_tf.reducers.base import (CostTerms, PackStep, Reducer, Sent, StepInput, 
                                  no_control, wire_scales)
 from gf_tf.reducers.dense import DenseReducer
 from gf_tf.reducers.factors import (Layout, LowRankSetState, LowRankState, Matrix, initial_factor,
-                                    matrix_shape, orthogonalise)
+                                    largest_norm, matrix_shape, orthogonalise, products,
+                                    residual_commits)
 
-__all__ = ["Layout", "LowRank", "LowRankSetState", "LowRankState", "initial_factor",
-           "matrix_shape", "orthogonalise"]
+# Dense steps before compression starts (LowRank's docstring: why 50).
+DEFAULT_WARMUP_STEPS = 50
+
+__all__ = ["DEFAULT_WARMUP_STEPS", "Layout", "LowRank", "LowRankSetState", "LowRankState",
+           "initial_factor", "matrix_shape", "orthogonalise"]
 
 
 class LowRank(Reducer):
@@ -66,6 +80,10 @@ class LowRank(Reducer):
       alternate: bool: False, two factor all-reduces per step (PowerSGD); True, one, the P's and
         the Q's in turn (ACP-SGD, `gf_tf.reducers.alternating`), each step sending n rank or
         m rank elements per compressed matrix.
+      warmup_steps: int >= 0, the dense steps (optimizer steps with finite gradients) before
+        compression starts: PyTorch's `start_powerSGD_iter`, whose documentation advises about
+        10% of the training's steps. DEFAULT_WARMUP_STEPS (50) is that share of a run of a few
+        hundred steps, and CSC's warm-up in `models.train`.
 
     Raises:
       ValueError: a setting out of range, naming the setting and its accepted values.
@@ -73,11 +91,11 @@ class LowRank(Reducer):
     The module docstring (`gf_tf.reducers.lowrank`) gives the step. Two all-reduces per step
     carry the factors (the P's of every matrix, then the Q's, one buffer per wire format; one
     with `alternate`), plus the dense remainder's packs and, on a scaled wire, one control
-    all-reduce.
+    all-reduce; a warm-up step issues the dense reducer's collectives instead.
     """
 
     def __init__(self, rank: int = 2, min_compression: float = 2.0, seed: int = 0,
-                 alternate: bool = False):
+                 alternate: bool = False, warmup_steps: int = DEFAULT_WARMUP_STEPS):
         if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank < 1:
             raise ValueError(f"rank must be an integer >= 1, got {rank!r}")
         if (isinstance(min_compression, bool) or not isinstance(min_compression, numbers.Real)
@@ -89,8 +107,12 @@ class LowRank(Reducer):
             raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
         if not isinstance(alternate, bool):
             raise ValueError(f"alternate must be True or False, got {alternate!r}")
+        if (isinstance(warmup_steps, bool) or not isinstance(warmup_steps, numbers.Integral)
+                or warmup_steps < 0):
+            raise ValueError(f"warmup_steps must be an integer >= 0 (dense steps before "
+                             f"compression starts), got {warmup_steps!r}")
         self.rank, self.min_compression, self.seed = int(rank), float(min_compression), int(seed)
-        self.alternate = alternate
+        self.alternate, self.warmup_steps = alternate, int(warmup_steps)
 
     def compresses(self, n: int, m: int) -> bool:
         """An n x m matrix shrinks by at least `min_compression` at this rank."""
@@ -121,7 +143,7 @@ class LowRank(Reducer):
 
     def create_states(self, packs, devices):
         """Per pack with compressed matrices its `LowRankState`, else None; with `alternate`
-        and compressed matrices, the set's `LowRankSetState` (else None).
+        or a warm-up, and compressed matrices, the set's `LowRankSetState` (else None).
 
         Raises:
           ValueError: the set has matrices and this rank compresses none of them (the message
@@ -140,7 +162,7 @@ class LowRank(Reducer):
             states.append(LowRankState(spec.key.replace("/", "_"), factors,
                                        sum(n * m for n, m in layout.dims), devices, p_shapes))
         shared = None
-        if self.alternate and any(s is not None for s in states):
+        if (self.alternate or self.warmup_steps) and any(s is not None for s in states):
             shared = LowRankSetState(packs[0].key.replace("/", "_"), len(devices))
         return shared, states
 
@@ -157,12 +179,13 @@ class LowRank(Reducer):
                          f"{accepted}")
 
     def settings(self):
-        """rank, min_compression and seed, then with `alternate` a fourth, "low-rank alternate"
-        = 1 (the handshake pads a two-collective worker's list with 0 there, so the two forms
-        never agree)."""
+        """rank, min_compression, seed and warmup_steps, then with `alternate` a fifth,
+        "low-rank alternate" = 1 (the handshake pads a two-collective worker's list with 0
+        there, so the two forms never agree)."""
         own = [("low-rank rank", self.rank, lambda v: str(int(v))),
                ("low-rank min_compression", self.min_compression, lambda v: f"{v:g}"),
-               ("low-rank seed", self.seed, lambda v: str(int(v)))]
+               ("low-rank seed", self.seed, lambda v: str(int(v))),
+               ("low-rank warmup_steps", self.warmup_steps, lambda v: str(int(v)))]
         if self.alternate:
             own.append(("low-rank alternate", 1, lambda v: str(bool(v))))
         return own
@@ -178,6 +201,31 @@ class LowRank(Reducer):
         return CostTerms(((8,) if wire_format.scaled else ()) + factors)
 
     def reduce(self, step: StepInput):
+        if step.shared is None or not self.warmup_steps:
+            return self._compressed(step)
+        comm, steps = step.comm, step.shared.steps
+        count = _count(step)
+
+        def warm_up():
+            outputs, sent = DenseReducer().reduce(step)
+            finite = [_all_finite(tf.constant(True), [t for pack in outputs for t in pack[i]])
+                      for i in range(len(comm.replicas))]
+            _commit(comm, finite, [[(steps[r], count + 1)] for r in comm.replicas])
+            return outputs, _as_int64(sent.sent_bytes, 0, 0)
+
+        def compress():
+            outputs, sent = self._compressed(step)
+            return outputs, _as_int64(sent.sent_bytes, sent.figures["compressed_elements"],
+                                      sent.figures["factor_elements"])
+
+        outputs, (sent_bytes, compressed, factors) = tf.cond(count < self.warmup_steps, warm_up,
+                                                             compress)
+        return outputs, Sent(dense_bytes=4 * sum(pack.spec.num_elements for pack in step.packs),
+                             sent_bytes=sent_bytes, figures={"compressed_elements": compressed,
+                                                             "factor_elements": factors})
+
+    def _compressed(self, step: StepInput):
+        """A compressed step (the module docstring): (outputs, what it sent)."""
         comm = step.comm
         sums = dataclasses.replace(comm, mean=False)   # the factors' sums; MEAN applied to `out`
         layouts = [self.layout(pack.spec) for pack in step.packs]
@@ -193,11 +241,24 @@ class LowRank(Reducer):
         ms = comm.map(lambda r, *grads: [self._with_residual(step.packs[x.pack], x, r, grads[x.pack])
                                          for x in matrices], *[p.grads for p in step.packs])
         index = {x: i for i, x in enumerate(matrices)}
-
+        groups = [(wire_format, group, [[m[index[x]] for x in group] for m in ms])
+                  for wire_format, group in wires.items()]
+        commits = [[] for _ in comm.replicas]
+        sends_p = None
+        if step.shared is not None and matrices:
+            count = _count(step)
+            for i, r in enumerate(comm.replicas):
+                commits[i].append((step.shared.steps[r], count + 1))
+            with tf.device("/cpu:0"):   # the alternating phase, from the first compressed step
+                sends_p = tf.equal((count - self.warmup_steps) % 2, 0)
+        # The two-collective form's P_r, before the control all-reduce: their bound is their own.
+        local_ps = [None if self.alternate else comm.map(
+            lambda r, m_list, group=group: [m @ step.packs[x.pack].state.qs[x.j][r]
+                                            for x, m in zip(group, m_list)], group_ms)
+                    for _, group, group_ms in groups]
         controls = fuse_controls(comm, [DenseReducer.bounds(part, comm) for _, part in dense_packs]
-                                 + [self._bounds(group, [[m[index[x]] for x in group] for m in ms],
-                                                 step, wire_format, comm)
-                                    for wire_format, group in wires.items()])
+                                 + [self._bounds(group_ms, ps, sends_p, wire_format, comm)
+                                    for (wire_format, _, group_ms), ps in zip(groups, local_ps)])
         outputs = [[[None] * len(pack.spec.shapes) for _ in comm.replicas] for pack in step.packs]
         sent = Sent(dense_bytes=4 * sum(x.n * x.m for x in matrices),
                     figures={"compressed_elements": sum(x.n * x.m for x in matrices),
@@ -212,23 +273,15 @@ class LowRank(Reducer):
                 for position, value in zip(layouts[p].dense, tensors):
                     outputs[p][i][position] = value
                 finite[i] = _all_finite(finite[i], tensors)
-        commits = [[] for _ in comm.replicas]
-        if self.alternate and matrices:
-            with tf.device("/cpu:0"):
-                count = step.shared.steps[comm.replicas[0]].read_value()
-                sends_p = tf.equal(count % 2, 0)
-            for i, r in enumerate(comm.replicas):
-                commits[i].append((step.shared.steps[r], count + 1))
-        for (wire_format, group), bounds in zip(wires.items(), controls[len(dense_packs):]):
-            group_ms = [[m[index[x]] for x in group] for m in ms]
+        for (wire_format, group, group_ms), ps, bounds in zip(groups, local_ps,
+                                                             controls[len(dense_packs):]):
             if self.alternate:
                 sent += alternate_factors(step, group, group_ms, bounds, wire_format, sums,
                                           self.rank, sends_p, outputs, finite, commits)
             else:
-                sent += self._factors(step, group, group_ms, bounds, wire_format, sums, outputs,
-                                      finite, commits)
-        comm.map(lambda r, ok, pairs: [v.assign(tf.where(ok, value, v.read_value()))
-                                       for v, value in pairs], finite, commits)
+                sent += self._factors(step, group, group_ms, ps, bounds, wire_format, sums,
+                                      outputs, finite, commits)
+        _commit(comm, finite, commits)
         return outputs, sent
 
     def _with_residual(self, pack: PackStep, x: Matrix, r: int, grads) -> tf.Tensor:
@@ -237,38 +290,39 @@ class LowRank(Reducer):
         return (tf.reshape(tf.cast(grads[x.position], tf.float32), [x.n, x.m])
                 + tf.reshape(residual, [x.n, x.m]))
 
-    def _bounds(self, group: List[Matrix], ms, step: StepInput, wire_format: wire.WireFormat,
+    def _bounds(self, ms, local_ps, sends_p, wire_format: wire.WireFormat,
                 comm) -> List[tf.Tensor]:
-        """Per served replica float32 [2 k] for the k matrices of a wire: the bounds of their P's,
-        then of their Q's (module docstring); [0] on an unscaled wire."""
+        """Per served replica float32 [2 k] for the k matrices of a wire (`ms`: per replica
+        their M's; `local_ps`: per replica their P_r, None in the alternating form): the bounds
+        of their P's, then of their Q's (module docstring); [0] on an unscaled wire. Only the
+        Q's bound reads M (its column norms); the alternating form computes the bound of the
+        one factor its phase sends (`sends_p`) and 0 for the other."""
         if not wire_format.scaled:
             return no_control(comm)
+        if self.alternate:
+            def bounds(r, m_list):
+                zeros = tf.zeros([len(m_list)])
+                return tf.cond(sends_p,
+                               lambda: tf.concat([largest_norm(m_list, axis=1), zeros], 0),
+                               lambda: tf.concat([zeros, largest_norm(m_list, axis=0)], 0))
+            return comm.map(bounds, ms)
+        return comm.map(lambda r, m_list, ps: tf.concat([ops.abs_max(ps),
+                                                         largest_norm(m_list, axis=0)], 0),
+                        ms, local_ps)
 
-        def bounds(r, m_list):
-            p_bounds, q_bounds = [], []
-            for x, m in zip(group, m_list):
-                # The alternating form multiplies by Q's orthonormal columns.
-                q_norm = 1.0 if self.alternate else tf.reduce_max(
-                    tf.norm(step.packs[x.pack].state.qs[x.j][r], axis=0))
-                p_bounds.append(tf.reduce_max(tf.norm(m, axis=1)) * q_norm)
-                q_bounds.append(tf.reduce_max(tf.norm(m, axis=0)))
-            return tf.stack(p_bounds + q_bounds)
-
-        return comm.map(bounds, ms)
-
-    def _factors(self, step: StepInput, group: List[Matrix], ms, bounds, wire_format, sums,
-                 outputs, finite, commits) -> Sent:
-        """The P and Q all-reduces of one wire's matrices; fills `outputs`, ANDs the factors'
-        finiteness into `finite` and appends the state's new values to `commits` (per replica)."""
+    def _factors(self, step: StepInput, group: List[Matrix], ms, local_ps, bounds, wire_format,
+                 sums, outputs, finite, commits) -> Sent:
+        """The P and Q all-reduces of one wire's matrices (`local_ps`: per replica their P_r);
+        fills `outputs`, ANDs the factors' finiteness into `finite` and appends the state's new
+        values to `commits` (per replica; a residual as a function that computes it)."""
         comm, k, rank = step.comm, len(group), self.rank
         dtype = step.packs[group[0].pack].spec.wire_dtype
         states = [step.packs[x.pack].state for x in group]
 
-        def send_p(r, m_list, bound):
+        def send_p(r, p_list, bound):
             prescale, postscale = wire_scales(wire_format, sums, lambda: bound[:k])
-            return ops.pack([m @ state.qs[x.j][r] for x, m, state in zip(group, m_list, states)],
-                            dtype, prescale), postscale
-        p_buffers, p_post = zip(*comm.map(send_p, ms, bounds))
+            return ops.pack(p_list, dtype, prescale), postscale
+        p_buffers, p_post = zip(*comm.map(send_p, local_ps, bounds))
         p_sums = comm.all_reduce_sum(list(p_buffers))
 
         def send_q(r, m_list, p_sum, post, bound):
@@ -276,26 +330,24 @@ class LowRank(Reducer):
                                                        [tf.float32] * k, post)]
             qs = [tf.matmul(m, p, transpose_a=True) for m, p in zip(m_list, ps)]
             prescale, postscale = wire_scales(wire_format, sums, lambda: bound[k:])
-            residuals = [m - tf.matmul(p, q, transpose_b=True) for m, p, q in zip(m_list, ps, qs)]
-            return ops.pack(qs, dtype, prescale), postscale, ps, residuals
-        q_buffers, q_post, p_hats, residuals = zip(*comm.map(send_q, ms, p_sums, p_post, bounds))
+            return ops.pack(qs, dtype, prescale), postscale, ps, qs
+        q_buffers, q_post, p_hats, local_qs = zip(*comm.map(send_q, ms, p_sums, p_post, bounds))
         q_sums = comm.all_reduce_sum(list(q_buffers))
 
-        def receive(r, i, q_sum, post, p_list, residual_list):
+        def receive(r, i, q_sum, post, m_list, p_list, local_q_list):
             q_list = ops.unpack(q_sum, [[x.m, rank] for x in group], [tf.float32] * k, post)
             finite[i] = finite[i] & tf.reduce_all(tf.math.is_finite(p_sums[i])) & tf.reduce_all(
                 tf.math.is_finite(q_sum))
-            for x, state, p, q in zip(group, states, p_list, q_list):
+            approximations = []
+            for x, state, p, q, local_q in zip(group, states, p_list, q_list, local_q_list):
+                out, approximation = products(p, q * comm.postscale, p, local_q)
                 pack = step.packs[x.pack]
                 shape, out_dtype = pack.spec.shapes[x.position], pack.spec.dtypes[x.position]
-                out = tf.matmul(p, q, transpose_b=True) * comm.postscale
                 outputs[x.pack][i][x.position] = tf.cast(tf.reshape(out, shape), out_dtype)
                 commits[i].append((state.qs[x.j][r], q))
-            for state in dict.fromkeys(states):   # each pack's residual: its matrices in order
-                own = [res for x, s, res in zip(group, states, residual_list) if s is state]
-                commits[i].append((state.residuals[r], tf.concat([tf.reshape(res, [-1])
-                                                                   for res in own], 0)))
-        comm.map(receive, range(len(comm.replicas)), q_sums, q_post, p_hats, residuals)
+                approximations.append(approximation)
+            commits[i] += residual_commits(group, states, r, m_list, approximations)
+        comm.map(receive, range(len(comm.replicas)), q_sums, q_post, ms, p_hats, local_qs)
         factor_bytes = dtype.size * sum((x.n + x.m) * rank for x in group)
         return Sent(sent_bytes=factor_bytes + (8 * k if wire_format.scaled else 0))
 
@@ -318,3 +370,26 @@ def _all_finite(ok: tf.Tensor, tensors) -> tf.Tensor:
     for t in tensors:
         ok = ok & tf.reduce_all(tf.math.is_finite(t))
     return ok
+
+
+def _count(step: StepInput) -> tf.Tensor:
+    """The set's count of finite steps (`LowRankSetState.steps`, the first served replica's:
+    every replica's is equal), int64 scalar on the host."""
+    with tf.device("/cpu:0"):
+        return step.shared.steps[step.comm.replicas[0]].read_value()
+
+
+def _commit(comm, finite, commits) -> None:
+    """Per served replica, assigns its (variable, value) pairs (a value may be a function that
+    computes it) in one branch on its finite flag: a non-finite step reads and writes none."""
+    def assign(r, ok, pairs):
+        def write():
+            return tf.group([v.assign(value() if callable(value) else value)
+                             for v, value in pairs])
+        return tf.cond(ok, write, tf.no_op)
+    comm.map(assign, finite, commits)
+
+
+def _as_int64(*values) -> Tuple[tf.Tensor, ...]:
+    """Python numbers or scalar tensors as int64 tensors (as both branches of a step return)."""
+    return tuple(tf.cast(v, tf.int64) for v in values)

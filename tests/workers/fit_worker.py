@@ -20,8 +20,10 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--compression", default="fp16", help="fp16, bf16 or none")
 parser.add_argument("--gradient_flow", default="on", choices=["on", "off"])
 parser.add_argument("--reducer", default="dense", choices=["dense", "lowrank"],
-                    help="the default reducer, or gf_tf.reducers.LowRank(rank=--rank)")
+                    help="the default reducer, or gf_tf.reducers.LowRank(rank=--rank, "
+                         "warmup_steps=--warmup_steps)")
 parser.add_argument("--rank", type=int, default=2)
+parser.add_argument("--warmup_steps", type=int, default=0)
 parser.add_argument("--bytes_per_pack", type=int, default=1024)
 parser.add_argument("--steps", type=int, default=4)
 parser.add_argument("--global_batch", type=int, default=16)
@@ -50,7 +52,8 @@ if not args.baseline:
         gradient_flow = gf_tf.GradientFlowAllReduce(
             compression=None if args.compression == "none" else args.compression,
             bytes_per_pack=args.bytes_per_pack,
-            reducer=gf_tf.reducers.LowRank(rank=args.rank) if args.reducer == "lowrank" else None)
+            reducer=(gf_tf.reducers.LowRank(rank=args.rank, warmup_steps=args.warmup_steps)
+                     if args.reducer == "lowrank" else None))
     strategy = gf_tf.MultiWorkerMirroredStrategy(
         communication_options=worker_util.communication_options(), gradient_flow=gradient_flow)
 

@@ -21,7 +21,7 @@ import gf_tf  # pylint: disable=wrong-import-position
 VARIABLES = [(24, 16), (3, 3, 4, 8), (16,)]
 
 gradient_flow = gf_tf.GradientFlowAllReduce(compression="fp16", bytes_per_pack=0, algorithm="ring",
-                                            reducer=gf_tf.reducers.LowRank(rank=2))
+                                            reducer=gf_tf.reducers.LowRank(rank=2, warmup_steps=0))
 strategy, step_fn = worker_util.gradient_step(gradient_flow, VARIABLES)
 
 

@@ -52,7 +52,7 @@ sparsity = (gf_tf.ChunkSparsity(density=args.density, chunk_size=args.chunk_size
             if args.density else None)
 gradient_flow = gf_tf.GradientFlowAllReduce(
     compression=None if args.compression == "none" else args.compression, sparsity=sparsity,
-    reducer=gf_tf.reducers.LowRank(rank=args.rank) if args.rank else None)
+    reducer=gf_tf.reducers.LowRank(rank=args.rank, warmup_steps=0) if args.rank else None)
 if MULTI_WORKER:
     strategy = gf_tf.MultiWorkerMirroredStrategy(
         communication_options=worker_util.communication_options(), gradient_flow=gradient_flow)

@@ -144,7 +144,7 @@ def checkpoint_strategy(reducer="csc", selection="per_pack"):
     if reducer == "lowrank":
         gradient_flow = gf_tf.GradientFlowAllReduce(compression="fp16", bytes_per_pack=0,
                                                     algorithm="ring",
-                                                    reducer=gf_tf.reducers.LowRank(rank=2))
+                                                    reducer=gf_tf.reducers.LowRank(rank=2, warmup_steps=0))
     else:
         sparsity = gf_tf.ChunkSparsity(density=0.1, chunk_size=16, warmup_steps=3, momentum=0.5,
                                        selection=selection)
