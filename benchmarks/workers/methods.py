@@ -234,9 +234,8 @@ def _pinned_settings(name: str) -> Dict[str, object]:
 
 def gradient_flow_kwargs(name: str, warmup_steps: int = 0) -> Dict[str, object]:
     """The GradientFlowAllReduce keywords of a GradientFlow method, sparsity or reducer included
-    (a new gf_tf.ChunkSparsity(warmup_steps=warmup_steps, ...) or
-    LowRank(warmup_steps=warmup_steps, ...) each call). csc_1_mc's
-    momentum correction is ChunkSparsity(momentum=0.9) here too.
+    (a new gf_tf.ChunkSparsity(warmup_steps=warmup_steps, ...) or LowRank(warmup_steps=...)
+    each call). csc_1_mc's momentum correction is ChunkSparsity(momentum=0.9) here too.
 
     Raises ValueError for an unknown method or one of TensorFlow's own all-reduce."""
     import gf_tf
