@@ -91,12 +91,13 @@ def test_sigkill_then_backup_and_restore_gives_back_low_rank_state_and_weights_b
     resumed, _, _ = _run(tmp_path, "job", reducer="lowrank")
     assert all(r.ok for r in resumed), cluster.describe(resumed)
     saved = [dict(np.load(states / f"epoch1_worker{worker}.npz")) for worker in range(2)]
-    assert sorted(saved[0]) == ["p0_q0_r0", "p0_residual_r0"]
+    assert sorted(saved[0]) == ["p0_q0_r0", "p0_residual_r0", "step_r0"]
     assert saved[0]["p0_q0_r0"].shape == (32, 2) and saved[0]["p0_residual_r0"].shape == (8 * 32,)
     # Q is the all-reduced factor, the same on every worker; the residuals are each worker's own.
     assert saved[0]["p0_q0_r0"].tobytes() == saved[1]["p0_q0_r0"].tobytes()
     assert np.any(saved[0]["p0_residual_r0"])
     assert not np.array_equal(saved[0]["p0_residual_r0"], saved[1]["p0_residual_r0"])
+    assert int(saved[0]["step_r0"]) == int(saved[1]["step_r0"]) == 8   # 2 epochs of 4 steps
     for worker in range(2):
         after, uninterrupted = resumed[worker].result, reference[worker].result
         np.testing.assert_array_equal(after["epochs_run"], [2, 3])

@@ -481,12 +481,14 @@ def test_backup_and_restore_keeps_the_warm_up_count(tmp_path):
 
 
 def test_a_warm_up_declares_its_count_and_a_direct_step_issues_the_dense_packs():
-    """The set state holds the count ("step_r{r}") with a warm-up and not without one; a
-    warm-up step called directly issues the dense reducer's collectives (the control vector,
-    then the whole pack on its wire) and sends no factor."""
+    """The set state holds the count ("step_r{r}"), with a warm-up or without one (so a
+    checkpoint crosses warm-up lengths); a warm-up step called directly issues the dense
+    reducer's collectives (the control vector, then the whole pack on its wire) and sends no
+    factor."""
     signature = [(tf.TensorShape(s), tf.float32) for s in SHAPES]
     (spec,) = gf_tf.packing.plan_packs(signature, 0, wire.FP16)
-    assert LowRank(rank=2, warmup_steps=0).create_states([spec], DEVICES[:2])[0] is None
+    without = LowRank(rank=2, warmup_steps=0).create_states([spec], DEVICES[:2])[0]
+    assert sorted(without.to_arrays()) == ["step_r0", "step_r1"]
     reducer = LowRank(rank=2, warmup_steps=1)
     states = reducer.create_states([spec], DEVICES[:2])
     assert sorted(states[0].to_arrays()) == ["step_r0", "step_r1"]
@@ -537,3 +539,48 @@ def _state_before(worker, step):
     """A worker's reducer state before `step`, under LowRankState's keys (one replica: r0)."""
     prefix = f"state{step}_p0_"
     return {key[len(prefix):]: value for key, value in worker.items() if key.startswith(prefix)}
+
+
+def test_a_checkpoint_restores_across_warm_ups_and_one_without_a_count_keeps_compressing(tmp_path):
+    """The warm-up only makes steps dense: a checkpoint of LowRank(warmup_steps=0) after 4
+    compressed steps restores into warmup_steps=2 with its count (4, past the warm-up: every
+    next step compressed); the same file without the count (as an earlier LowRank wrote it)
+    restores into the default 50-step warm-up at count 50, and goes on compressing."""
+    import h5py
+    from helpers import regression_data, small_keras_model
+
+    x, y = regression_data()
+
+    def fit(warmup_steps, path=None):
+        gfar = gf_tf.GradientFlowAllReduce(reducer=LowRank(rank=1, warmup_steps=warmup_steps),
+                                           compression="fp16",
+                                           cross_device_ops=tf.distribute.ReductionToOneDevice())
+        gfar, model = small_keras_model(gfar)
+        if path is not None:
+            model.optimizer.build(model.trainable_variables)
+            model.load_weights(path)
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)   # 4 steps
+        (variable_set,) = gfar.states().values()
+        return gfar, model, [int(s.numpy()) for s in variable_set.shared.steps]
+
+    gfar, model, counts = fit(0)
+    assert counts == [4, 4]
+    per_step = gfar.stats.totals()["figure_compressed_elements"] / 4
+    assert per_step > 0
+    path = str(tmp_path / "a.weights.h5")
+    model.save_weights(path)
+
+    gfar_b, _, counts = fit(2, path)
+    assert counts == [8, 8]
+    # CommStats come back with the checkpoint: its 4 steps and the 4 new ones, all compressed.
+    assert gfar_b.stats.totals()["figure_compressed_elements"] == 8 * per_step
+
+    with h5py.File(path, "r+") as f:
+        group = f["optimizer/_gf_tf_checkpoint/vars"]
+        steps = [key for key in group if key.startswith("s0_step_r")]
+        assert sorted(steps) == ["s0_step_r0", "s0_step_r1"]
+        for key in steps:
+            del group[key]
+    gfar_c, _, counts = fit(50, path)
+    assert counts == [54, 54]
+    assert gfar_c.stats.totals()["figure_compressed_elements"] == 8 * per_step

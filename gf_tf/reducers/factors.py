@@ -128,24 +128,38 @@ class LowRankState(VariablesState):
 
 
 class LowRankSetState(VariablesState):
-    """The state of a variable set shared by its packs (with a warm-up or the alternating form).
+    """The state of a variable set shared by its packs.
 
     steps: per local replica, int64 scalar on the host: the steps that all-reduced finite
       values, dense warm-up steps included. Below `LowRank.warmup_steps` the next step is
       dense; after it, in the alternating form, an even count of compressed steps sends the P's
       next, an odd one the Q's. It moves on every worker together (the finiteness it waits for
       is that of all-reduced values).
+    restored_without_steps: the count a checkpoint without counters restores to (one written
+      by a LowRank with neither a warm-up nor the alternating form, which compressed from its
+      first step): the warm-up's length, so the restored run goes on compressing.
     """
 
-    def __init__(self, name: str, num_replicas: int):
+    def __init__(self, name: str, num_replicas: int, restored_without_steps: int = 0):
         super().__init__(name=None)
         self.steps = [tf_internal.local_variable(tf.constant(0, tf.int64), "/cpu:0",
                                                  f"gf_lowrank_step_{name}_r{r}")
                       for r in range(num_replicas)]
+        self.restored_without_steps = restored_without_steps
 
     def named_variables(self) -> Dict[str, tf.Variable]:
         """The counters by array key: "step_r{r}"."""
         return {f"step_r{r}": v for r, v in enumerate(self.steps)}
+
+    @property
+    def optional_keys(self):
+        """The counters: a checkpoint may lack them (`restored_without_steps`)."""
+        return tuple(self.named_variables())
+
+    def assign_arrays(self, arrays) -> None:
+        """Restores the counters; a missing one becomes `restored_without_steps`."""
+        for key, v in self.named_variables().items():
+            v.assign(arrays.get(key, self.restored_without_steps))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -162,8 +162,9 @@ class LowRank(Reducer):
             states.append(LowRankState(spec.key.replace("/", "_"), factors,
                                        sum(n * m for n, m in layout.dims), devices, p_shapes))
         shared = None
-        if (self.alternate or self.warmup_steps) and any(s is not None for s in states):
-            shared = LowRankSetState(packs[0].key.replace("/", "_"), len(devices))
+        if any(s is not None for s in states):
+            shared = LowRankSetState(packs[0].key.replace("/", "_"), len(devices),
+                                     restored_without_steps=self.warmup_steps)
         return shared, states
 
     def _check_useful(self, shapes) -> None:
@@ -189,6 +190,10 @@ class LowRank(Reducer):
         if self.alternate:
             own.append(("low-rank alternate", 1, lambda v: str(bool(v))))
         return own
+
+    def state_settings(self):
+        """`settings()` but warmup_steps (it only makes steps dense): checkpoints cross it."""
+        return [s for s in self.settings() if s[0] != "low-rank warmup_steps"]
 
     def cost(self, elements, wire_format):
         """The set modelled as one square matrix of `elements` (the planner knows no shapes): a
