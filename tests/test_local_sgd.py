@@ -185,7 +185,7 @@ def test_compressed_pseudo_gradient_keeps_error_feedback_of_its_own(reducer):
     """CSC or LowRank on the meetings: the pseudo-gradient is a variable set of its own (the start
     point's), with its own residual; the replicas still leave every meeting bitwise equal."""
     settings = ({"sparsity": gf_tf.ChunkSparsity(density=0.25, chunk_size=4, warmup_steps=0)}
-                if reducer == "csc" else {"reducer": gf_tf.reducers.LowRank(rank=1)})
+                if reducer == "csc" else {"reducer": gf_tf.reducers.LowRank(rank=1, warmup_steps=0)})
     gfar = gf_tf.GradientFlowAllReduce(cross_device_ops=tf.distribute.ReductionToOneDevice(),
                                        **settings)
     strategy = tf.distribute.MirroredStrategy(DEVICES[:2], cross_device_ops=gfar)
