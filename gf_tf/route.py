@@ -65,8 +65,8 @@ class Call:
     SUM all-reduce of one 1-D tensor per served replica (`gf_tf.collectives.ring.tf_sum`).
     others(indices): the strategy's all-reduce (the caller's reduce_op) of those
     gradients, per index per served replica. gather_sum(values): the strategy's SUM of
-    other values (per index, per served replica; `gf_tf.slices`' encoded rows). options: the caller's CommunicationOptions
-    (the eager handshake and trial run with them); step_options: what the step's own
+    other values (per index, per served replica; `gf_tf.slices`' encoded rows). options:
+    the caller's CommunicationOptions (the eager handshake and trial run with them); step_options: what the step's own
     collectives run with (`gf_tf.collectives.deadline.in_step_options`, no timeout: `deadline`,
     a StepWatch or None, keeps it)."""
     strategy: tf.distribute.Strategy
