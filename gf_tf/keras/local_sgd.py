@@ -202,8 +202,10 @@ class LocalSGD(keras.callbacks.Callback, LocalSteps):
                                             name=f"local_sgd_start_{i}")
                              for i, w in enumerate(self._weights)]
         pairs = list(zip(self._weights, self._anchors))
-        outer = [a for w, a in pairs if id(w) in trainable]
-        averaged = [a for w, a in pairs if id(w) not in trainable]
+        outer_pairs = [(w, a) for w, a in pairs if id(w) in trainable]
+        averaged_pairs = [(w, a) for w, a in pairs if id(w) not in trainable]
+        outer = [a for _, a in outer_pairs]
+        averaged = [a for _, a in averaged_pairs]
         with strategy.scope():   # a Keras optimizer belongs to the strategy it was created in
             self.outer_optimizer = _copy(self.outer_optimizer)
             self.outer_optimizer.build(outer)
@@ -215,14 +217,13 @@ class LocalSGD(keras.callbacks.Callback, LocalSteps):
         def replica_step():
             scale = 1.0 / strategy.num_replicas_in_sync
 
-            def pseudo_gradients(anchors):
-                weights = [w for w, a in pairs if any(a is b for b in anchors)]
+            def pseudo_gradients(weight_anchor_pairs):
                 return [(tf.convert_to_tensor(a.value) - tf.convert_to_tensor(w.value)) * scale
-                        for a, w in zip(anchors, weights)]
+                        for w, a in weight_anchor_pairs]
 
-            self.outer_optimizer.apply(pseudo_gradients(outer), outer)
+            self.outer_optimizer.apply(pseudo_gradients(outer_pairs), outer)
             if averaged:
-                self._averager.apply(pseudo_gradients(averaged), averaged)
+                self._averager.apply(pseudo_gradients(averaged_pairs), averaged)
 
         @tf.function(autograph=False)
         def meet():
