@@ -142,8 +142,8 @@ class LowRank(Reducer):
         return elements / 2 if self.alternate else elements
 
     def create_states(self, packs, devices):
-        """Per pack with compressed matrices its `LowRankState`, else None; with `alternate`
-        or a warm-up, and compressed matrices, the set's `LowRankSetState` (else None).
+        """Per pack with compressed matrices its `LowRankState`, else None; with compressed
+        matrices the set's `LowRankSetState` (its step count), else None.
 
         Raises:
           ValueError: the set has matrices and this rank compresses none of them (the message
