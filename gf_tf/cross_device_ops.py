@@ -45,8 +45,11 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
       power of two chosen from the all-reduced SUM of every replica's max |g|
       (`gf_tf.wire`), so no partial sum overflows and small gradients keep
       FP16's precision at any replica count; the scale is undone after.
-    - everything else (IndexedSlices, integers, float64, unknown shapes, None)
-      goes to the strategy's own batch all-reduce untouched.
+    - float IndexedSlices go to the strategy's own gather, as float16 rows
+      each scaled by its own power of two (`gf_tf.slices`) where the packs'
+      wire is 16-bit, and under compression="auto" across workers.
+    - everything else (integers, float64, unknown shapes, None) goes to the
+      strategy's own batch all-reduce untouched.
 
     Per step: one float32 all-reduce of every pack's control values (FP16 scale
     bounds, CSC chunk norms), then one collective per pack (with `overlap`, per group).

@@ -95,8 +95,11 @@ def run(orchestrator: Orchestrator, call: Call) -> List[List]:
     reducer = orchestrator.reducer
     # Before the reducer's state exists: a reducer may refuse this set (a rank that compresses
     # nothing), and a peer with other settings must then hear which setting differs.
+    slices_16bit = slices_on_16bit_wire(orchestrator.settings, planned.plan,
+                                        orchestrator.num_workers)
     if call.replicas[0] == 0 and orchestrator.workers is not None:
-        agreement.check_workers_agree(orchestrator.workers, settings(signature, planned, reducer),
+        agreement.check_workers_agree(orchestrator.workers,
+                                      settings(signature, planned, reducer, slices_16bit),
                                       devices, orchestrator.cross_ops, call.options)
     state = orchestrator.states.get(list(call.variables), signature, pack_specs,
                                     lambda specs: reducer.create_states(specs, devices))
@@ -114,7 +117,7 @@ def run(orchestrator: Orchestrator, call: Call) -> List[List]:
         sent = reduce_packs(orchestrator.reducer, state, grads, comm, results)
         rest = [i for i, entry in enumerate(signature) if entry is None]
     sparse = [i for i in rest if slices.encodable(grads[0][i])]
-    encoded = sparse if choice != trial.TF_OWN and _wire_bytes(planned.plan) == 2 else []
+    encoded = sparse if slices_16bit else []
     reduce_by_tf(grads, [i for i in rest if i not in encoded], call.others, results)
     slices.reduce_16bit(grads, encoded, call.gather_sum,
                         call.reduce_op == tf.distribute.ReduceOp.MEAN,
@@ -232,6 +235,18 @@ def reduce_by_tf(grads, indices, others, results) -> None:
                 results[r][i] = value
 
 
+def slices_on_16bit_wire(set_settings: plan.Settings, set_plan: plan.Plan,
+                         num_workers: int) -> bool:
+    """Whether a set's float IndexedSlices travel as `gf_tf.slices`' 16-bit rows: where its
+    packs are on a 16-bit wire, and under compression="auto" across workers whatever the
+    packs' plan (the rows ride the same all-gather at half the bytes, so they cost no more than
+    TensorFlow's float32 rows even where latency makes TF's own all-reduce the dense set's
+    fastest). compression=None and a float32 wire keep them float32, as does one worker."""
+    if set_plan.method != plan.TF_OWN and _wire_bytes(set_plan) == 2:
+        return True
+    return set_settings.compression == plan.AUTO and num_workers > 1
+
+
 def _wire_bytes(set_plan: plan.Plan) -> int:
     """Bytes per element of the set's wire (4 for TensorFlow's own all-reduce)."""
     return 4 if set_plan.method == plan.TF_OWN else wire.format_of(set_plan.method).wire_bytes
@@ -244,14 +259,17 @@ def _sent_by_tf(grads) -> Sent:
                 sent_bytes=sum(n * g.dtype.size for n, g in zip(elements, grads)))
 
 
-def settings(signature, planned: plan.Planned, reducer: Reducer) -> List[agreement.Setting]:
+def settings(signature, planned: plan.Planned, reducer: Reducer,
+             slices_16bit: bool = False) -> List[agreement.Setting]:
     """The fields every worker must agree on, as (name, number, how to print it): the plan,
-    the gradients, the reducer's type and its own settings padded to MAX_REDUCER_SETTINGS
-    (the handshake has a fixed width, so it cannot itself mismatch).
+    whether IndexedSlices travel 16-bit, the gradients, the reducer's type and its own settings
+    padded to MAX_REDUCER_SETTINGS (the handshake has a fixed width, so it cannot itself
+    mismatch).
 
     Args:
       signature: per gradient its packable signature (shape, dtype) or None, as `run` has it.
-      planned: the set's `gf_tf.plan.Planned`."""
+      planned: the set's `gf_tf.plan.Planned`.
+      slices_16bit: `slices_on_16bit_wire` of the set."""
     shapes = repr([None if s is None else (tuple(s[0].as_list()), s[1].name)
                    for s in signature]).encode()
     set_plan = planned.plan
@@ -269,6 +287,7 @@ def settings(signature, planned: plan.Planned, reducer: Reducer) -> List[agreeme
         ("algorithm", algorithms.index(set_plan.algorithm), lambda a: repr(algorithms[int(a)])),
         ("overlap groups", set_plan.groups, lambda g: str(int(g))),
         ("trial against TensorFlow's own", int(set_plan.trial), lambda t: str(bool(t))),
+        ("IndexedSlices on the 16-bit wire", int(slices_16bit), lambda t: str(bool(t))),
         ("number of gradients", len(signature), lambda n: str(int(n))),
         ("gradient shapes/dtypes (CRC32)", zlib.crc32(shapes), hex_text),
         ("reducer", _class_code(type(reducer)), _reducer_text),

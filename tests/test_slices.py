@@ -172,24 +172,53 @@ def test_float64_and_integer_slices_pass_through_exactly_on_a_16_bit_wire():
         np.testing.assert_array_equal(value.values.numpy(), [[1, 2]] * 3)
 
 
+@pytest.mark.parametrize("compression, method, workers, expected", [
+    ("fp16", "fp16", 1, True), ("bf16", "bf16", 2, True), (None, "none", 2, False),
+    ("auto", "tf", 2, True),      # the planner's TF own for the dense set: rows still 16-bit
+    ("auto", "fp16", 2, True), ("auto", "none", 2, True),
+    ("auto", "tf", 1, False),     # one worker: nothing crosses a link
+    ("auto", "none", 1, False),
+])
+def test_which_sets_send_their_slices_16_bit(compression, method, workers, expected):
+    from gf_tf import plan, route
+
+    settings = plan.Settings(compression=compression)
+    set_plan = plan.Plan(method=method, bytes_per_pack=0, algorithm="ring")
+    assert route.slices_on_16bit_wire(settings, set_plan, workers) is bool(expected)
+
+
+
+def test_the_handshake_compares_whether_slices_travel_16_bit():
+    """Two workers whose dense plans agree ("none" packs) but whose rows would not (one under
+    "auto", one with compression=None) differ in the handshake's row for it, not elsewhere: a
+    gather of float16 [rows, d + 1] against float32 [rows, d] never starts."""
+    from gf_tf import route
+    from gf_tf.plan import Forecast, Plan, Planned
+    from gf_tf.reducers import DenseReducer
+    planned = Planned(Plan("none", 0, "ring"), Forecast())
+    rows = [route.settings((), planned, DenseReducer(), slices_16bit=flag) for flag in (True, False)]
+    differ = [(a[0], a[2](a[1]), b[2](b[1])) for a, b in zip(*rows) if a[1] != b[1]]
+    assert differ == [("IndexedSlices on the 16-bit wire", "True", "False")]
+
+
 # --- real workers -------------------------------------------------------------------------
 
 @pytest.mark.slow
 def test_two_workers_gather_16_bit_rows_of_different_lengths_and_fit_an_embedding():
     """2 worker processes (tests/workers/slices_worker.py): worker 0's 5 rows and worker 1's 3
     (TensorFlow's gather pads them) come back on both as the float64 MEAN within 2**-11 per
-    element on the FP16 wire, and bit for bit as float32 with compression=None; an Embedding
-    model fitted 3 steps ends with the same weights on both workers, within 1e-3 of the
-    float32 wire's."""
+    element under compression="auto" (16-bit rows whatever the planner picks for the dense
+    gradient), and bit for bit as float32 with compression=None; an Embedding model fitted 3
+    steps ends with the same weights on both workers, within 1e-3 of the float32 wire's."""
     import cluster
 
     runs = {}
-    for compression in ("fp16", "none"):
+    for compression in ("auto", "none"):
         results = cluster.run_workers("slices_worker.py", 2, [f"--compression={compression}"],
                                       timeout=150, comm_timeout=30)
         assert all(r.ok for r in results), cluster.describe(results)
         runs[compression] = [r.result for r in results]
-    workers = [tuple(runs["fp16"][rank][f"own_{k}"] for k in ("values", "indices", "dense"))
+    workers = [tuple(runs["auto"][rank][f"own_{k}"] for k in ("values", "indices", "dense"))
                for rank in range(2)]
     rows = np.concatenate([v.astype(np.float64) for v, _, _ in workers]) / 2.0
     for compression, results in runs.items():
@@ -197,7 +226,7 @@ def test_two_workers_gather_16_bit_rows_of_different_lengths_and_fit_an_embeddin
             np.testing.assert_array_equal(result["indices"],
                                           np.concatenate([i for _, i, _ in workers]))
             np.testing.assert_allclose(result["dense"], (workers[0][2] + workers[1][2]) / 2.0,
-                                       rtol=2e-3 if compression == "fp16" else 1e-6)
+                                       rtol=2e-3 if compression == "auto" else 1e-6)
             if compression == "none":
                 np.testing.assert_array_equal(result["values"],
                                               np.concatenate([v for v, _, _ in workers]) / 2.0)
@@ -207,8 +236,9 @@ def test_two_workers_gather_16_bit_rows_of_different_lengths_and_fit_an_embeddin
         for key in (k for k in results[0] if k.startswith("w")):
             np.testing.assert_array_equal(results[0][key], results[1][key])
     for key in (k for k in runs["none"][0] if k.startswith("w")):
-        np.testing.assert_allclose(runs["fp16"][0][key], runs["none"][0][key], rtol=1e-3, atol=1e-4)
-    # This worker's 5 rows: 2 (4 + 1) + 8 bytes each on FP16, 4 x 4 + 8 on float32, beside the
-    # dense gradient (13 elements; FP16: one float32 scale bound).
-    assert float(runs["fp16"][0]["all_reduce_sent_bytes"]) == 5 * 18 + 2 * 13 + 4
+        np.testing.assert_allclose(runs["auto"][0][key], runs["none"][0][key], rtol=1e-3, atol=1e-4)
+    # This worker's 5 rows: 2 (4 + 1) + 8 bytes each as 16-bit rows, 4 x 4 + 8 as float32,
+    # beside the dense gradient (13 elements): FP16 packs with one float32 scale bound, or
+    # TensorFlow's own float32, whichever the planner picked.
+    assert float(runs["auto"][0]["all_reduce_sent_bytes"]) in (5 * 18 + 2 * 13 + 4, 5 * 18 + 4 * 13)
     assert float(runs["none"][0]["all_reduce_sent_bytes"]) == 5 * 24 + 4 * 13

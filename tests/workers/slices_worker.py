@@ -3,7 +3,7 @@
 First one all-reduce (MEAN) of this worker's own IndexedSlices (rows_of(rank): 5 rows on
 worker 0, 3 on worker 1, each at its own magnitude, TensorFlow's gather pads them) beside a dense
 gradient, through gf_tf.all_reduce_gradients; then 3 steps of a Keras fit of an Embedding model
-(its gradient is IndexedSlices). --compression fp16 or none. Writes the reduced rows, indices,
+(its gradient is IndexedSlices). --compression fp16, auto or none. Writes the reduced rows, indices,
 dense gradient, its own inputs (own_*), the fitted weights (w0, w1, ...) and CommStats' byte
 totals.
 """
@@ -17,7 +17,7 @@ import keras
 import worker_util
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--compression", default="fp16", choices=["fp16", "none"])
+parser.add_argument("--compression", default="fp16", choices=["fp16", "auto", "none"])
 args = parser.parse_args()
 
 import gf_tf  # after argparse: fail fast on bad flags
