@@ -72,7 +72,8 @@ def topic_attention(input_shape=(32, 1), num_classes=10, vocab=8000, dim=64) -> 
     MultiHeadAttention(2 heads of 32) with a residual connection and layer norm -> mean over
     the sequence -> Dense(64) ReLU -> logits. 0.55M parameters at the defaults, 0.51M of them
     in the embedding table, whose gradient is a `tf.IndexedSlices` (the rows of the batch's
-    tokens), which GradientFlow passes to TensorFlow's own all-reduce.
+    tokens): it travels through TensorFlow's own gather, as 16-bit rows under a GradientFlow
+    16-bit wire or compression="auto" (`gf_tf.slices`).
     """
     x = inputs = keras.Input(input_shape)
     x = layers.Reshape(input_shape[:1])(x)

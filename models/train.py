@@ -163,33 +163,6 @@ def _curve_callback(test_accuracy, bytes_sent):
     return Curve()
 
 
-def _bytes_sent(gradient_flow, model, steps, tf_all_reduce_dtype) -> float:
-    """Bytes this worker put into gradient all-reduces over `steps` steps: gf_tf's CommStats
-    total, or for TensorFlow's own all-reduce the gradients' bytes in its dtype per step."""
-    if gradient_flow is not None:
-        return gradient_flow.stats.totals()["sent_bytes"]
-    width = 2 if tf_all_reduce_dtype == "float16" else 4
-    return float(steps * width * sum(int(w.numpy().size) for w in model.trainable_weights))
-
-
-def _bytes_per_step(gradient_flow, model, history, tf_all_reduce_dtype="float32") -> dict:
-    """Per-replica bytes per step: sent, and float32 dense all-reduce of the same gradients.
-
-    Means over all steps (warm-up included) and over the last epoch.
-    """
-    if gradient_flow is None:
-        dense = _bytes_sent(None, model, 1, "float32")
-        sent = _bytes_sent(None, model, 1, tf_all_reduce_dtype)
-        return {"sent_bytes_per_step": sent, "dense_bytes_per_step": dense,
-                "last_epoch_sent_bytes_per_step": sent, "density": 1.0, "last_epoch_density": 1.0,
-                "source": f"TF {tf_all_reduce_dtype} all-reduce"}
-    result = dict(gradient_flow.stats.result())
-    result["last_epoch_sent_bytes_per_step"] = history.history["gf_sent_bytes_per_step"][-1]
-    result["last_epoch_density"] = history.history["gf_density"][-1]
-    result["source"] = "gf_tf CommStats"
-    return result
-
-
 def _test_accuracy(model, source, batch_size):
     """A function returning the model's top-1 accuracy on the whole test split, computed locally
     (no collectives). Its prediction is one tf.function, traced at the first call (and once more
@@ -234,7 +207,7 @@ def main(argv):
     import gf_tf
     from gf_tf import worker
     from gf_tf.keras import backup
-    from models import datasets, factory
+    from models import datasets, factory, traffic
 
     say = lambda *a: print(*a, flush=True)
     strategy_name, num_devices = FLAGS.strategy, FLAGS.num_devices
@@ -291,11 +264,12 @@ def main(argv):
     throughput = _throughput_callback(FLAGS.batch_size)
     callbacks = local_sgd_flags.callbacks() + [throughput]   # LocalSGD before BackupAndRestore
     test_accuracy = _test_accuracy(model, source, FLAGS.batch_size)
+    tf_bytes = None if gradient_flow else traffic.tf_bytes_per_step(
+        model, FLAGS.batch_size // strategy.num_replicas_in_sync, FLAGS.tf_all_reduce_dtype)
     if FLAGS.curve:
         curve = _curve_callback(
             test_accuracy if is_chief else None,   # the others wait for the chief in the next step's all-reduce
-            lambda: _bytes_sent(gradient_flow, model, int(model.optimizer.iterations.numpy()),
-                                FLAGS.tf_all_reduce_dtype))
+            lambda: traffic.bytes_sent(gradient_flow, int(model.optimizer.iterations.numpy()), tf_bytes))
         callbacks.append(curve)
     if gradient_flow is not None:
         callbacks.append(gf_tf.GradientFlowStats(gradient_flow))  # before TensorBoard, which logs it
@@ -319,7 +293,7 @@ def main(argv):
                         shuffle=False, verbose=2 if is_chief else 0)
 
     accuracy = test_accuracy()
-    comm = _bytes_per_step(gradient_flow, model, history, FLAGS.tf_all_reduce_dtype)
+    comm = tf_bytes or traffic.bytes_per_step(gradient_flow, history)
     images_per_second = throughput.images_per_second()
     sent, dense, last = (comm["sent_bytes_per_step"], comm["dense_bytes_per_step"],
                          comm["last_epoch_sent_bytes_per_step"])

@@ -113,6 +113,20 @@ def test_every_model_has_a_synthetic_input_shape():
         assert source.input_shape == factory.default_input_shape(name)
 
 
+@pytest.mark.parametrize("dtype, width", [("float32", 4), ("float16", 2)])
+def test_tensorflow_s_bytes_count_an_embedding_s_rows_not_its_table(dtype, width):
+    """topic_attention with a 50 x 8 table over 5 tokens, 4 examples a replica: the embedding's
+    gradient is 20 rows of 8 (and their indices, int32 or int64), every other weight dense."""
+    from models import networks, traffic
+    model = networks.topic_attention(input_shape=(5, 1), num_classes=3, vocab=50, dim=8)
+    table = 50 * 8
+    others = sum(int(tf.size(w)) for w in model.trainable_weights) - table
+    got = traffic.tf_step_bytes(model, 4, dtype)
+    assert got in [width * others + 20 * (width * 8 + index) for index in (4, 8)]
+    assert traffic.tf_bytes_per_step(model, 4, dtype)["dense_bytes_per_step"] == \
+        traffic.tf_step_bytes(model, 4, "float32")
+
+
 def test_bad_flag_value_exits_2_with_the_valid_values():
     env = {**os.environ, "PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
     env.pop("TF_CONFIG", None)
