@@ -11,6 +11,7 @@ import tensorflow as tf
 import keras
 
 import gf_tf
+from gf_tf.keras import backup
 from helpers import DEVICES, GRADIENT_SCALE
 
 LR = 0.05
@@ -157,6 +158,37 @@ def test_outer_state_is_saved_and_restored_with_the_weights(tmp_path):
     fit(resumed, [local_sgd])
     for got, want in zip(resumed.get_weights(), straight.get_weights()):
         assert got.tobytes() == want.tobytes()
+
+
+def test_backup_and_restore_gives_each_replica_its_own_inner_momentum(tmp_path):
+    """Inner SGD with momentum 0.9, H = 3, 2 epochs of 4 steps: a fit stopped after epoch 1 with
+    gf_tf's BackupAndRestore, resumed by a new model, ends bitwise as the uninterrupted fit, its
+    two replicas' momenta included (they differ: each replica's own since the last meeting)."""
+    def run(epochs, backup_dir=None):
+        _, strategy, model = linear_model(momentum=0.9)
+        local_sgd = gf_tf.keras.LocalSGD(3, outer_optimizer="nesterov")
+        callbacks = [local_sgd]
+        if backup_dir:
+            callbacks.append(backup.BackupAndRestore(backup_dir, delete_checkpoint=False))
+        fit(model, callbacks, epochs=epochs)
+        copies = [[c.numpy() for c in strategy.experimental_local_results(v.value)]
+                  for v in model.optimizer.variables if "momentum" in v.path]
+        return model, local_sgd, copies
+
+    straight, _, straight_momenta = run(2)
+    run(1, str(tmp_path))
+    saved = dict(np.load(tmp_path / "gf_tf_local_sgd.worker0.npz"))
+    assert int(saved["iterations"]) == 4
+    assert saved["v1_r0"].tobytes() != saved["v1_r1"].tobytes()
+    resumed, local_sgd, momenta = run(2, str(tmp_path))
+    for got, want in zip(resumed.get_weights(), straight.get_weights()):
+        assert got.tobytes() == want.tobytes()
+    assert [[c.tobytes() for c in v] for v in momenta] == \
+        [[c.tobytes() for c in v] for v in straight_momenta]
+    assert local_sgd.restore_replica_state({**saved, "iterations": np.int64(3)}) == \
+        "saved at step 3, the restored optimizer is at step 8"
+    assert local_sgd.restore_replica_state({"iterations": np.int64(8)}) == \
+        "saved for other optimizer variables or replicas"
 
 
 def test_batch_norm_statistics_are_averaged_at_meetings():

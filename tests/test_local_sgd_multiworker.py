@@ -35,10 +35,13 @@ def test_workers_differ_between_meetings_and_are_bitwise_equal_after(args):
 
 
 def test_sigkill_then_backup_and_restore_matches_an_uninterrupted_run_bitwise(tmp_path):
-    """DiLoCo with H = 3 over 3 epochs of 4 steps; worker 1 SIGKILLed after epoch 1; the relaunched
-    job (LocalSGD listed before BackupAndRestore) restores the weights, the optimizer's step count and
-    the outer Nesterov momentum, and ends with the uninterrupted run's weights and momentum, bitwise."""
-    settings = ("--sync_every", "3", "--outer", "nesterov", "--steps", "4", "--epochs", "3")
+    """DiLoCo with H = 3 over 3 epochs of 4 steps, inner SGD with momentum 0.9; worker 1 SIGKILLed
+    after epoch 1; the relaunched job (LocalSGD listed before BackupAndRestore) restores the
+    weights, the optimizer's step count, the outer Nesterov momentum and each worker's own inner
+    momentum (it differs between workers), and ends with the uninterrupted run's weights and
+    momenta, bitwise."""
+    settings = ("--sync_every", "3", "--outer", "nesterov", "--steps", "4", "--epochs", "3",
+                "--momentum", "0.9")
     reference = run(*settings, "--backup_dir", str(tmp_path / "reference"))
     job = ("--backup_dir", str(tmp_path / "job"))
     killed = start(*settings, *job, "--kill_after_epoch", "1", comm_timeout=20)
@@ -47,7 +50,10 @@ def test_sigkill_then_backup_and_restore_matches_an_uninterrupted_run_bitwise(tm
     for worker in range(2):
         want, got = reference[worker], resumed[worker]
         assert int(got["applied_steps"]) == 12 and len(got["after_step"]) == 4   # epoch 2 only
-        keys = [k for k in want if k[0] in "wo" and k[-1].isdigit()]
+        keys = [k for k in want if k[0] in "woi" and k[-1].isdigit()]
         assert len([k for k in keys if k.startswith("outer")]) >= 3   # iterations, lr, momentum
+        assert len([k for k in keys if k.startswith("inner")]) == 1 + 4   # lr, 4 momenta
         for key in keys:
             np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    assert any(a.tobytes() != b.tobytes() for a, b in
+               zip(*[[r[k] for k in sorted(r) if k.startswith("inner")] for r in reference]))

@@ -5,6 +5,9 @@ and TensorFlow's multi-worker recipes write one set of files, on the chief:
 - `BackupAndRestore` (preemption): the chief writes Keras's backup with its reducer state, every
   other worker its own state next to it (a side file, `save_side_file`); on restart every worker
   restores the chief's weights and epoch and its own state (`restore_side_file`).
+- Under `gf_tf.keras.LocalSGD` the inner optimizer's state differs between replicas (each keeps
+  its own momentum between meetings): every worker, the chief included, writes its replicas'
+  own next to the backup (`gf_tf_local_sgd.worker<rank>.npz`) and restores it over the chief's.
 - `load_weights_from_chief` (TF's multi-worker guide: `ModelCheckpoint` on the chief, every
   worker loads that file): the chief's weights and optimizer, the other workers' reducer state
   from zero, warned (`restore_chief_reset`).
@@ -14,6 +17,7 @@ every worker: a side file from another step than the chief's backup is not used,
 keeps the chief's counters (every worker keeps the same schedule); every other array is zeroed.
 """
 
+import io
 import logging
 import os
 
@@ -35,10 +39,15 @@ def _is_counter(key: str, value) -> bool:
 
 def save_side_file(checkpoint, path: str) -> None:
     """Writes `checkpoint`'s state (a GradientFlowCheckpoint, this worker's) to `path` (.npz),
-    atomically (write, then rename)."""
+    atomically."""
+    _write_atomically(path, checkpoint.to_bytes())
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    """Writes `data` to `path`: a temporary file, then a rename (a kill leaves the old file)."""
     tmp = f"{path}.tmp"
     with tf.io.gfile.GFile(tmp, "wb") as f:
-        f.write(checkpoint.to_bytes())
+        f.write(data)
     tf.io.gfile.rename(tmp, path, overwrite=True)
 
 
@@ -143,7 +152,27 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     def _side_path(self) -> str:
         return os.path.join(self.backup_dir, f"gf_tf_state.worker{self._rank()}.npz")
 
+    def _local_sgd_path(self) -> str:
+        return os.path.join(self.backup_dir, f"gf_tf_local_sgd.worker{self._rank()}.npz")
+
+    def _local_sgd(self):
+        """The `gf_tf.keras.LocalSGD` serving this fit (listed before this callback), or None.
+        By its methods: local_sgd.py needs Keras 3, this module does not."""
+        ops = tf_internal.strategy_cross_device_ops(self.model.distribute_strategy)
+        local = getattr(ops, "local_steps", None)
+        return local if hasattr(local, "replica_state") else None
+
     def on_train_begin(self, logs=None):
+        self._restore_backup(logs)
+        local, path = self._local_sgd(), self._local_sgd_path()
+        if local is not None and tf.io.gfile.exists(path):
+            with tf.io.gfile.GFile(path, "rb") as f:
+                why = local.restore_replica_state(dict(np.load(io.BytesIO(f.read()))))
+            if why:
+                _log.warning("gf_tf: worker %d's LocalSGD state %s is %s: every replica resumes "
+                             "with the chief's inner optimizer state.", self._rank(), path, why)
+
+    def _restore_backup(self, logs):
         if self._rank() == 0:
             return super().on_train_begin(logs)
         optimizer = self.model.optimizer
@@ -160,6 +189,11 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         # Every worker may create backup_dir at once: Keras checks, then os.makedirs
         # (FileExistsError when another worker won the race); gfile's makedirs does not mind.
         tf.io.gfile.makedirs(self.backup_dir)
+        local = self._local_sgd()
+        if local is not None:
+            buffer = io.BytesIO()
+            np.savez(buffer, **local.replica_state())
+            _write_atomically(self._local_sgd_path(), buffer.getvalue())
         if self._rank() == 0:
             return super()._save_model()
         checkpoint = of(self.model.optimizer)
@@ -168,6 +202,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
     def on_train_end(self, logs=None):
         if self._rank() == 0:
-            return super().on_train_end(logs)
-        if self.delete_checkpoint and tf.io.gfile.exists(self._side_path()):
-            tf.io.gfile.remove(self._side_path())
+            return super().on_train_end(logs)   # removes backup_dir
+        for path in (self._side_path(), self._local_sgd_path()):
+            if self.delete_checkpoint and tf.io.gfile.exists(path):
+                tf.io.gfile.remove(path)

@@ -59,7 +59,8 @@ class LocalSGD(keras.callbacks.Callback, LocalSteps):
       averaged at each meeting the same way (outer SGD(1.0)).
     - The first `warmup_steps` steps are synchronous (the ordinary all-reduce); the inner
       optimizer's state (momentum) stays per replica, never averaged (as in PyTorch's
-      PostLocalSGDOptimizer). Steps are counted by the inner optimizer's `iterations`, the
+      PostLocalSGDOptimizer), and `gf_tf.keras.backup.BackupAndRestore` saves and restores
+      each replica's own. Steps are counted by the inner optimizer's `iterations`, the
       same on every worker, so every worker meets at the same step.
 
     `ModelCheckpoint`/`BackupAndRestore` saving per epoch see met weights; saving every N
@@ -168,6 +169,39 @@ class LocalSGD(keras.callbacks.Callback, LocalSteps):
             self._gradient_flow.local_steps = None
             self.model.train_function = None   # a later fit traces its step without local steps
         self._trainable_ids = frozenset()
+
+    # --- each replica's own inner state (gf_tf.keras.backup) -------------------------------
+
+    def replica_state(self) -> dict:
+        """This worker's inner optimizer state replica by replica (eager): {"v<i>_r<r>": local
+        replica r's copy of the model optimizer's i-th float variable (momentum, Adam's moments;
+        each replica's own between meetings, while Keras's checkpoint holds one copy),
+        "iterations": int64 scalar, the optimizer's step}."""
+        arrays = {"iterations": np.asarray(self._step(), np.int64)}
+        for i, copies in enumerate(self._inner_copies()):
+            arrays.update({f"v{i}_r{r}": copy.numpy() for r, copy in enumerate(copies)})
+        return arrays
+
+    def restore_replica_state(self, arrays) -> str:
+        """Assigns `replica_state`'s arrays to every local replica's copy; returns "" or, with
+        nothing assigned, why not (saved at another step, or for other variables)."""
+        if int(arrays["iterations"]) != self._step():
+            return (f"saved at step {int(arrays['iterations'])}, the restored optimizer is at "
+                    f"step {self._step()}")
+        copies = self._inner_copies()
+        wanted = {f"v{i}_r{r}": c for i, cs in enumerate(copies) for r, c in enumerate(cs)}
+        if set(wanted) != set(arrays) - {"iterations"} or any(
+                tuple(c.shape) != arrays[k].shape for k, c in wanted.items()):
+            return "saved for other optimizer variables or replicas"
+        for key, copy in wanted.items():
+            copy.assign(arrays[key])
+        return ""
+
+    def _inner_copies(self):
+        """Per float variable of the model's optimizer, its local replicas' copies."""
+        strategy = self.model.distribute_strategy
+        return [strategy.experimental_local_results(v.value) for v in self.model.optimizer.variables
+                if tf.as_dtype(v.dtype).is_floating]
 
     # --- meetings ----------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """One worker of a 2-worker Keras model.fit with gf_tf.keras.LocalSGD (tests/test_local_sgd_multiworker.py).
 
 Writes its weights after every batch (`after_step`: [steps, elements], flattened), the final
-weights (w0, w1, ...), the outer optimizer's variables (outer0, ...), the evaluate loss after
+weights (w0, w1, ...), the outer optimizer's variables (outer0, ...), the inner optimizer's float
+variables (inner0, ...; SGD's --momentum, this worker's own between meetings), the evaluate loss after
 fit, the LocalSGD meetings and GradientFlow's byte totals. With --backup_dir the fit resumes
 from gf_tf.keras.backup.BackupAndRestore; --kill_after_epoch k: worker 1 SIGKILLs itself at the
 end of epoch k, after the backup.
@@ -23,6 +24,7 @@ parser.add_argument("--outer", default="nesterov")
 parser.add_argument("--steps", type=int, default=6)
 parser.add_argument("--mixed_precision", action="store_true")
 parser.add_argument("--epochs", type=int, default=1)
+parser.add_argument("--momentum", type=float, default=0.0)
 parser.add_argument("--backup_dir", default="")
 parser.add_argument("--kill_after_epoch", type=int, default=-1)
 args = parser.parse_args()
@@ -43,7 +45,7 @@ with strategy.scope():
     keras.utils.set_random_seed(1)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
                               keras.layers.Dense(3, dtype="float32")])
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=args.momentum), loss="mse")
 
 
 class Record(keras.callbacks.Callback):
@@ -72,6 +74,8 @@ totals = strategy.gradient_flow.stats.totals()
 worker_util.write_result(**{f"w{i}": w for i, w in enumerate(model.get_weights())},
                          **{f"outer{i}": v.numpy() for i, v in
                             enumerate(local_sgd.outer_optimizer.variables)},
+                         **{f"inner{i}": v.numpy() for i, v in enumerate(model.optimizer.variables)
+                            if tf.as_dtype(v.dtype).is_floating},
                          after_step=np.stack(record.seen), meetings=local_sgd.meetings,
                          evaluate_loss=model.evaluate(dataset, verbose=0),
                          sent_bytes=totals["sent_bytes"], stat_steps=totals["steps"],
