@@ -235,6 +235,53 @@ def test_compressed_pseudo_gradient_keeps_error_feedback_of_its_own(reducer):
     assert residuals and any(np.any(v != 0) for v in residuals.values())
 
 
+@pytest.mark.parametrize("reducer", ["csc", "lowrank"])
+def test_compressed_pseudo_gradient_state_is_saved_and_restored(reducer, tmp_path):
+    """The start point's reducer state (CSC's residuals, LowRank's residuals and factors) is
+    saved with the model's weights (the outer optimizer's own checkpoint object) and restored:
+    1 epoch, save_weights, a new model loading it and fitting 1 more epoch ends bitwise as a
+    straight 2-epoch fit, and a new model that does not load it does not."""
+    def run(epochs, load=None):
+        settings = ({"sparsity": gf_tf.ChunkSparsity(density=0.25, chunk_size=4, warmup_steps=0)}
+                    if reducer == "csc" else
+                    {"reducer": gf_tf.reducers.LowRank(rank=1, warmup_steps=0)})
+        gfar = gf_tf.GradientFlowAllReduce(cross_device_ops=tf.distribute.ReductionToOneDevice(),
+                                           **settings)
+        strategy = tf.distribute.MirroredStrategy(DEVICES[:2], cross_device_ops=gfar)
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(6),
+                                      keras.layers.Dense(3)])
+            model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+        local_sgd = gf_tf.keras.LocalSGD(2, outer_optimizer="nesterov")
+        fit(model, [local_sgd], epochs=0 if load else epochs)   # builds the outer optimizer
+        if load:
+            if load == "weights only":   # the same weights and optimizers, no reducer state
+                model.set_weights(first.get_weights())
+                for mine, theirs in zip(model.optimizer.variables, first.optimizer.variables):
+                    mine.assign(theirs)
+                for mine, theirs in zip(local_sgd.outer_optimizer.variables,
+                                        first_outer.variables):
+                    mine.assign(theirs)
+            else:
+                model.load_weights(load)
+            fit(model, [local_sgd], epochs=epochs)
+        return model, gfar, local_sgd.outer_optimizer
+
+    straight, _, _ = run(2)
+    first, first_gfar, first_outer = run(1)
+    saved = {k: v for state in first_gfar.states().values() for k, v in state.to_arrays().items()}
+    assert any("residual" in k and np.any(v != 0) for k, v in saved.items())
+    path = str(tmp_path / "pseudo.weights.h5")
+    first.save_weights(path)
+    resumed, _, _ = run(1, load=path)
+    for got, want in zip(resumed.get_weights(), straight.get_weights()):
+        assert got.tobytes() == want.tobytes()
+    without_state, _, _ = run(1, load="weights only")
+    assert any(got.tobytes() != want.tobytes()
+               for got, want in zip(without_state.get_weights(), straight.get_weights()))
+
+
 def test_later_fit_without_local_sgd_is_synchronous_again():
     gfar, strategy, model = linear_model()
     fit(model, [gf_tf.keras.LocalSGD(2)])
