@@ -6,6 +6,7 @@ two ways TensorFlow runs a replica's gradient all-reduce (merge call, replica
 context) meet in one funnel, `gf_tf.route.run`, which runs one variable set's step.
 """
 
+import dataclasses
 import time
 from typing import List, Optional, Sequence
 
@@ -15,7 +16,7 @@ from gf_tf import integrations, local_steps as local_steps_lib, plan, route, tf_
 from gf_tf.plan import AUTO, probe, trial
 from gf_tf.reducers import DenseReducer, Reducer
 from gf_tf.state import StateRegistry
-from gf_tf.stats import CommStats
+from gf_tf.stats import CommStats, StepFreeStats
 
 _SUM = tf.distribute.ReduceOp.SUM
 
@@ -259,6 +260,10 @@ class GradientFlowAllReduce(tf.distribute.CrossDeviceOps):
         all-GPU devices), go through `gf_tf.route.run`, so they cannot drift apart."""
         orchestrator = self._orchestrator(self._cross_ops())
         local = None if self._local_steps is None else self._local_steps.local_for(variables)
+        if local == local_steps_lib.MEETING:
+            orchestrator = dataclasses.replace(orchestrator,
+                                               stats=StepFreeStats(self.stats))
+            local = None
         if tf_internal.use_merge_call(replica_ctx.strategy):
             def merge_fn(strategy, *per_replica):
                 def synchronous():

@@ -15,7 +15,10 @@ import tensorflow as tf
 
 from gf_tf import tf_internal
 
-Decision = Optional[Union[bool, Callable[[], tf.Tensor]]]
+MEETING = "meeting"
+"""`LocalSteps.local_for`'s answer for a meeting: an ordinary all-reduce that is not a training
+step (`gf_tf.stats.StepFreeStats`: its bytes join the totals, the step count stays)."""
+Decision = Optional[Union[bool, str, Callable[[], tf.Tensor]]]
 
 
 class LocalSteps:
@@ -27,8 +30,9 @@ class LocalSteps:
 
     def local_for(self, variables: Sequence) -> Decision:
         """For the gradients of `variables` (as the optimizer passes them): None (an ordinary
-        all-reduce), True (always local), or a callable returning a scalar bool tensor, read in
-        cross-replica context at every step (True: local), the same on every worker."""
+        all-reduce), MEETING (an ordinary all-reduce, not a training step), True (always
+        local), or a callable returning a scalar bool tensor, read in cross-replica context
+        at every step (True: local), the same on every worker."""
         raise NotImplementedError
 
 

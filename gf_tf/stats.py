@@ -71,7 +71,7 @@ class CommStats:
         return self.figures[name]
 
     def update(self, dense_bytes, sent_bytes, selected_chunks=0, total_chunks=0,
-               residual_norm=None, density=None, figures=None):
+               residual_norm=None, density=None, figures=None, step=True):
         """Adds one step. Byte counts are per worker replica, in bytes.
 
         Arguments may be Python numbers or scalar tensors.
@@ -93,9 +93,15 @@ class CommStats:
             all-reduce sends everything).
           figures (dict | None): the reducer's own figures of the step by name
             (`gf_tf.reducers.Sent.figures`), each added to its total.
+          step (bool): False: an all-reduce that is not a training step of its own (a meeting
+            of local steps, `gf_tf.local_steps.MEETING`): its sent bytes, chunks and figures
+            join the totals, while the step count, dense bytes and densities stay, so the
+            per-step figures stay per training step.
         """
         added = [1, dense_bytes, sent_bytes, selected_chunks, total_chunks,
                  1.0 if density is None else density]
+        if not step:
+            added[0] = added[1] = added[5] = 0
         with tf.device("/cpu:0"):
             if any(isinstance(x, (tf.Tensor, tf.Variable)) for x in added):
                 self.counts.assign_add(tf.stack([tf.cast(x, tf.float64) for x in added]))
@@ -189,3 +195,14 @@ class CommStats:
             **{f"{key[len(FIGURE_PREFIX):]}_per_step": value / steps
                for key, value in now.items() if key.startswith(FIGURE_PREFIX)},
         }
+
+
+class StepFreeStats:
+    """`CommStats.update` with step=False, for an all-reduce that is not a training step."""
+
+    def __init__(self, stats: CommStats):
+        self.stats = stats
+
+    def update(self, **added) -> None:
+        self.stats.update(**added, step=False)
+

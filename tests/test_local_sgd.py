@@ -118,13 +118,17 @@ def test_steps_per_execution_meets_at_the_first_batch_end_after_h_steps():
 
 @pytest.mark.parametrize("compression, tolerance", [(None, 1e-6), ("fp16", 2e-4)])
 def test_averaging_every_step_is_synchronous_sgd(compression, tolerance):
-    _, _, synchronous = linear_model(compression)
+    synchronous_gfar, _, synchronous = linear_model(compression)
     fit(synchronous, [])
     gfar, _, local = linear_model(compression)
     fit(local, [gf_tf.keras.LocalSGD(1)])
     for got, want in zip(local.get_weights(), synchronous.get_weights()):
         np.testing.assert_allclose(got, want, rtol=0, atol=tolerance)
-    assert gfar.stats.result()["steps"] == 2 * STEPS   # 4 local steps and 4 meetings
+    # 4 local steps and 4 meetings: per step the bytes of the synchronous step's all-reduce
+    got, want = gfar.stats.result(), synchronous_gfar.stats.result()
+    assert got["steps"] == want["steps"] == STEPS
+    assert got["sent_bytes_per_step"] == want["sent_bytes_per_step"] > 0
+    assert got["dense_bytes_per_step"] == want["dense_bytes_per_step"]
 
 
 def test_replicas_differ_between_meetings_and_are_bitwise_equal_after():
@@ -136,9 +140,10 @@ def test_replicas_differ_between_meetings_and_are_bitwise_equal_after():
     assert equal == [False, False, True, True, False, False, True, True]
     stats = gfar.stats.totals()
     elements = 8 * 3 + 3
-    assert stats["steps"] == 8 + 4
+    assert stats["steps"] == 8                            # meetings are not steps
     assert stats["sent_bytes"] == 4 * 4 * elements       # the meetings' float32 packs only
-    assert stats["dense_bytes"] == 12 * 4 * elements
+    assert stats["dense_bytes"] == 8 * 4 * elements      # a synchronous step's float32 each
+    assert gfar.stats.result()["sent_bytes_per_step"] == 4 * 4 * elements / 8
 
 
 def test_outer_state_is_saved_and_restored_with_the_weights(tmp_path):

@@ -11,7 +11,7 @@ import tensorflow as tf
 import keras
 
 from gf_tf import tf_internal
-from gf_tf.local_steps import LocalSteps
+from gf_tf.local_steps import MEETING, LocalSteps
 
 AVERAGE = "average"
 NESTEROV = "nesterov"
@@ -54,8 +54,9 @@ class LocalSGD(keras.callbacks.Callback, LocalSteps):
       GradientFlowAllReduce (its packing, FP16 with power-of-two scaling, CSC or LowRank as
       configured, with state of its own), and `outer_optimizer` applies the sum, the mean
       pseudo-gradient, to the shared start point, which every replica then takes as its
-      weights: bitwise equal on every worker; `CommStats` counts it as one more all-reduce
-      step, with its bytes. Non-trainable float weights (BatchNorm moving statistics) are
+      weights: bitwise equal on every worker; `CommStats` adds its sent bytes to the steps'
+      totals without counting a step (`gf_tf.local_steps.MEETING`), so its per-step figures
+      stay per optimizer step. Non-trainable float weights (BatchNorm moving statistics) are
       averaged at each meeting the same way (outer SGD(1.0)).
     - The first `warmup_steps` steps are synchronous (the ordinary all-reduce); the inner
       optimizer's state (momentum) stays per replica, never averaged (as in PyTorch's
@@ -105,7 +106,7 @@ class LocalSGD(keras.callbacks.Callback, LocalSteps):
         self.outer_optimizer = outer_optimizer
         self._averager = keras.optimizers.SGD(1.0, name="local_sgd_average_non_trainable")
         self._gradient_flow = None
-        self._trainable_ids = frozenset()
+        self._trainable_ids = self._anchor_ids = frozenset()
         self._weights = self._anchors = None
         self._meet_function = None
         self._met_at = None           # the optimizer step of the last meeting (None: not started)
@@ -114,6 +115,8 @@ class LocalSGD(keras.callbacks.Callback, LocalSteps):
     # --- gf_tf.local_steps.LocalSteps -------------------------------------------------
 
     def local_for(self, variables):
+        if variables and all(id(v) in self._anchor_ids for v in variables):
+            return MEETING
         if not variables or any(id(v) not in self._trainable_ids for v in variables):
             return None
         if self.warmup_steps == 0:
@@ -235,6 +238,7 @@ class LocalSGD(keras.callbacks.Callback, LocalSteps):
                                             trainable=True,
                                             name=f"local_sgd_start_{i}")
                              for i, w in enumerate(self._weights)]
+        self._anchor_ids = frozenset(id(a.value) for a in self._anchors)
         pairs = list(zip(self._weights, self._anchors))
         outer_pairs = [(w, a) for w, a in pairs if id(w) in trainable]
         averaged_pairs = [(w, a) for w, a in pairs if id(w) not in trainable]
