@@ -14,7 +14,8 @@ from typing import List, Sequence
 import tensorflow as tf
 
 from gf_tf import tf_internal
-from gf_tf.csc.density import MIN_CHUNKS, DensityRule, is_int_at_least, is_number_in
+from gf_tf.checks import is_int_at_least, is_number_in
+from gf_tf.csc.density import MIN_CHUNKS, DensityRule
 
 AUTO = "auto"
 AUTO_LADDER = (1.0, 0.25, 0.1, 0.03, 0.01, 0.003, 0.001)
@@ -283,8 +284,8 @@ class AutoDensity(DensityRule):
             raise ValueError(f"min_chunks must be an int >= 1 (chunks of a pack per step), got "
                              f"{min_chunks!r}")
         self.floor, self.budget = float(min_density), float(budget)
-        self.min_saving, self.regime_window = float(min_saving), regime_window
-        self.regime_change, self.min_chunks = float(regime_change), min_chunks
+        self.min_saving, self.regime_window = float(min_saving), int(regime_window)
+        self.regime_change, self.min_chunks = float(regime_change), int(min_chunks)
 
     def rungs(self):
         """AUTO_LADDER's entries above the floor, then the floor."""

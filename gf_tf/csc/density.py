@@ -7,9 +7,9 @@ checks its own parameters. `CSCReducer` asks the rule for the step's control fig
 clocks and the candidate index, and never tests which rule it holds.
 """
 
-import math
 from typing import Optional, Sequence, Tuple
 
+from gf_tf.checks import is_number_in
 from gf_tf.reducers import no_control
 
 # Below a handful of chunks a step, each chunk waits many steps for its turn and a small
@@ -18,19 +18,6 @@ from gf_tf.reducers import no_control
 MIN_CHUNKS = 8
 """The fewest chunks of a pack a sparse step of density="auto" sends (`AutoDensity(min_chunks=)`);
 a fixed density that sends fewer logs a warning."""
-
-
-def is_number_in(value, low: float, high: float, low_open: bool = False,
-                 high_open: bool = False) -> bool:
-    """value is an int or float (not a bool, not NaN) within [low, high], ends open where asked."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        return False
-    return (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
-
-
-def is_int_at_least(value, low: int) -> bool:
-    """value is an int (not a bool) >= low."""
-    return not isinstance(value, bool) and isinstance(value, int) and value >= low
 
 
 class DensityRule:

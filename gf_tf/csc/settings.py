@@ -11,7 +11,8 @@ from typing import Optional, Tuple, Union
 
 from gf_tf.csc import policies
 from gf_tf.csc.auto import AUTO, DEFAULT_AUTO_BUDGET, DEFAULT_MIN_DENSITY  # noqa: F401 (re-exported)
-from gf_tf.csc.density import DensityRule, is_int_at_least
+from gf_tf.checks import is_int_at_least, is_number_in
+from gf_tf.csc.density import DensityRule
 from gf_tf.csc.reducer import CSCReducer
 
 # A fixed density loses accuracy where a pack has few chunks or compressing saves little (the
@@ -153,7 +154,7 @@ class ChunkSparsity:
             raise ValueError(f"chunk_size must be an int >= 1 (elements), got {chunk_size!r}")
         if not is_int_at_least(warmup_steps, 0):
             raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
-        if not (isinstance(momentum, (int, float)) and 0.0 <= momentum < 1.0):
+        if not is_number_in(momentum, 0.0, 1.0, high_open=True):
             raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
         if warmup not in WARMUP_MODES:
             raise ValueError(f"warmup must be one of {WARMUP_MODES}, got {warmup!r}")
@@ -168,8 +169,8 @@ class ChunkSparsity:
                                                   budget=auto_budget)
         policies.check(self.policy, self.density_rule, scoring, SCORINGS[0])
         self.density = self.density_rule.value
-        self.chunk_size = chunk_size
-        self.warmup_steps = warmup_steps
+        self.chunk_size = int(chunk_size)
+        self.warmup_steps = int(warmup_steps)
         self.momentum = float(momentum)
         self.warmup = warmup
         self.selection = selection

@@ -11,6 +11,7 @@ import tensorflow as tf
 import keras
 
 from gf_tf import tf_internal
+from gf_tf.checks import is_int_at_least
 from gf_tf.local_steps import MEETING, LocalSteps
 
 AVERAGE = "average"
@@ -88,12 +89,10 @@ class LocalSGD(keras.callbacks.Callback, LocalSteps):
 
     def __init__(self, sync_every: int, outer_optimizer=None, warmup_steps: int = 0):
         super().__init__()
-        if isinstance(sync_every, bool) or not isinstance(sync_every, (int, np.integer)) \
-                or sync_every < 1:
+        if not is_int_at_least(sync_every, 1):
             raise ValueError(f"LocalSGD: sync_every must be an int >= 1 (steps between "
                              f"meetings; 1 meets every step), got {sync_every!r}")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, np.integer)) \
-                or warmup_steps < 0:
+        if not is_int_at_least(warmup_steps, 0):
             raise ValueError(f"LocalSGD: warmup_steps must be an int >= 0, got {warmup_steps!r}")
         if outer_optimizer is None or isinstance(outer_optimizer, str):
             outer_optimizer = outer_optimizer_named(outer_optimizer or AVERAGE)

@@ -10,9 +10,8 @@ planned wire where the model cannot tell them apart.
 import dataclasses
 from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
-import numpy as np
-
 from gf_tf import collectives, packing, wire
+from gf_tf.checks import is_int_at_least
 from gf_tf.plan import planner
 from gf_tf.plan.planner import AUTO, DEFAULT_BYTES_PER_PACK, latency_bytes
 from gf_tf.plan.records import TF_OWN, Costs, Forecast, Plan, Planned, PlanReport
@@ -43,7 +42,7 @@ class Settings:
             object.__setattr__(self, "compression", wire.get(self.compression))
         size = self.bytes_per_pack
         if size != AUTO:
-            if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0:
+            if not is_int_at_least(size, 0):
                 raise ValueError(f"bytes_per_pack must be \"auto\" or an integer number of bytes "
                                  f">= 0, got {size!r}")
             object.__setattr__(self, "bytes_per_pack", int(size))

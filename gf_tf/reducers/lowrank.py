@@ -45,12 +45,12 @@ Distributed Optimization" (NeurIPS 2019), Algorithms 1 and 2; PyTorch's `powerSG
 
 import dataclasses
 import math
-import numbers
 from typing import List, Optional, Tuple
 
 import tensorflow as tf
 
 from gf_tf import ops, wire
+from gf_tf.checks import is_int_at_least, is_number_in
 from gf_tf.packing import PackSpec
 from gf_tf.reducers.alternating import alternate_factors
 from gf_tf.reducers.base import (CostTerms, PackStep, Reducer, Sent, StepInput, fuse_controls,
@@ -96,19 +96,17 @@ class LowRank(Reducer):
 
     def __init__(self, rank: int = 2, min_compression: float = 2.0, seed: int = 0,
                  alternate: bool = False, warmup_steps: int = DEFAULT_WARMUP_STEPS):
-        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank < 1:
+        if not is_int_at_least(rank, 1):
             raise ValueError(f"rank must be an integer >= 1, got {rank!r}")
-        if (isinstance(min_compression, bool) or not isinstance(min_compression, numbers.Real)
-                or not math.isfinite(min_compression) or min_compression < 1):
+        if not is_number_in(min_compression, 1.0, math.inf, high_open=True):
             raise ValueError(f"min_compression must be a finite number >= 1 (compress an n x m "
                              f"matrix only when n*m >= min_compression*(n+m)*rank), got "
                              f"{min_compression!r}")
-        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+        if not is_int_at_least(seed, 0):
             raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
         if not isinstance(alternate, bool):
             raise ValueError(f"alternate must be True or False, got {alternate!r}")
-        if (isinstance(warmup_steps, bool) or not isinstance(warmup_steps, numbers.Integral)
-                or warmup_steps < 0):
+        if not is_int_at_least(warmup_steps, 0):
             raise ValueError(f"warmup_steps must be an integer >= 0 (dense steps before "
                              f"compression starts), got {warmup_steps!r}")
         self.rank, self.min_compression, self.seed = int(rank), float(min_compression), int(seed)
