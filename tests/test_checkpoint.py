@@ -341,6 +341,35 @@ class _Interrupt(keras.callbacks.Callback):
             raise RuntimeError("simulated preemption")
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_file_removed_by_another_worker_during_cleanup_is_no_failure(tmp_path, monkeypatch, rank):
+    """At training's end the chief removes backup_dir while every other worker removes its own
+    files in it: the first removal here finds a file gone (FileNotFoundError from the chief's
+    walk, NotFoundError from gfile), the next attempt finishes, and training ends normally."""
+    backup_dir = tmp_path / "backup"
+    backup_dir.mkdir()
+    (backup_dir / "gf_tf_state.worker1.npz").write_bytes(b"x")
+    callback = backup.BackupAndRestore(str(backup_dir))
+    monkeypatch.setattr(backup.BackupAndRestore, "_rank", lambda self: rank)
+    failures = [FileNotFoundError("gone under the walk") if rank == 0 else
+                tf.errors.NotFoundError(None, None, "gone")]
+    original = (keras.callbacks.BackupAndRestore.on_train_end if rank == 0 else tf.io.gfile.remove)
+
+    def first_fails(*args, **kwargs):
+        if failures:
+            raise failures.pop()
+        return original(*args, **kwargs)
+
+    if rank == 0:
+        monkeypatch.setattr(keras.callbacks.BackupAndRestore, "on_train_end", first_fails)
+    else:
+        monkeypatch.setattr(tf.io.gfile, "remove", first_fails)
+    callback.on_train_end()
+    assert not failures
+    assert not (backup_dir / "gf_tf_state.worker1.npz").exists()
+    assert backup_dir.exists() == (rank == 1)   # the chief removes the directory
+
+
 def test_backup_and_restore_resumes_csc_state(tmp_path):
     """gf_tf.keras.backup.BackupAndRestore on one worker: after a crash at the end of
     epoch 1 the restarted job restores the residuals, momentum and step counter

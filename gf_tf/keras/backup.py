@@ -30,6 +30,7 @@ from gf_tf.keras import checkpoint_format
 from gf_tf.keras.checkpoint import STATS_PREFIX, of
 
 _log = logging.getLogger(__name__)
+CLEANUP_ATTEMPTS = 3
 
 
 def _is_counter(key: str, value) -> bool:
@@ -201,8 +202,16 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             save_side_file(checkpoint, self._side_path())
 
     def on_train_end(self, logs=None):
-        if self._rank() == 0:
-            return super().on_train_end(logs)   # removes backup_dir
-        for path in (self._side_path(), self._local_sgd_path()):
-            if self.delete_checkpoint and tf.io.gfile.exists(path):
-                tf.io.gfile.remove(path)
+        # The chief removes backup_dir while the others remove their own files in it: a file
+        # may vanish under either one's walk, which is no failure (the next attempt sees it gone).
+        for _ in range(CLEANUP_ATTEMPTS):
+            try:
+                if self._rank() == 0:
+                    return super().on_train_end(logs)   # removes backup_dir
+                for path in (self._side_path(), self._local_sgd_path()):
+                    if self.delete_checkpoint and tf.io.gfile.exists(path):
+                        tf.io.gfile.remove(path)
+                return None
+            except (FileNotFoundError, tf.errors.NotFoundError):
+                continue
+        return None
