@@ -1,21 +1,10 @@
 """Accuracy of GradientFlow's 16-bit wire: relative L2 error of a gradient SUM against float64.
 
-N replicas (logical CPUs of one process, `tf.distribute.MirroredStrategy` with its
-own CollectiveAllReduce) each hold a float32 gradient of 4096 elements drawn at
-scale s (normal, times s); `gf_tf.all_reduce_gradients` sums them through a
-`GradientFlowAllReduce` with FP16 and with BF16 on the wire. Columns:
-
-  fp16, bf16      measured error of the SUM
-  fp16 exact      FP16 rounding of the exact sum alone (same power-of-two scale):
-                  the floor any 16-bit wire pays
-  1/N model       NumPy model of the former fixed 1/N prescale (a float16 ring in
-                  which every hop rounds its partial sum)
-  pow2 model      the same model with the power-of-two scale GradientFlow uses
-
     python -m benchmarks.fp16_accuracy                       # N = 2, 8, 32, 64
     python -m benchmarks.fp16_accuracy --replicas 2,8 --model_replicas 512
 
-Each N runs in a fresh process (the logical device count is fixed at start-up).
+N replicas of one process sum float32 gradients of 4096 elements through a GradientFlowAllReduce with
+FP16 and BF16 on the wire; each N runs in a fresh process. The columns: docs/benchmarks.md, "The tools in detail".
 """
 
 import argparse

@@ -1,25 +1,10 @@
 """Emulated cluster: N hosts as Linux network namespaces on a rate-limited bridge.
 
-Layout (all of it inside namespaces this module creates; the root namespace's
-interfaces, routes and `lo` are never touched):
+Host namespace <prefix>-h<i> holds `lo` and a veth `eth0` (SUBNET.<i+1>), bridged in <prefix>-br and
+shaped both ways by a `tc` token bucket; the root namespace is never touched. Needs root
+(`require_root`); `EmulatedCluster` tears itself down on exit, exceptions and SIGINT/SIGTERM. The
+layout: docs/benchmarks.md, "The tools in detail".
 
-    <prefix>-h0 eth0 ── v0 ┐
-    <prefix>-h1 eth0 ── v1 ├─ br0 in namespace <prefix>-br
-    ...                    ┘
-
-Each host namespace has `lo` and one veth `eth0` with an address from
-SUBNET, which exists only inside these namespaces. Each veth is rate-limited
-in both directions with a `tc` token bucket (tbf): `eth0` egress shapes
-host -> bridge, `v<i>` egress shapes bridge -> host. This kernel has no netem,
-so there is no delay emulation. Measured TCP goodput is about 95.6 % of the
-configured rate (headers); `measure_goodput` measures it in the run.
-
-Needs root (CAP_NET_ADMIN). `require_root()` exits with a message before
-anything is touched. Setup is idempotent (a leftover cluster with the same
-prefix is removed first) and `EmulatedCluster` tears itself down on exit,
-on exceptions, at interpreter exit and on SIGINT/SIGTERM.
-
-Command line (for manual checks):
     python -m benchmarks.netem up --hosts 2 --rate-mbit 100
     python -m benchmarks.netem goodput --hosts 2 --rate-mbit 100
     python -m benchmarks.netem down

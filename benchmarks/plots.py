@@ -4,34 +4,9 @@
     python -m benchmarks.plots --out-dir /tmp/figures       # somewhere else
     python -m benchmarks.plots --speed benchmarks/results/allreduce.json   # a run of your own
 
-Three figures (each flag takes one or more JSON files; the defaults are the dated
-files in benchmarks/results/ that docs/benchmarks.md shows):
-
-- speed-vs-tf.png (--speed): seconds per all-reduce of TF's default fp32 divided by
-  each method's, against the number of workers N, one panel per link. Reads
-  benchmarks.allreduce JSON ("cells" with set, workers, rate_mbit, method and
-  speedup_vs_tf_fp32, which benchmarks.allreduce writes when the file holds TF fp32
-  cells of the same set, N and link). A cell with a "run" field is kept apart from
-  the other runs of the same method.
-- bytes-vs-density.png (--bytes): bytes one worker puts into collectives per step
-  (payload_bytes), and where measured the bytes its network interface sent
-  (wire_tx_bytes_per_worker), against the density (the fraction of the gradient
-  sent: a CSC method's density, 1 for dense FP16 and float32). Reads
-  benchmarks.allreduce JSON, or cells with an explicit "density".
-- projection.png (--projection): benchmarks.projection's speedup (N x step-time
-  efficiency) against N, per model, at one link rate (--link-gbit), one column per
-  JSON file (`python -m benchmarks.projection --json F`), titled with the file's
-  alpha and local-cost scale.
-
-- convergence-<task>-<link>.png (--convergence): benchmarks.convergence's runs, one
-  figure per task and link: test accuracy against training seconds (left) and against
-  the bytes a worker put into gradient all-reduces (right, log scale), one line per
-  run, coloured by method, line style by N. Reads the "runs" of benchmarks.convergence
-  JSON; nothing is drawn when no file is given.
-
-A JSON file whose "meta" holds a "source" (a table transcribed from a dated report,
-not a run's own output) is drawn the same way; the source goes into the figure's
-footnote. Failed cells (with "error") are skipped. Needs matplotlib
+Figures: speed-vs-tf.png (--speed), bytes-vs-density.png (--bytes), projection.png (--projection),
+convergence-<task>-<link>.png (--convergence); what each reads and draws: docs/benchmarks.md, "The tools
+in detail". Needs matplotlib
 (`pip install ".[plot]"`); without it, exits with status 2 and writes nothing.
 """
 

@@ -6,33 +6,9 @@ r"""A calibrated model of step time, from 2 to 512 workers: `python -m benchmark
         [--validate other.json] [--fit-workers 2,3,4] [--compute-ms alexnet=38.8,resnet50=110]
     python -m benchmarks.projection --fit-json benchmarks/results/fit.json   # measured overlap
 
-With no --fit it reads the calibration shipped with the repository,
-benchmarks/calibration/allreduce.json (`sudo python -m benchmarks.allreduce
---preset scale --out benchmarks/calibration/allreduce.json` measures it). A
-missing, unreadable or too small file ends with a one-line message saying what
-to run, never a traceback.
-
-The model of one step's all-reduce, its fit on the measured cells and its check on
-held-out N are benchmarks.step_model's. Projected step time = compute + the all-reduce.
-"default" (GradientFlowAllReduce() with no arguments) is the planner's pick:
-`gf_tf.plan.planner.choose` with `Costs` from the fitted parameters (`planner_costs`), its
-predicted seconds the all-reduce. Overlap with backprop is off by default
-(--backward-share 0, as GradientFlowAllReduce's overlap=False); `--fit-json F` takes per
-(model, method) the median measured `overlap` of F's cells (benchmarks.overlap, clamped to
-[0, 1]): step = compute + all-reduce - overlap x min(compute, all-reduce); a (model,
-method) F does not hold hides nothing. The low-rank methods (lowrank_*) are projected from
-their traffic (`benchmarks.workers.methods.traffic`) at FP16 packs' local cost; none of their
-cells is fitted on (no term prices their matrix products). Scaling efficiency = compute /
-step time; speedup = N x efficiency.
-
-Compute time per step defaults (override with --compute-ms):
-  alexnet 38.8 ms: 128 images per GPU at 3,297 images/s. The rate is derived
-    from the paper's abstract (arXiv 1902.06855: 95 epochs of ImageNet,
-    1,281,167 images, in 1.5 minutes on 512 GPUs at a 410.2x speedup:
-    95 * 1281167 / 90 s / 410.2); 128 images per GPU is our assumption.
-  resnet50 128 ms: 64 images per GPU on the same GPU, its rate scaled by the
-    forward multiply-adds per image (AlexNet 0.72 G, ResNet-50 4.1 G): an
-    estimate, not a paper figure.
+Projected step time = compute + the all-reduce of benchmarks.step_model (fitted on
+benchmarks/calibration/allreduce.json unless --fit); "default" is gf_tf's planner's pick. The model,
+the overlap options and the compute-time defaults: docs/benchmarks.md, "The tools in detail".
 """
 
 import argparse

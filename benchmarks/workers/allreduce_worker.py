@@ -3,17 +3,9 @@
     python -m benchmarks.workers.allreduce_worker --method gf_fp16 --sets resnet20,resnet50 \
         --iters 5 --warmup 1 --timeout 120
 
-For each gradient set: variables of those shapes (identical values on every
-worker, so the exact sum is known), a tf.function that all-reduces them with
-`gf_tf.all_reduce_gradients` (the Keras optimizer's gradient all-reduce; stock
-`ReplicaContext.all_reduce(SUM, ...)` without GradientFlow),
-`warmup` untimed calls (the first traces the function; for the default, that
-includes a set's trial, gf_tf.plan.trial), then `iters` timed calls. Bytes on the wire are the
-delta of this namespace's eth0 counters over the timed calls. For GradientFlow
-methods each set also records the plan its gradients travelled by
-(`GradientFlowAllReduce.plans()`) and the worker records the planner's measured
-constants (`GradientFlowAllReduce.costs`, None when every setting is pinned).
-Prints one line `RESULT <json>` at the end.
+Per gradient set: `warmup` untimed calls of a tf.function that all-reduces variables of those shapes
+with `gf_tf.all_reduce_gradients`, then `iters` timed calls, the wire bytes from eth0's counters and
+the plans GradientFlow recorded (docs/benchmarks.md, "The tools in detail"). Prints one line `RESULT <json>` at the end.
 """
 
 import argparse

@@ -3,28 +3,9 @@
     python -m benchmarks.workers.fit_worker --model alexnet --method csc_1 \
         --batch 32 --warmup-steps 2 --steps 5 --timeout 300 [--reference] [--cpu 0]
 
-Without --reference: TF_CONFIG must be set; the strategy is the method's
-(benchmarks/workers/methods.py; the TF default goes through
-gf_tf.MultiWorkerMirroredStrategy(gradient_flow=None) because Keras 3 `fit`
-needs its multi-worker fixes). With --reference: one process, no strategy, no
-communication (the compute-only reference).
-
-With --overlap, after the timed fit, in the same processes: `allreduce_s`, the
-median of `steps` all-reduces of gradients shaped like the model's trainable
-variables alone (benchmarks.workers.allreduce_worker's step and timing: one
-untimed call, then the timed ones), then `compute_s`, the median step time of a
-fresh copy of the model fitted (`warmup-steps`, then `steps`) with every
-collective replaced by a local reduce (benchmarks.workers.local_only).
-With --profile DIR, one more 3-step fit under the method's strategy runs before
-those, and worker 0 writes a tf.profiler trace of its second step to DIR
-(gf_tf.keras.callbacks.StepProfile; the others run the same steps unprofiled:
-TF's profiler stop() crashed a second profiled worker).
-
-`fit` runs two epochs: the first (`warmup-steps` steps) traces the step
-function and is not timed; the second (`steps` steps) is. Throughput is
-global batch x (steps - 1) / (end of the last step - end of the first step)
-of the second fit, so iterator creation and any retracing are excluded.
-Prints one line `RESULT <json>`.
+TF_CONFIG set (or --reference: one process, no communication). With --overlap, `allreduce_s` and
+`compute_s` after the timed fit; with --profile DIR, a tf.profiler trace of worker 0's step. How
+each figure is measured: docs/benchmarks.md, "The tools in detail". Prints one line `RESULT <json>`.
 """
 
 import argparse
@@ -161,7 +142,7 @@ def main():
 
 
 def _after_the_fit(strategy, gradient_flow, model, build, data):
-    """--profile's trace, then --overlap's allreduce_s and compute_s (module docstring)."""
+    """--profile's trace, then --overlap's allreduce_s and compute_s (docs/benchmarks.md, "The tools in detail")."""
     extra = {}
     if args.profile:
         extra["profile_dir"] = _profile(model, data)
