@@ -276,7 +276,7 @@ def main(argv=None) -> int:
 
     out_path = args.out or os.path.join(netem.REPO_ROOT, "benchmarks", "results", "allreduce.json")
     plot_path = args.plot or os.path.splitext(out_path)[0] + ".png"
-    launches, meta = harness.start("allreduce", argv, launches, lambda l: l[2], say=say)
+    launches, meta = harness.start("allreduce", argv, launches, lambda l: l[2])
     meta.update({"iters": iters, "warmup": args.warmup, "preset": preset, "launches_per_cell": args.launches})
     cells: List[Dict] = []
     goodputs: List[Dict] = []
@@ -295,7 +295,7 @@ def main(argv=None) -> int:
         return new, f"{launch[2]:8s} {summary}" + (f"  error: {outcome['error']}" if outcome["error"] else "")
 
     harness.sweep(launches, lambda l: l[0], lambda l: l[1], run, goodput_seconds=args.goodput_seconds,
-                  goodputs=goodputs, say=say)
+                  goodputs=goodputs)
     cells = merge_launches(cells)
     add_speedups(cells)
     meta["wall_seconds"] = time.time() - started
@@ -317,10 +317,6 @@ def main(argv=None) -> int:
     print(tables.results_table(cells))
     failed = [c for c in cells if "error" in c]
     return 1 if failed else 0
-
-
-def say(text: str) -> None:
-    print(text, flush=True)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,11 @@ Cell = TypeVar("Cell")
 Outcome = TypeVar("Outcome")
 
 
+def say(text: str) -> None:
+    """Prints a progress line at once (a long run's log is read while it runs)."""
+    print(text, flush=True)
+
+
 def write_result(result: WorkerResult) -> None:
     """Prints a worker's figures as the one line `RESULT <json>` its supervisor reads."""
     print(RESULT_PREFIX + json.dumps(result), flush=True)
@@ -132,7 +137,7 @@ def command_line(module: str, argv: Optional[Sequence[str]]) -> str:
 
 
 def start(module: str, argv, cells: List[Cell], method_of: Callable[[Cell], str],
-          say=print) -> Tuple[List[Cell], Dict[str, Any]]:
+          say=say) -> Tuple[List[Cell], Dict[str, Any]]:
     """The cells whose method gf_tf can build (saying which are skipped and why) and the run's meta: the
     machine description, its command line and `skipped_methods`."""
     missing = unavailable_methods()
@@ -159,7 +164,7 @@ def header(title: str, meta: Dict[str, Any], details: str = "", cells: Sequence[
 def sweep(cells: Sequence[Cell], workers_of: Callable[[Cell], int], rate_of: Callable[[Cell], Optional[float]],
           run: Callable[[Optional[netem.EmulatedCluster], Cell, int, Optional[float]], Tuple[Outcome, str]],
           goodput_seconds: Optional[float] = None, goodputs: Optional[List[Dict]] = None, emulate: bool = True,
-          on_cluster: Optional[Callable[[netem.EmulatedCluster], None]] = None, say=print) -> List[Outcome]:
+          on_cluster: Optional[Callable[[netem.EmulatedCluster], None]] = None, say=say) -> List[Outcome]:
     """Runs every cell, in order of N, then link (`link_order`), then the order given.
 
     Per N one `netem.EmulatedCluster` (none when `emulate` is False: `run` gets None and runs on this

@@ -13,6 +13,7 @@ import json
 import os
 import statistics
 import time
+from typing import Optional
 
 import numpy as np
 import tensorflow as tf
@@ -25,10 +26,14 @@ from benchmarks.workers import gradients, methods
 PAIRED_CALLS, PAIRED_SMALL_ELEMENTS = 50, 1_000_000   # --paired: calls of each for sets this small
 
 
-def read_counters(dev: str = "eth0") -> dict:
+def read_counters(dev: str = "eth0") -> Optional[dict]:
+    """This namespace's tx and rx byte counters of `dev`; None outside an emulated host."""
     base = f"/sys/class/net/{dev}/statistics"
-    with open(f"{base}/tx_bytes") as tx, open(f"{base}/rx_bytes") as rx:
-        return {"tx": int(tx.read()), "rx": int(rx.read())}
+    try:
+        with open(f"{base}/tx_bytes") as tx, open(f"{base}/rx_bytes") as rx:
+            return {"tx": int(tx.read()), "rx": int(rx.read())}
+    except OSError:
+        return None
 
 
 def make_values(shapes, seed):
@@ -210,6 +215,16 @@ def stats_totals(gradient_flow):
     return {key: totals[key] for key in ("steps", "sent_bytes", "dense_bytes", "densities")}
 
 
+def stats_per(before, after, per: str, count: float) -> dict:
+    """GradientFlow's CommStats between two `stats_totals`, divided by `count` (`per`: the keys'
+    suffix): payload bytes sent and dense, the steps counted and the densities; {} when none ran."""
+    if not before or not after or after["steps"] <= before["steps"]:
+        return {}
+    delta = {key: (after[key] - before[key]) / count for key in after}
+    return {f"sent_payload_bytes_per_{per}": delta["sent_bytes"], f"dense_payload_bytes_per_{per}":
+            delta["dense_bytes"], f"stats_steps_per_{per}": delta["steps"], f"density_per_{per}": delta["densities"]}
+
+
 def plan_records(gradient_flow, variables):
     """The gf_tf.plan.PlanReport of each variable set serving exactly `variables`, as JSON
     records."""
@@ -277,11 +292,8 @@ def main():
             "tx_bytes_per_iter": (after["tx"] - before["tx"]) / args.iters,
             "rx_bytes_per_iter": (after["rx"] - before["rx"]) / args.iters,
         }
-        if before_stats is not None and after_stats["steps"] > before_stats["steps"]:
-            steps = after_stats["steps"] - before_stats["steps"]
-            entry["stats_steps_per_iter"] = steps / args.iters
-            entry["sent_payload_bytes_per_iter"] = (after_stats["sent_bytes"] - before_stats["sent_bytes"]) / args.iters
-            entry["dense_payload_bytes_per_iter"] = (after_stats["dense_bytes"] - before_stats["dense_bytes"]) / args.iters
+        stats = stats_per(before_stats, after_stats, "iter", args.iters)
+        entry.update({k: v for k, v in stats.items() if not k.startswith("density")})
         local = [strategy.experimental_local_results(r)[0] for r in out]
         entry.update(check_result(args.method, values, local, num_workers))
         if gradient_flow is not None:

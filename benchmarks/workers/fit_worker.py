@@ -103,10 +103,10 @@ def main():
     model.fit(data, epochs=1, steps_per_epoch=args.warmup_steps, verbose=0, callbacks=[clock])
     from benchmarks.workers import allreduce_worker
     stats_before = allreduce_worker.stats_totals(gradient_flow)
-    wire_before = _wire_counters()
+    wire_before = allreduce_worker.read_counters()
     model.fit(data, initial_epoch=1, epochs=2, steps_per_epoch=args.steps, verbose=0, callbacks=[clock])
     stats_after = allreduce_worker.stats_totals(gradient_flow)
-    wire_after = _wire_counters()
+    wire_after = allreduce_worker.read_counters()
     extra = {} if strategy is None else _after_the_fit(strategy, gradient_flow, model, build, data)
     # Steady state: from the end of the first step of the timed fit (which also creates the
     # input iterator) to the end of its last step.
@@ -125,17 +125,16 @@ def main():
         "cpu": args.cpu, **extra,
     }
     if wire_before and wire_after:   # all steps of the timed fit, measured on this namespace's eth0
-        result["wire_tx_bytes_per_step"] = (wire_after[0] - wire_before[0]) / args.steps
-        result["wire_rx_bytes_per_step"] = (wire_after[1] - wire_before[1]) / args.steps
+        result["wire_tx_bytes_per_step"] = (wire_after["tx"] - wire_before["tx"]) / args.steps
+        result["wire_rx_bytes_per_step"] = (wire_after["rx"] - wire_before["rx"]) / args.steps
     if gradient_flow is not None:
         import gf_tf
         result["gradient_flow"] = repr(gradient_flow)
         result["ops_library"] = gf_tf.ops.library_status()
     if stats_before and stats_after and stats_after["steps"] > stats_before["steps"]:
-        steps = stats_after["steps"] - stats_before["steps"]
-        result["sent_payload_bytes_per_step"] = (stats_after["sent_bytes"] - stats_before["sent_bytes"]) / steps
-        result["dense_payload_bytes_per_step"] = (stats_after["dense_bytes"] - stats_before["dense_bytes"]) / steps
-        result["density_per_step"] = (stats_after["densities"] - stats_before["densities"]) / steps
+        stats = allreduce_worker.stats_per(stats_before, stats_after, "step",
+                                           stats_after["steps"] - stats_before["steps"])
+        result.update({k: v for k, v in stats.items() if not k.startswith("stats_steps")})
     harness.write_result(result)
     from gf_tf import worker
     worker.exit_together(args.timeout)   # a worker left alone after its peer exits logs a crash
@@ -184,15 +183,6 @@ def _profile(model, data):
     callbacks = [StepProfile(args.profile, batch=1)] if task == 0 else []
     model.fit(data, initial_epoch=2, epochs=3, steps_per_epoch=3, verbose=0, callbacks=callbacks)
     return args.profile if task == 0 else None
-
-
-def _wire_counters():
-    try:
-        with open("/sys/class/net/eth0/statistics/tx_bytes") as tx, \
-                open("/sys/class/net/eth0/statistics/rx_bytes") as rx:
-            return int(tx.read()), int(rx.read())
-    except OSError:   # not inside an emulated host
-        return None
 
 
 if __name__ == "__main__":
