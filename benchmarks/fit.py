@@ -123,13 +123,7 @@ def run_cells(launches: List[Launch], steps_override, log_dir: str, goodput_seco
 
 
 def derive(cells: List[Dict], references: Dict[str, Dict], cores: int) -> None:
-    def find(model, n, rate, method):
-        for c in cells:
-            if (c["model"], c["workers"], c["rate_mbit"], c["method"]) == (model, n, rate, method) \
-                    and "images_per_s" in c:
-                return c
-        return None
-
+    timed = {(c["model"], c["workers"], c["rate_mbit"], c["method"]): c for c in cells if "images_per_s" in c}
     for c in cells:
         if "images_per_s" not in c:
             continue
@@ -138,10 +132,10 @@ def derive(cells: List[Dict], references: Dict[str, Dict], cores: int) -> None:
         if ref:
             c["reference_images_per_s"] = ref
             c["scaling_efficiency"] = c["images_per_s"] / (min(c["workers"], cores) * ref)
-        unshaped = find(c["model"], c["workers"], None, c["method"])
+        unshaped = timed.get((c["model"], c["workers"], None, c["method"]))
         if unshaped:
             c["vs_unshaped"] = c["images_per_s"] / unshaped["images_per_s"]
-        base = find(c["model"], c["workers"], c["rate_mbit"], "tf_fp32")
+        base = timed.get((c["model"], c["workers"], c["rate_mbit"], "tf_fp32"))
         if base:
             c["speedup_vs_tf_fp32"] = c["images_per_s"] / base["images_per_s"]
 
@@ -181,8 +175,8 @@ def results_table(cells: List[Dict], references: Dict[str, Dict]) -> str:
             rows.append([model, f"{ref['params'] / 1e6:.2f}M", 1, "-", "reference (1 core, no comm.)",
                          ref["images_per_s"], ref["median_step_s"], None, None, None, 1.0, None, None, None, None,
                          f"{ref['loss_first']:.3g}->{ref['loss_last']:.3g}"])
-    for c in sorted(cells, key=lambda c: (model_order.index(c["model"]), c["workers"], c["rate_mbit"] is None,
-                                          c["rate_mbit"] or 0, order[c["method"]])):
+    for c in sorted(cells, key=lambda c: (model_order.index(c["model"]), c["workers"], *harness.link_order(c["rate_mbit"]),
+                                          order[c["method"]])):
         if "error" in c:
             rows.append([c["model"], None, c["workers"], report.link_label(c["rate_mbit"]), c["method"],
                          "FAILED", *[None] * 9, c["error"][:60]])

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -50,11 +51,6 @@ def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess
     if check and result.returncode != 0:
         raise RuntimeError(f"command failed ({result.returncode}): {' '.join(argv)}\n{result.stderr.strip()}")
     return result
-
-
-def _existing_namespaces() -> List[str]:
-    out = _run(["ip", "netns", "list"]).stdout
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
 def tbf_burst_bytes(rate_mbit: float) -> int:
@@ -208,10 +204,7 @@ class EmulatedCluster:
         for proc in receivers:
             out, _ = proc.communicate(timeout=30)
             rates.append(json.loads(out.strip().splitlines()[-1])["bps"])
-        rates_sorted = sorted(rates)
-        return {"goodput_bps": rates_sorted[len(rates) // 2] if n % 2 else
-                0.5 * (rates_sorted[n // 2 - 1] + rates_sorted[n // 2]),
-                "per_link_bps": rates, "seconds": seconds,
+        return {"goodput_bps": statistics.median(rates), "per_link_bps": rates, "seconds": seconds,
                 "method": f"TCP bulk transfer host i -> host i+1 around the ring, all {n} links at once, "
                           f"{seconds:g} s, payload bytes counted by the receiver"}
 
@@ -219,11 +212,10 @@ class EmulatedCluster:
 def remove_cluster(prefix: str = DEFAULT_PREFIX) -> List[str]:
     """Kills processes in, and deletes, every namespace named `<prefix>-*`. Returns what was removed."""
     removed = []
-    for ns in _existing_namespaces():
+    for ns in [line.split()[0] for line in _run(["ip", "netns", "list"]).stdout.splitlines() if line.strip()]:
         if not ns.startswith(prefix + "-"):
             continue
-        pids = _run(["ip", "netns", "pids", ns], check=False).stdout.split()
-        for pid in pids:
+        for pid in _run(["ip", "netns", "pids", ns], check=False).stdout.split():
             try:
                 os.kill(int(pid), signal.SIGKILL)
             except (ProcessLookupError, ValueError):

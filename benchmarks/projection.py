@@ -44,19 +44,6 @@ def step_seconds(comm_seconds: float, compute_seconds: float, overlapped_share: 
     return compute_seconds + max(0.0, comm_seconds - overlapped_share * compute_seconds)
 
 
-def measured_step_seconds(comm_seconds: float, compute_seconds: float, overlap: float) -> float:
-    """Step time with a measured overlap fraction (benchmarks.overlap): compute plus
-    communication, less `overlap` of the shorter of the two."""
-    return compute_seconds + comm_seconds - overlap * min(comm_seconds, compute_seconds)
-
-
-def overlapped_share(method: str, backward_share: float) -> float:
-    """The share of compute FP16 packs may hide behind (--backward-share, 0 by default:
-    overlap is opt-in); TF's default, CSC, the low-rank methods (their factors wait for every
-    matrix of the step) and the planner's pick hide nothing."""
-    return backward_share if method in ("gf_fp16", "gf_fp16_rd") else 0.0
-
-
 def planner_costs(params: Dict[str, float], link_bps: float, cpu_share: float = 1.0) -> Costs:
     """The fitted parameters as gf_tf.plan.Costs for links of `link_bps` bit/s.
 
@@ -93,10 +80,10 @@ def project(params, model: str, method: str, workers: int, link_gbit: float, com
         payload, collectives = methods.traffic(method, shapes)
         case = step_model.Case(method, workers, link_gbit * 1e9, elements, payload, collectives)
         comm = step_model.all_reduce_seconds(case, params)
-    if isinstance(overlap, dict):
-        step = measured_step_seconds(comm, compute_s, overlap.get((model, method), 0.0))
-    else:
-        step = step_seconds(comm, compute_s, overlapped_share(method, overlap))
+    if isinstance(overlap, dict):   # a measured fraction (benchmarks.overlap) of the shorter of the two
+        step = compute_s + comm - overlap.get((model, method), 0.0) * min(comm, compute_s)
+    else:   # only FP16 packs hide (CSC's and low rank's collectives wait for the whole step)
+        step = step_seconds(comm, compute_s, overlap if method in ("gf_fp16", "gf_fp16_rd") else 0.0)
     return {"comm_s": comm, "step_s": step, "efficiency": compute_s / step,
             "speedup": workers * compute_s / step, **extra}
 

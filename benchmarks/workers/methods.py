@@ -184,13 +184,6 @@ def density(name: str):
     return None if csc is None else csc["density"]
 
 
-def largest_density(name: str) -> float:
-    """The most a method may send, as a fraction of the gradient's elements: a CSC method's
-    density, "auto" -> its top rung (1.0, a dense step: gf_tf.csc.AUTO_LADDER[0]); 1.0 otherwise."""
-    value = density(name)
-    return 1.0 if value in (None, "auto") else float(value)
-
-
 def csc_selection(name: str) -> str:
     """ChunkSparsity(selection=...) of a CSC method: "per_pack" (its default), "global" or "ahead"."""
     return str(get(name).csc.get("selection", "per_pack"))
@@ -319,7 +312,7 @@ def _traffic(name: str, shapes, bytes_per_pack: Optional[int]) -> Tuple[float, i
         return _lowrank_traffic(method, specs)
     if method.csc is None:   # packs + the bounds' control (local SGD: once every H steps)
         return (2.0 * elements + 4.0 * len(shapes)) / (method.local or {}).get("sync_every", 1), len(specs) + 1
-    fraction = largest_density(name)
+    fraction = 1.0 if density(name) == "auto" else float(density(name))   # "auto": its dense top rung
     chunk_size = int(method.csc.get("chunk_size", DEFAULT_CHUNK_SIZE))
     chunks = [math.ceil(spec.num_elements / chunk_size) for spec in specs]
     if csc_selection(name) == "global":   # one top K over all chunks (one wire dtype)
