@@ -142,35 +142,15 @@ def comparison(params, compute_ms, overlap) -> str:
     return "\n".join(lines)
 
 
-def plot(points, path: str) -> Optional[str]:
+def plot(rows: List[Dict], path: str, fitted: bool) -> Optional[str]:
+    """benchmarks.plots' speedup grid of the `json_rows`: one column per link, every projected method."""
     plt = harness.pyplot()
     if plt is None:
         return harness.PLOT_MISSING
-    models = sorted({p["model"] for p in points})
-    links = sorted({p["link_gbit"] for p in points})
-    fig, axes = plt.subplots(len(models), len(links), figsize=(4 * len(links), 3.6 * len(models)),
-                             squeeze=False)
-    for i, model in enumerate(models):
-        for j, link in enumerate(links):
-            ax = axes[i][j]
-            for k, method in enumerate(PROJECTED_METHODS):
-                pts = sorted((p["workers"], p["speedup"]) for p in points
-                             if (p["model"], p["link_gbit"], p["method"]) == (model, link, method))
-                ax.plot([a for a, _ in pts], [b for _, b in pts], "o-", color=f"C{k}",
-                        label=methods.LABELS[method])
-            ns = sorted({p["workers"] for p in points})
-            ax.plot(ns, ns, ":", color="gray", label="linear")
-            if model == PAPER_SPEEDUP["model"] and link == PAPER_SPEEDUP["link_gbit"]:
-                ax.plot([PAPER_SPEEDUP["workers"]], [PAPER_SPEEDUP["speedup"]], "k*", markersize=12,
-                        label="paper (410.2x)")
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log", base=2)
-            ax.set_title(f"{model}, {link:g} Gbit/s")
-            ax.set_xlabel("workers")
-            ax.set_ylabel("speedup")
-            ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    report.save_figure(fig, path, dpi=100)
+    from benchmarks import plots   # pylint: disable=import-outside-toplevel
+    links = sorted({r["link_gbit"] for r in rows})
+    plots.speedup_grid([([r for r in rows if r["link_gbit"] == link], fitted) for link in links],
+                       PROJECTED_METHODS, path, plt, "python -m benchmarks.projection")
     return None
 
 
@@ -295,17 +275,18 @@ def main(argv=None) -> int:
     table, points = projection_table(params, compute, worker_counts, links, overlap)
     print(table + "\n")
     print(comparison(params, compute, overlap))
+    rows = json_rows(points, params["alpha"], args.local_scale)
     if args.json:
         validation = {k: v for k, v in held_out.items() if k != "table"}
         report.write_json(args.json, {
-            "rows": json_rows(points, params["alpha"], args.local_scale),
+            "rows": rows,
             "fitted_parameters": fitted, "projected_parameters": params, "validation": validation,
             "overlap": overlap if not isinstance(overlap, dict) else
             [{"model": m, "method": meth, "overlap": f} for (m, meth), f in sorted(overlap.items())],
             "auto_plans": [{"model": p["model"], "workers": p["workers"], "link_gbit": p["link_gbit"],
                             "plan": p["plan"].describe()} for p in points if "plan" in p]})
         print(f"\nJSON: {args.json}")
-    note = plot(points, args.plot)
+    note = plot(rows, args.plot, params["alpha"] == fitted["alpha"])
     print(f"\nplot: {note}" if note else f"\nplot: {args.plot}")
     return 0
 
