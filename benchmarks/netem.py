@@ -79,7 +79,6 @@ class EmulatedCluster:
         self._is_up = False
         self._old_handlers: Dict[int, object] = {}
 
-    # ---- lifecycle -----------------------------------------------------------------------
     def __enter__(self) -> "EmulatedCluster":
         try:
             self.up()
@@ -143,7 +142,6 @@ class EmulatedCluster:
 
             signal.signal(sig, handler)
 
-    # ---- shaping -----------------------------------------------------------------------------
     def set_rate(self, rate_mbit: Optional[float]) -> None:
         """Limits every link, both directions, to `rate_mbit` Mbit/s; None removes the limit."""
         self.rate_mbit = rate_mbit
@@ -159,10 +157,6 @@ class EmulatedCluster:
                 _run(tc + ["replace", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit",
                            "burst", str(burst), "limit", str(limit)])
 
-    def describe_shaping(self) -> str:
-        return _run(["tc", "-n", self.hosts[0], "qdisc", "show", "dev", "eth0"]).stdout.strip()
-
-    # ---- processes -----------------------------------------------------------------------------
     def popen(self, host: int, argv: Sequence[str], env: Optional[Dict[str, str]] = None,
               **kwargs) -> subprocess.Popen:
         """Starts `argv` inside host namespace `host` (cwd = repository root, PYTHONPATH includes it)."""
@@ -241,7 +235,7 @@ def _main(argv=None) -> int:
         cluster.up()
         cluster._is_up = False  # leave it up for manual inspection; `down` removes it
         print(f"up: {cluster.hosts} via {cluster.bridge_ns}, addresses {cluster.addresses}, "
-              f"rate {args.rate_mbit or 'unshaped'}\n{cluster.describe_shaping()}")
+              f"rate {args.rate_mbit or 'unshaped'}\n{_run(['tc', '-n', cluster.hosts[0], 'qdisc', 'show', 'dev', 'eth0']).stdout.strip()}")
         return 0
     with cluster:
         print(json.dumps(cluster.measure_goodput(), indent=1))

@@ -44,31 +44,21 @@ def make_values(shapes, seed):
                 for s in shapes]
 
 
+TF_OWN = "tf_own"   # build_step's method for ReplicaContext.all_reduce (GradientFlow hands it to TF's ops)
+
+
 def build_step(strategy, values, method):
-    by_hand_fp16 = method == "tf_fp16"
+    """A tf.function all-reducing `values` as the method's gradients (tf_fp16: cast by hand around
+    it), or with TF_OWN through TensorFlow's own all-reduce (the paired baseline, --paired)."""
+    dtype = tf.float16 if method == "tf_fp16" else tf.float32
 
     @tf.function
     def step():
         def replica_fn():
-            grads = [tf.identity(v) for v in values]
-            if by_hand_fp16:
-                grads = [tf.cast(g, tf.float16) for g in grads]
-            reduced = gf_tf.all_reduce_gradients(grads, values)
-            if by_hand_fp16:
-                reduced = [tf.cast(r, tf.float32) for r in reduced]
-            return reduced
-        return strategy.run(replica_fn)
-    return step
-
-
-def build_tf_own_step(strategy, values):
-    """TensorFlow's own all-reduce of `values` through `strategy`: ReplicaContext.all_reduce,
-    which GradientFlow hands to TF's ops unchanged (the paired baseline, --paired)."""
-    @tf.function
-    def step():
-        def replica_fn():
-            return tf.distribute.get_replica_context().all_reduce(
-                tf.distribute.ReduceOp.SUM, [tf.identity(v) for v in values])
+            grads = [tf.cast(v, dtype) for v in values]
+            if method == TF_OWN:
+                return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, grads)
+            return [tf.cast(r, tf.float32) for r in gf_tf.all_reduce_gradients(grads, values)]
         return strategy.run(replica_fn)
     return step
 
@@ -77,7 +67,7 @@ def paired_seconds(strategy, step, shapes, iters):
     """(median seconds of `step`, of TF's own all-reduce of a copy of the set): `iters` calls of
     each, alternating, in these processes, after one untimed call of TF's own. The medians of 5
     calls moved 15% between launches of ResNet-20's set: small sets get PAIRED_CALLS."""
-    tf_own = build_tf_own_step(strategy, make_values(shapes, seed=len(shapes)))
+    tf_own = build_step(strategy, make_values(shapes, seed=len(shapes)), TF_OWN)
     timed_calls(tf_own, 1, 0)
     mine, theirs = [], []
     for _ in range(iters):
