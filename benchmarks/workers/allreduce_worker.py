@@ -55,7 +55,7 @@ def build_step(strategy, values, method):
     @tf.function
     def step():
         def replica_fn():
-            grads = [tf.cast(v, dtype) for v in values]
+            grads = [tf.cast(tf.identity(v), dtype) for v in values]
             if method == TF_OWN:
                 return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, grads)
             return [tf.cast(r, tf.float32) for r in gf_tf.all_reduce_gradients(grads, values)]
