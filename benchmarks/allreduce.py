@@ -6,23 +6,10 @@
     sudo python -m benchmarks.allreduce --sets resnet50 --workers 2 --rates 100,1000,none \
         --methods tf_fp32,gf_fp16,csc_1
 
-For every cell (gradient set x workers N x link rate x method) N worker
-processes run in their own network namespaces (benchmarks.netem) and
-all-reduce a gradient list shaped like the named network
-(benchmarks/workers/gradients.py). Per cell: worker 0's median seconds per
-all-reduce, the bytes each worker's eth0 sent, the ring lower bound
-2(N-1)/N * payload / goodput and the ratios to it and to TF's default
-(`--launches K`: the median launch), the CPU seconds of the method's encode
-and decode (everything but the collectives; CSC's chunk path), the `auto` cell's
-paired ratio, FP16's pack+unpack share, with --profile the share of gf_tf's
-ops not hidden by a collective, and the plans GradientFlow recorded. What
-each column means: docs/benchmarks.md, "Reading the figures".
-
-Presets: quick (smoke test), targets (the CSC speed targets), full (every method
-x set x N in 2-4 x rate), scale (N up to 8, gf_tf's default `default`
-and the recursive-doubling methods; the calibration of benchmarks.projection).
-
-Needs root; without it, exits with status 2 and changes nothing.
+Per cell (gradient set x N x link x method), N workers in their own network namespaces all-reduce a
+gradient list shaped like the named network. Presets: quick, targets, full, scale. The columns:
+docs/benchmarks.md, "Reading the figures"; more in docs/benchmarks.md, "The tools in detail". Needs
+root; without it, exits with status 2.
 """
 
 import os
@@ -289,7 +276,7 @@ def main(argv=None) -> int:
 
     out_path = args.out or os.path.join(netem.REPO_ROOT, "benchmarks", "results", "allreduce.json")
     plot_path = args.plot or os.path.splitext(out_path)[0] + ".png"
-    launches, meta = harness.start("allreduce", argv, launches, lambda l: l[2], say=say)
+    launches, meta = harness.start("allreduce", argv, launches, lambda l: l[2])
     meta.update({"iters": iters, "warmup": args.warmup, "preset": preset, "launches_per_cell": args.launches})
     cells: List[Dict] = []
     goodputs: List[Dict] = []
@@ -308,7 +295,7 @@ def main(argv=None) -> int:
         return new, f"{launch[2]:8s} {summary}" + (f"  error: {outcome['error']}" if outcome["error"] else "")
 
     harness.sweep(launches, lambda l: l[0], lambda l: l[1], run, goodput_seconds=args.goodput_seconds,
-                  goodputs=goodputs, say=say)
+                  goodputs=goodputs)
     cells = merge_launches(cells)
     add_speedups(cells)
     meta["wall_seconds"] = time.time() - started
@@ -330,10 +317,6 @@ def main(argv=None) -> int:
     print(tables.results_table(cells))
     failed = [c for c in cells if "error" in c]
     return 1 if failed else 0
-
-
-def say(text: str) -> None:
-    print(text, flush=True)
 
 
 if __name__ == "__main__":

@@ -98,23 +98,18 @@ CSC_SPEEDUP_TARGETS = {(2, 100.0): 120.0, (2, 1000.0): 40.0, (4, 100.0): 100.0, 
 
 
 def targets_table(cells: List[Dict]) -> str:
-    def find(set_, n, rate, method):
-        for c in cells:
-            if (c["set"], c["workers"], c["rate_mbit"], c["method"]) == (set_, n, rate, method) and "median_s" in c:
-                return c
-        return None
-
+    timed = {(c["set"], c["workers"], c["rate_mbit"], c["method"]): c for c in cells if "median_s" in c}
     rows = []
     for n in (2, 4):
         for rate in (100.0, 1000.0):
             where = f"ResNet-50, N={n}, {report.link_label(rate)}"
-            gf = find("resnet50", n, rate, "gf_fp16")
+            gf = timed.get(("resnet50", n, rate, "gf_fp16"))
             if gf is None:
                 rows.append([where, "GF fp16 within 1.1x of its ring bound", "not measured", "-"])
             else:
                 rows.append([where, "GF fp16 within 1.1x of its ring bound", f"{gf['ratio_to_bound']:.2f}x",
                              _verdict(gf["ratio_to_bound"] <= 1.1, gf)])
-            csc = find("resnet50", n, rate, "csc_1")
+            csc = timed.get(("resnet50", n, rate, "csc_1"))
             if csc is None:
                 rows.append([where, "CSC 1% measured", "not measured", "-"])
                 continue

@@ -1,20 +1,14 @@
 r"""Time to accuracy: tasks x methods x seeds x N x link, each run a real `gf-tf-run` job of `models.train`.
 
     python -m benchmarks.convergence --dry-run                 # the matrix and its time estimate
-    sudo python -m benchmarks.convergence --quick              # mnist1d_wide, tf_fp32 and csc_1, seed 0, N=2, 100 Mbit/s
-    sudo python -m benchmarks.convergence --report             # the whole matrix, dated report in benchmarks/results/
+    sudo python -m benchmarks.convergence --quick              # mnist1d_wide, tf_fp32 and csc_1, seed 0
+    sudo python -m benchmarks.convergence --report             # the whole matrix, dated report
     python -m benchmarks.convergence --tasks digits --methods tf_fp32,default --seeds 0 --workers 2 --links none
-    python -m benchmarks.convergence --merge a.json b.json --out all.json   # summarize earlier outputs, run nothing
+    python -m benchmarks.convergence --merge a.json b.json --out all.json   # summarize earlier outputs
 
-Every run trains `python -m models.train --dataset TASK --curve` with its method's flags
-(`benchmarks.workers.methods.trainer_flags`) on N workers started by `gf-tf-run`: on an
-emulated link (root) one worker per network namespace (benchmarks.netem), as in
-benchmarks.fit; an unshaped link without root over this machine's loopback. Per cell
-(task, N, link, method), over the seeds: final accuracy, its difference to tf_fp32's, the
-time to tf_fp32's median final accuracy minus 1 point and its paired ratio, bytes per step,
-the load average. The columns: docs/benchmarks.md, "Time to accuracy". Output: JSON
-(--out), the tables, with --report a dated report in benchmarks/results/, with --plots the
-figures of benchmarks.plots in docs/img/.
+Each run trains `python -m models.train --dataset TASK --curve` with its method's flags
+(`methods.trainer_flags`): on an emulated link one worker per network namespace (root), unshaped over
+loopback. The columns: docs/benchmarks.md, "Time to accuracy"; the outputs: docs/benchmarks.md, "The tools in detail".
 """
 
 import argparse
@@ -170,7 +164,7 @@ def run_emulated(cluster: netem.EmulatedCluster, run: Run, port: int, workdir: s
     return _outcome(run, model_dir, job["error"])
 
 
-def run_matrix(runs: List[Run], timeout: float, say=print) -> List[Dict]:
+def run_matrix(runs: List[Run], timeout: float) -> List[Dict]:
     """Runs every run, unshaped ones locally without root, the others on an emulated cluster per N."""
     workdir = tempfile.mkdtemp(prefix="gf_tf_convergence_")
     log_dir = os.path.join(workdir, "logs")
@@ -185,7 +179,7 @@ def run_matrix(runs: List[Run], timeout: float, say=print) -> List[Dict]:
                         + f", load {result['load_average_1min']:.1f}")
 
     emulate = os.geteuid() == 0 or any(r[2] is not None for r in runs)
-    return harness.sweep(runs, lambda r: r[1], lambda r: r[2], one, emulate=emulate, say=say)
+    return harness.sweep(runs, lambda r: r[1], lambda r: r[2], one, emulate=emulate)
 
 
 def _against_target(value: Optional[float], target: Optional[float], fmt: str) -> str:
@@ -298,7 +292,7 @@ def main(argv=None) -> int:
             netem.require_root()
         meta = report.machine_description(command)
         started = time.time()
-        results = run_matrix(runs, args.timeout, say=lambda s: print(s, flush=True))
+        results = run_matrix(runs, args.timeout)
         meta["wall_seconds"] = time.time() - started
         meta["load_average_at_end"] = os.getloadavg()
     cells = summary.summarize(results)

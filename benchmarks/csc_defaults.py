@@ -2,20 +2,8 @@ r"""The measurements behind ChunkSparsity's default chunk_size and density.
 
   PYTHONPATH=. python benchmarks/csc_defaults.py [--steps 40] [--density 0.01]
 
-Prints three tables, one row per chunk size:
-1. bytes: chunks per model, the norm vector as a share of the float32 dense
-   bytes and of the bytes actually sent at `--density`, and the compression
-   ratio against float32 dense all-reduce (FP16 wire), for the reference
-   models' real parameter counts (every gradient in one pack);
-2. selection quality on real gradients: the digits CNN trained for `--steps`
-   SGD steps on scikit-learn's digits; along that trajectory, CSC error
-   feedback is replayed in NumPy per chunk size and the share of the
-   accumulator's L1 mass that the k selected chunks carry is averaged
-   (chunk_size 1 = element-wise top-k, the upper bound; `density` = a random
-   choice of chunks, the lower bound);
-3. time of one replica's CSC arithmetic (accumulate, top-k, gather,
-   scatter; no collective) for a digits-CNN and a ResNet-50 sized pack, with
-   the ops gf_tf.ops runs here (see its library_status line).
+Three tables, one row per chunk size: bytes, selection quality on the digits CNN's real gradients,
+and the time of one replica's CSC arithmetic. What each measures: docs/benchmarks.md, "The tools in detail".
 """
 
 import argparse

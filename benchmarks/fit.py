@@ -4,24 +4,12 @@
     sudo python -m benchmarks.fit --preset targets --out benchmarks/results/fit.json
     sudo python -m benchmarks.fit --models alexnet --workers 2 --rates 100,none --methods tf_fp32,csc_1
 
-Models come from models/ (models.factory): digits_cnn on scikit-learn's
-digits, ResNet-20 on synthetic 32x32, AlexNet and ResNet-50 on synthetic
-224x224 images (models.datasets.load_synthetic). Each worker trains with a
-fixed per-worker batch (weak scaling), SGD with momentum 0.9.
-
-Per cell: images/s of the whole cluster in steady state (the second `fit`
-call; the first traces the step function), worker 0's median step time, the
-scaling efficiency against 1 worker with no communication pinned to one core
-(workers are pinned to core i mod cores), the ratios to the unshaped link and
-to TF's default, and (unless --no-overlap) compute_s, allreduce_s and their
-overlap (benchmarks.overlap). What each column means: docs/benchmarks.md,
-"How a cell is measured" and "Reading the figures".
-With --profile DIR, worker 0 of every cell writes a tf.profiler trace of one
-step to DIR/<cell> (README, "Reading a step's trace").
-Methods as in benchmarks.allreduce, except tf_fp16 (casting by hand needs a
-custom train step; benchmarks.allreduce measures it).
-
-Needs root; without it, exits with status 2 and changes nothing.
+Per cell (model x N x link x method): the cluster's images/s in steady state, worker 0's step time,
+the scaling efficiency against 1 worker on one core, the ratios to the unshaped link and to TF's
+default, and (unless --no-overlap) compute_s, allreduce_s and their overlap; with --profile DIR a
+trace of one step per cell. The columns: docs/benchmarks.md, "How a cell is measured" and "Reading
+the figures"; the models and methods: "The tools in detail". Needs root; without it, exits with
+status 2.
 """
 
 import argparse
@@ -104,7 +92,7 @@ def run_cells(launches: List[Launch], steps_override, log_dir: str, goodput_seco
                                   timeout=1800, log_dir=log_dir, tag=harness.job_tag(model, "reference"), hosts=[0])
             references[model] = job["results"][0] if not job["error"] else {"error": job["error"]}
             ips = references[model].get("images_per_s")
-            say(f"reference {model}: " + (f"{ips:.1f} images/s" if ips else job["error"])
+            harness.say(f"reference {model}: " + (f"{ips:.1f} images/s" if ips else job["error"])
                 + f"  [{time.time() - t0:.0f}s]")
 
     def run(cluster, launch: Launch, port: int, goodput: float):
@@ -129,23 +117,13 @@ def run_cells(launches: List[Launch], steps_override, log_dir: str, goodput_seco
                          if "compute_s" in cell and "allreduce_s" in cell else ""))
 
     cells = harness.sweep(launches, lambda l: l[1], lambda l: l[2], run, goodput_seconds=goodput_seconds,
-                          goodputs=goodputs, on_cluster=measure_references, say=say)
+                          goodputs=goodputs, on_cluster=measure_references)
     derive(cells, references, cores)
     return cells, references, goodputs
 
 
-def say(text: str) -> None:
-    print(text, flush=True)
-
-
 def derive(cells: List[Dict], references: Dict[str, Dict], cores: int) -> None:
-    def find(model, n, rate, method):
-        for c in cells:
-            if (c["model"], c["workers"], c["rate_mbit"], c["method"]) == (model, n, rate, method) \
-                    and "images_per_s" in c:
-                return c
-        return None
-
+    timed = {(c["model"], c["workers"], c["rate_mbit"], c["method"]): c for c in cells if "images_per_s" in c}
     for c in cells:
         if "images_per_s" not in c:
             continue
@@ -154,10 +132,10 @@ def derive(cells: List[Dict], references: Dict[str, Dict], cores: int) -> None:
         if ref:
             c["reference_images_per_s"] = ref
             c["scaling_efficiency"] = c["images_per_s"] / (min(c["workers"], cores) * ref)
-        unshaped = find(c["model"], c["workers"], None, c["method"])
+        unshaped = timed.get((c["model"], c["workers"], None, c["method"]))
         if unshaped:
             c["vs_unshaped"] = c["images_per_s"] / unshaped["images_per_s"]
-        base = find(c["model"], c["workers"], c["rate_mbit"], "tf_fp32")
+        base = timed.get((c["model"], c["workers"], c["rate_mbit"], "tf_fp32"))
         if base:
             c["speedup_vs_tf_fp32"] = c["images_per_s"] / base["images_per_s"]
 
@@ -197,8 +175,8 @@ def results_table(cells: List[Dict], references: Dict[str, Dict]) -> str:
             rows.append([model, f"{ref['params'] / 1e6:.2f}M", 1, "-", "reference (1 core, no comm.)",
                          ref["images_per_s"], ref["median_step_s"], None, None, None, 1.0, None, None, None, None,
                          f"{ref['loss_first']:.3g}->{ref['loss_last']:.3g}"])
-    for c in sorted(cells, key=lambda c: (model_order.index(c["model"]), c["workers"], c["rate_mbit"] is None,
-                                          c["rate_mbit"] or 0, order[c["method"]])):
+    for c in sorted(cells, key=lambda c: (model_order.index(c["model"]), c["workers"], *harness.link_order(c["rate_mbit"]),
+                                          order[c["method"]])):
         if "error" in c:
             rows.append([c["model"], None, c["workers"], report.link_label(c["rate_mbit"]), c["method"],
                          "FAILED", *[None] * 9, c["error"][:60]])
@@ -278,7 +256,7 @@ def main(argv=None) -> int:
         steps_override = (args.warmup_steps if args.warmup_steps is not None else 2, args.steps or 5)
     print(f"fit matrix '{preset}': {len(launches)} launches", flush=True)
     netem.require_root()
-    launches, meta = harness.start("fit", argv, launches, lambda l: l[3], say=say)
+    launches, meta = harness.start("fit", argv, launches, lambda l: l[3])
     out_path = args.out or os.path.join(netem.REPO_ROOT, "benchmarks", "results", "fit.json")
     meta.update({"preset": preset, "batch_warmup_steps": {k: list(v) for k, v in MODELS.items()},
                  "steps_override": steps_override})

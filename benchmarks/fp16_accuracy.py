@@ -1,21 +1,10 @@
 """Accuracy of GradientFlow's 16-bit wire: relative L2 error of a gradient SUM against float64.
 
-N replicas (logical CPUs of one process, `tf.distribute.MirroredStrategy` with its
-own CollectiveAllReduce) each hold a float32 gradient of 4096 elements drawn at
-scale s (normal, times s); `gf_tf.all_reduce_gradients` sums them through a
-`GradientFlowAllReduce` with FP16 and with BF16 on the wire. Columns:
-
-  fp16, bf16      measured error of the SUM
-  fp16 exact      FP16 rounding of the exact sum alone (same power-of-two scale):
-                  the floor any 16-bit wire pays
-  1/N model       NumPy model of the former fixed 1/N prescale (a float16 ring in
-                  which every hop rounds its partial sum)
-  pow2 model      the same model with the power-of-two scale GradientFlow uses
-
     python -m benchmarks.fp16_accuracy                       # N = 2, 8, 32, 64
     python -m benchmarks.fp16_accuracy --replicas 2,8 --model_replicas 512
 
-Each N runs in a fresh process (the logical device count is fixed at start-up).
+N replicas of one process sum float32 gradients of 4096 elements through a GradientFlowAllReduce with
+FP16 and BF16 on the wire; each N runs in a fresh process. The columns: docs/benchmarks.md, "The tools in detail".
 """
 
 import argparse
@@ -131,20 +120,13 @@ def run_worker(num_replicas: int, scales, compressions=("fp16", "bf16"),
 def table(replicas, scales, model_replicas=()) -> str:
     rows = ["| N | s | fp16 | bf16 | fp16 exact | 1/N model | pow2 model |",
             "|---|---|---|---|---|---|---|"]
-    for n in replicas:
-        measured = run_worker(n, scales)
+    for n, measure_it in [(n, True) for n in replicas] + [(n, False) for n in model_replicas]:
+        measured = run_worker(n, scales) if measure_it else None
         for j, s in enumerate(scales):
             g = gradients(n, s)
             exact = g.astype(np.float64).sum(axis=0)
-            rows.append(f"| {n} | {s:g} | {measured['fp16'][j]:.4%} | {measured['bf16'][j]:.3%} | "
-                        f"{exact_rounding_error(g):.4%} | "
-                        f"{relative_error(ring_model(g, '1/N'), exact):.3%} | "
-                        f"{relative_error(ring_model(g, 'pow2'), exact):.4%} |")
-    for n in model_replicas:
-        for s in scales:
-            g = gradients(n, s)
-            exact = g.astype(np.float64).sum(axis=0)
-            rows.append(f"| {n} | {s:g} | - | - | {exact_rounding_error(g):.4%} | "
+            wire = f"{measured['fp16'][j]:.4%} | {measured['bf16'][j]:.3%}" if measured else "- | -"
+            rows.append(f"| {n} | {s:g} | {wire} | {exact_rounding_error(g):.4%} | "
                         f"{relative_error(ring_model(g, '1/N'), exact):.3%} | "
                         f"{relative_error(ring_model(g, 'pow2'), exact):.4%} |")
     return "\n".join(rows)

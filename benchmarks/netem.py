@@ -1,25 +1,10 @@
 """Emulated cluster: N hosts as Linux network namespaces on a rate-limited bridge.
 
-Layout (all of it inside namespaces this module creates; the root namespace's
-interfaces, routes and `lo` are never touched):
+Host namespace <prefix>-h<i> holds `lo` and a veth `eth0` (SUBNET.<i+1>), bridged in <prefix>-br and
+shaped both ways by a `tc` token bucket; the root namespace is never touched. Needs root
+(`require_root`); `EmulatedCluster` tears itself down on exit, exceptions and SIGINT/SIGTERM. The
+layout: docs/benchmarks.md, "The tools in detail".
 
-    <prefix>-h0 eth0 ── v0 ┐
-    <prefix>-h1 eth0 ── v1 ├─ br0 in namespace <prefix>-br
-    ...                    ┘
-
-Each host namespace has `lo` and one veth `eth0` with an address from
-SUBNET, which exists only inside these namespaces. Each veth is rate-limited
-in both directions with a `tc` token bucket (tbf): `eth0` egress shapes
-host -> bridge, `v<i>` egress shapes bridge -> host. This kernel has no netem,
-so there is no delay emulation. Measured TCP goodput is about 95.6 % of the
-configured rate (headers); `measure_goodput` measures it in the run.
-
-Needs root (CAP_NET_ADMIN). `require_root()` exits with a message before
-anything is touched. Setup is idempotent (a leftover cluster with the same
-prefix is removed first) and `EmulatedCluster` tears itself down on exit,
-on exceptions, at interpreter exit and on SIGINT/SIGTERM.
-
-Command line (for manual checks):
     python -m benchmarks.netem up --hosts 2 --rate-mbit 100
     python -m benchmarks.netem goodput --hosts 2 --rate-mbit 100
     python -m benchmarks.netem down
@@ -31,6 +16,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -67,11 +53,6 @@ def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess
     return result
 
 
-def _existing_namespaces() -> List[str]:
-    out = _run(["ip", "netns", "list"]).stdout
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-
 def tbf_burst_bytes(rate_mbit: float) -> int:
     """Token-bucket depth: at least rate/250 (one 4 ms tick at HZ=250) and two 64 KiB GSO segments."""
     return int(max(rate_mbit * 1e6 / 8 / 250, 2 * 65536))
@@ -98,7 +79,6 @@ class EmulatedCluster:
         self._is_up = False
         self._old_handlers: Dict[int, object] = {}
 
-    # ---- lifecycle -----------------------------------------------------------------------
     def __enter__(self) -> "EmulatedCluster":
         try:
             self.up()
@@ -162,7 +142,6 @@ class EmulatedCluster:
 
             signal.signal(sig, handler)
 
-    # ---- shaping -----------------------------------------------------------------------------
     def set_rate(self, rate_mbit: Optional[float]) -> None:
         """Limits every link, both directions, to `rate_mbit` Mbit/s; None removes the limit."""
         self.rate_mbit = rate_mbit
@@ -178,10 +157,6 @@ class EmulatedCluster:
                 _run(tc + ["replace", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit",
                            "burst", str(burst), "limit", str(limit)])
 
-    def describe_shaping(self) -> str:
-        return _run(["tc", "-n", self.hosts[0], "qdisc", "show", "dev", "eth0"]).stdout.strip()
-
-    # ---- processes -----------------------------------------------------------------------------
     def popen(self, host: int, argv: Sequence[str], env: Optional[Dict[str, str]] = None,
               **kwargs) -> subprocess.Popen:
         """Starts `argv` inside host namespace `host` (cwd = repository root, PYTHONPATH includes it)."""
@@ -223,10 +198,7 @@ class EmulatedCluster:
         for proc in receivers:
             out, _ = proc.communicate(timeout=30)
             rates.append(json.loads(out.strip().splitlines()[-1])["bps"])
-        rates_sorted = sorted(rates)
-        return {"goodput_bps": rates_sorted[len(rates) // 2] if n % 2 else
-                0.5 * (rates_sorted[n // 2 - 1] + rates_sorted[n // 2]),
-                "per_link_bps": rates, "seconds": seconds,
+        return {"goodput_bps": statistics.median(rates), "per_link_bps": rates, "seconds": seconds,
                 "method": f"TCP bulk transfer host i -> host i+1 around the ring, all {n} links at once, "
                           f"{seconds:g} s, payload bytes counted by the receiver"}
 
@@ -234,11 +206,10 @@ class EmulatedCluster:
 def remove_cluster(prefix: str = DEFAULT_PREFIX) -> List[str]:
     """Kills processes in, and deletes, every namespace named `<prefix>-*`. Returns what was removed."""
     removed = []
-    for ns in _existing_namespaces():
+    for ns in [line.split()[0] for line in _run(["ip", "netns", "list"]).stdout.splitlines() if line.strip()]:
         if not ns.startswith(prefix + "-"):
             continue
-        pids = _run(["ip", "netns", "pids", ns], check=False).stdout.split()
-        for pid in pids:
+        for pid in _run(["ip", "netns", "pids", ns], check=False).stdout.split():
             try:
                 os.kill(int(pid), signal.SIGKILL)
             except (ProcessLookupError, ValueError):
@@ -264,7 +235,7 @@ def _main(argv=None) -> int:
         cluster.up()
         cluster._is_up = False  # leave it up for manual inspection; `down` removes it
         print(f"up: {cluster.hosts} via {cluster.bridge_ns}, addresses {cluster.addresses}, "
-              f"rate {args.rate_mbit or 'unshaped'}\n{cluster.describe_shaping()}")
+              f"rate {args.rate_mbit or 'unshaped'}\n{_run(['tc', '-n', cluster.hosts[0], 'qdisc', 'show', 'dev', 'eth0']).stdout.strip()}")
         return 0
     with cluster:
         print(json.dumps(cluster.measure_goodput(), indent=1))

@@ -3,37 +3,8 @@
     python -m benchmarks.ops                       # ResNet-50 (161 tensors, 25.6M) and ResNet-20 (0.27M)
     python -m benchmarks.ops --sets resnet20 --iters 20
 
-For each gradient list (float32 tensors shaped like the network's parameters,
-benchmarks/workers/gradients.py) every row is one traced, warmed-up
-tf.function; rows are timed round-robin (one call of each per round, --iters
-rounds), so background load slows all rows alike. Columns:
-
-- ms: median wall time of one call (it returns when the CPU kernels are done);
-  call ms: the same for a null tf.function with the row's inputs and number
-  of outputs (identities); net ms = ms - call ms. That fixed cost of calling
-  a function with many tensors dominates the small list; inside a training
-  step's graph it does not exist.
-- x ours: this row's time / our op's time (> 1: ours is faster), on ms and on net ms.
-- cpu ms: median CPU time of the whole process during one call (all threads);
-  cpu x: its ratio to ours. On a loaded machine wall time mostly measures
-  waiting for a core; CPU time still measures the work.
-- MB moved: bytes the op must read + write. floor ms: a NumPy copy of that
-  many bytes (half read, half written) between preallocated, already touched
-  arrays, timed in the same rounds: the memory-bandwidth floor. x floor:
-  ms / floor ms, and net ms / floor ms.
-- peak MB: peak resident memory a call adds while it runs, outputs included
-  (VmHWM - VmRSS before it), from a subprocess that runs each row once with
-  unpooled malloc buffers (MEMORY_ENV).
-
-Rows: "ours" = the compiled kernels (gf_tf.ops.compiled), "composite" = gf_tf's
-stock-TF implementation (gf_tf.ops.composite), "TF" = plain TensorFlow
-orderings. Our pack and the composite scale by 1/N (N = 2) before the FP16
-cast (one row with a vector of per-tensor scales), our unpack by N after it,
-as the all-reduce does; the TF baselines skip that multiply (it would only
-slow them down). abs_max: the per-tensor max |x| the wire scales are chosen
-from (the TF row ignores NaN semantics). The chunk rows use
---chunk-size and the top --density of chunks by L1 norm; the composite chunk
-path is timed over at most 3 rounds (it takes seconds on the large list).
+Every row is one traced, warmed-up tf.function, timed round-robin with the others; the rows and
+columns (ms, call ms, net ms, x ours, cpu ms, MB moved, floor ms, peak MB): docs/benchmarks.md, "The tools in detail".
 """
 
 import argparse

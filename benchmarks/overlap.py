@@ -1,19 +1,9 @@
 """How much of a step's communication hides behind its compute, from benchmarks.fit's figures.
 
-Per fit cell, all in seconds, measured by worker 0 in the same processes
-(benchmarks/workers/fit_worker.py):
-  compute_s    median step time of the same fit with every collective replaced by a
-               local reduce (benchmarks/workers/local_only.py),
-  allreduce_s  median time of the all-reduce of the model's gradients alone (same shapes,
-               method and settings; benchmarks/workers/allreduce_worker.py's timing),
-  step_s       the fit's median step time,
-  overlap      (compute_s + allreduce_s - step_s) / min(compute_s, allreduce_s):
-               0 when a step costs their sum (nothing hidden), 1 when the shorter one is
-               fully hidden (a step costs the longer). Measurement noise can put it
-               slightly outside [0, 1]; it is reported as measured.
-
-`measured_overlaps` reads a benchmarks.fit JSON for benchmarks.projection: per
-(model, method) the median overlap of its cells, clamped to [0, 1].
+overlap = (compute_s + allreduce_s - step_s) / min(compute_s, allreduce_s): 0 when a step costs
+their sum, 1 when the shorter is fully hidden; reported as measured. The terms: docs/benchmarks.md, "The
+tools in detail".
+`measured_overlaps` reads a benchmarks.fit JSON for benchmarks.projection.
 """
 
 import json

@@ -4,34 +4,9 @@
     python -m benchmarks.plots --out-dir /tmp/figures       # somewhere else
     python -m benchmarks.plots --speed benchmarks/results/allreduce.json   # a run of your own
 
-Three figures (each flag takes one or more JSON files; the defaults are the dated
-files in benchmarks/results/ that docs/benchmarks.md shows):
-
-- speed-vs-tf.png (--speed): seconds per all-reduce of TF's default fp32 divided by
-  each method's, against the number of workers N, one panel per link. Reads
-  benchmarks.allreduce JSON ("cells" with set, workers, rate_mbit, method and
-  speedup_vs_tf_fp32, which benchmarks.allreduce writes when the file holds TF fp32
-  cells of the same set, N and link). A cell with a "run" field is kept apart from
-  the other runs of the same method.
-- bytes-vs-density.png (--bytes): bytes one worker puts into collectives per step
-  (payload_bytes), and where measured the bytes its network interface sent
-  (wire_tx_bytes_per_worker), against the density (the fraction of the gradient
-  sent: a CSC method's density, 1 for dense FP16 and float32). Reads
-  benchmarks.allreduce JSON, or cells with an explicit "density".
-- projection.png (--projection): benchmarks.projection's speedup (N x step-time
-  efficiency) against N, per model, at one link rate (--link-gbit), one column per
-  JSON file (`python -m benchmarks.projection --json F`), titled with the file's
-  alpha and local-cost scale.
-
-- convergence-<task>-<link>.png (--convergence): benchmarks.convergence's runs, one
-  figure per task and link: test accuracy against training seconds (left) and against
-  the bytes a worker put into gradient all-reduces (right, log scale), one line per
-  run, coloured by method, line style by N. Reads the "runs" of benchmarks.convergence
-  JSON; nothing is drawn when no file is given.
-
-A JSON file whose "meta" holds a "source" (a table transcribed from a dated report,
-not a run's own output) is drawn the same way; the source goes into the figure's
-footnote. Failed cells (with "error") are skipped. Needs matplotlib
+Figures: speed-vs-tf.png (--speed), bytes-vs-density.png (--bytes), projection.png (--projection),
+convergence-<task>-<link>.png (--convergence); what each reads and draws: docs/benchmarks.md, "The tools
+in detail". Needs matplotlib
 (`pip install ".[plot]"`); without it, exits with status 2 and writes nothing.
 """
 
@@ -203,20 +178,29 @@ def bytes_figure(paths: Sequence[str], out: str, plt) -> None:
 def projection_figure(paths: Sequence[str], out: str, plt, link_gbit: float) -> None:
     """benchmarks.projection's speedup against N: one row per model, one column per JSON file."""
     docs = [load(p) for p in paths]
-    models = sorted({r["model"] for d in docs for r in d["rows"]})
-    fig, axes = plt.subplots(len(models), len(docs), figsize=(4.4 * len(docs), 3.6 * len(models) + 0.8),
-                             squeeze=False, sharey=True)
-    speedups = [r["speedup"] for d in docs for r in d["rows"] if r["method"] in PROJECTION_METHODS]
-    for j, doc in enumerate(docs):
+    columns = []
+    for path, doc in zip(paths, docs):
         rows = [r for r in doc["rows"] if r["link_gbit"] == link_gbit]
         if not rows:
-            raise SystemExit(f"benchmarks.plots: {paths[j]} holds no rows at {link_gbit:g} Gbit/s "
-                             f"(--link-gbit)")
-        alpha_us, scale = rows[0]["alpha_us"], rows[0]["local_scale"]
-        fitted = abs(doc.get("fitted_parameters", {}).get("alpha", -1) * 1e6 - alpha_us) < 1e-6
+            raise SystemExit(f"benchmarks.plots: {path} holds no rows at {link_gbit:g} Gbit/s (--link-gbit)")
+        columns.append((rows, abs(doc.get("fitted_parameters", {}).get("alpha", -1) * 1e6 - rows[0]["alpha_us"])
+                        < 1e-6))
+    speedup_grid(columns, PROJECTION_METHODS, out, plt, _sources(docs, paths))
+
+
+def speedup_grid(columns, shown: Sequence[str], out: str, plt, footnote: str) -> None:
+    """Projected speedup against N of the methods `shown`: one row per model, one column per
+    (benchmarks.projection rows of one link, alpha and local-cost scale; whether alpha is the fitted one);
+    the linear speedup dotted, the paper's AlexNet point at 56 Gbit/s a star."""
+    models = sorted({r["model"] for rows, _ in columns for r in rows})
+    fig, axes = plt.subplots(len(models), len(columns), figsize=(4.4 * len(columns), 3.6 * len(models) + 0.8),
+                             squeeze=False, sharey=True)
+    speedups = [r["speedup"] for rows, _ in columns for r in rows if r["method"] in shown]
+    for j, (rows, fitted) in enumerate(columns):
+        link_gbit, alpha_us, scale = rows[0]["link_gbit"], rows[0]["alpha_us"], rows[0]["local_scale"]
         for i, model in enumerate(models):
             ax = axes[i][j]
-            for method in PROJECTION_METHODS:
+            for method in shown:
                 pts = sorted((r["workers"], r["speedup"]) for r in rows
                              if r["model"] == model and r["method"] == method)
                 if pts:
@@ -224,7 +208,7 @@ def projection_figure(paths: Sequence[str], out: str, plt, link_gbit: float) -> 
                             color=_color(method))
             ns = sorted({r["workers"] for r in rows})
             ax.plot(ns, ns, ":", color="gray")
-            if model == "alexnet":
+            if model == "alexnet" and link_gbit == 56.0:
                 ax.plot([512], [410.2], "k*", markersize=10)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log", base=2)
@@ -239,12 +223,12 @@ def projection_figure(paths: Sequence[str], out: str, plt, link_gbit: float) -> 
     for i in range(len(models)):
         axes[i][0].set_ylabel("projected speedup over 1 worker")
     handles = [plt.Line2D([], [], color=_color(m), marker="o", markersize=3, label=_label(m))
-               for m in PROJECTION_METHODS]
+               for m in shown]
     handles += [plt.Line2D([], [], color="gray", linestyle=":", label="linear (N x)"),
                 plt.Line2D([], [], color="black", marker="*", linestyle="none", markersize=10,
                            label="GradientFlow paper: AlexNet, 512 GPUs, 410.2x")]
     fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8, frameon=False)
-    fig.text(0.01, 0.005, _sources(docs, paths), fontsize=6, color="gray")
+    fig.text(0.01, 0.005, footnote, fontsize=6, color="gray")
     report.save_figure(fig, out, dpi=100, bottom=0.09)
 
 

@@ -6,33 +6,9 @@ r"""A calibrated model of step time, from 2 to 512 workers: `python -m benchmark
         [--validate other.json] [--fit-workers 2,3,4] [--compute-ms alexnet=38.8,resnet50=110]
     python -m benchmarks.projection --fit-json benchmarks/results/fit.json   # measured overlap
 
-With no --fit it reads the calibration shipped with the repository,
-benchmarks/calibration/allreduce.json (`sudo python -m benchmarks.allreduce
---preset scale --out benchmarks/calibration/allreduce.json` measures it). A
-missing, unreadable or too small file ends with a one-line message saying what
-to run, never a traceback.
-
-The model of one step's all-reduce, its fit on the measured cells and its check on
-held-out N are benchmarks.step_model's. Projected step time = compute + the all-reduce.
-"default" (GradientFlowAllReduce() with no arguments) is the planner's pick:
-`gf_tf.plan.planner.choose` with `Costs` from the fitted parameters (`planner_costs`), its
-predicted seconds the all-reduce. Overlap with backprop is off by default
-(--backward-share 0, as GradientFlowAllReduce's overlap=False); `--fit-json F` takes per
-(model, method) the median measured `overlap` of F's cells (benchmarks.overlap, clamped to
-[0, 1]): step = compute + all-reduce - overlap x min(compute, all-reduce); a (model,
-method) F does not hold hides nothing. The low-rank methods (lowrank_*) are projected from
-their traffic (`benchmarks.workers.methods.traffic`) at FP16 packs' local cost; none of their
-cells is fitted on (no term prices their matrix products). Scaling efficiency = compute /
-step time; speedup = N x efficiency.
-
-Compute time per step defaults (override with --compute-ms):
-  alexnet 38.8 ms: 128 images per GPU at 3,297 images/s. The rate is derived
-    from the paper's abstract (arXiv 1902.06855: 95 epochs of ImageNet,
-    1,281,167 images, in 1.5 minutes on 512 GPUs at a 410.2x speedup:
-    95 * 1281167 / 90 s / 410.2); 128 images per GPU is our assumption.
-  resnet50 128 ms: 64 images per GPU on the same GPU, its rate scaled by the
-    forward multiply-adds per image (AlexNet 0.72 G, ResNet-50 4.1 G): an
-    estimate, not a paper figure.
+Projected step time = compute + the all-reduce of benchmarks.step_model (fitted on
+benchmarks/calibration/allreduce.json unless --fit); "default" is gf_tf's planner's pick. The model,
+the overlap options and the compute-time defaults: docs/benchmarks.md, "The tools in detail".
 """
 
 import argparse
@@ -66,19 +42,6 @@ DEFAULT_COMPUTE_MS = {"alexnet": 38.8, "resnet50": 128.0}
 def step_seconds(comm_seconds: float, compute_seconds: float, overlapped_share: float) -> float:
     """Step time: compute plus the communication not hidden behind `overlapped_share` of it."""
     return compute_seconds + max(0.0, comm_seconds - overlapped_share * compute_seconds)
-
-
-def measured_step_seconds(comm_seconds: float, compute_seconds: float, overlap: float) -> float:
-    """Step time with a measured overlap fraction (benchmarks.overlap): compute plus
-    communication, less `overlap` of the shorter of the two."""
-    return compute_seconds + comm_seconds - overlap * min(comm_seconds, compute_seconds)
-
-
-def overlapped_share(method: str, backward_share: float) -> float:
-    """The share of compute FP16 packs may hide behind (--backward-share, 0 by default:
-    overlap is opt-in); TF's default, CSC, the low-rank methods (their factors wait for every
-    matrix of the step) and the planner's pick hide nothing."""
-    return backward_share if method in ("gf_fp16", "gf_fp16_rd") else 0.0
 
 
 def planner_costs(params: Dict[str, float], link_bps: float, cpu_share: float = 1.0) -> Costs:
@@ -117,10 +80,10 @@ def project(params, model: str, method: str, workers: int, link_gbit: float, com
         payload, collectives = methods.traffic(method, shapes)
         case = step_model.Case(method, workers, link_gbit * 1e9, elements, payload, collectives)
         comm = step_model.all_reduce_seconds(case, params)
-    if isinstance(overlap, dict):
-        step = measured_step_seconds(comm, compute_s, overlap.get((model, method), 0.0))
-    else:
-        step = step_seconds(comm, compute_s, overlapped_share(method, overlap))
+    if isinstance(overlap, dict):   # a measured fraction (benchmarks.overlap) of the shorter of the two
+        step = compute_s + comm - overlap.get((model, method), 0.0) * min(comm, compute_s)
+    else:   # only FP16 packs hide (CSC's and low rank's collectives wait for the whole step)
+        step = step_seconds(comm, compute_s, overlap if method in ("gf_fp16", "gf_fp16_rd") else 0.0)
     return {"comm_s": comm, "step_s": step, "efficiency": compute_s / step,
             "speedup": workers * compute_s / step, **extra}
 
@@ -179,35 +142,15 @@ def comparison(params, compute_ms, overlap) -> str:
     return "\n".join(lines)
 
 
-def plot(points, path: str) -> Optional[str]:
+def plot(rows: List[Dict], path: str, fitted: bool) -> Optional[str]:
+    """benchmarks.plots' speedup grid of the `json_rows`: one column per link, every projected method."""
     plt = harness.pyplot()
     if plt is None:
         return harness.PLOT_MISSING
-    models = sorted({p["model"] for p in points})
-    links = sorted({p["link_gbit"] for p in points})
-    fig, axes = plt.subplots(len(models), len(links), figsize=(4 * len(links), 3.6 * len(models)),
-                             squeeze=False)
-    for i, model in enumerate(models):
-        for j, link in enumerate(links):
-            ax = axes[i][j]
-            for k, method in enumerate(PROJECTED_METHODS):
-                pts = sorted((p["workers"], p["speedup"]) for p in points
-                             if (p["model"], p["link_gbit"], p["method"]) == (model, link, method))
-                ax.plot([a for a, _ in pts], [b for _, b in pts], "o-", color=f"C{k}",
-                        label=methods.LABELS[method])
-            ns = sorted({p["workers"] for p in points})
-            ax.plot(ns, ns, ":", color="gray", label="linear")
-            if model == PAPER_SPEEDUP["model"] and link == PAPER_SPEEDUP["link_gbit"]:
-                ax.plot([PAPER_SPEEDUP["workers"]], [PAPER_SPEEDUP["speedup"]], "k*", markersize=12,
-                        label="paper (410.2x)")
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log", base=2)
-            ax.set_title(f"{model}, {link:g} Gbit/s")
-            ax.set_xlabel("workers")
-            ax.set_ylabel("speedup")
-            ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    report.save_figure(fig, path, dpi=100)
+    from benchmarks import plots   # pylint: disable=import-outside-toplevel
+    links = sorted({r["link_gbit"] for r in rows})
+    plots.speedup_grid([([r for r in rows if r["link_gbit"] == link], fitted) for link in links],
+                       PROJECTED_METHODS, path, plt, "python -m benchmarks.projection")
     return None
 
 
@@ -332,17 +275,18 @@ def main(argv=None) -> int:
     table, points = projection_table(params, compute, worker_counts, links, overlap)
     print(table + "\n")
     print(comparison(params, compute, overlap))
+    rows = json_rows(points, params["alpha"], args.local_scale)
     if args.json:
         validation = {k: v for k, v in held_out.items() if k != "table"}
         report.write_json(args.json, {
-            "rows": json_rows(points, params["alpha"], args.local_scale),
+            "rows": rows,
             "fitted_parameters": fitted, "projected_parameters": params, "validation": validation,
             "overlap": overlap if not isinstance(overlap, dict) else
             [{"model": m, "method": meth, "overlap": f} for (m, meth), f in sorted(overlap.items())],
             "auto_plans": [{"model": p["model"], "workers": p["workers"], "link_gbit": p["link_gbit"],
                             "plan": p["plan"].describe()} for p in points if "plan" in p]})
         print(f"\nJSON: {args.json}")
-    note = plot(points, args.plot)
+    note = plot(rows, args.plot, params["alpha"] == fitted["alpha"])
     print(f"\nplot: {note}" if note else f"\nplot: {args.plot}")
     return 0
 

@@ -40,15 +40,11 @@ def link_label(rate_mbit) -> str:
 
 
 def machine_description(command: str) -> dict:
-    cpu = "unknown"
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = "unknown"
     try:
         from importlib.metadata import version
         tf_version = version("tensorflow-cpu")

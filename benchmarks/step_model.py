@@ -1,33 +1,9 @@
 r"""The all-reduce model of benchmarks.projection, its fit on benchmarks.allreduce cells, and its check.
 
-1. Fit. The all-reduce of one step of method m (TF default fp32, GradientFlow
-   FP16, CSC at density d; over TF's ring or recursive doubling) on N workers
-   whose links carry B bit/s is modelled as (alpha-beta-gamma model of
-   collectives, Thakur, Rabenseifner & Gropp 2005, plus our local costs):
-
-     ring:  T = alpha * 2(N-1) * c_m                  per-hop latency, c_m collectives
-              + kappa * 2(N-1)/N * P_m * 8 / B        wire time of P_m payload bytes
-              + gamma * (N-1)/N * P_m * s             reduction
-     recursive doubling (R = gf_tf.collectives.recursive_doubling.rounds(N) rounds of pairs):
-            T = rho * R * c_m                         per-round latency, fitted on its own
-              + kappa * R * P_m * 8 / B  +  gamma * R/2 * P_m * s
-     both:    + delta_m * E * s                       local work (E elements of the model)
-
-   beta, the seconds per byte on the wire, is 8 / B times kappa (wire bytes over
-   payload bytes: TCP/IP and gRPC framing, ideally 1); B is the goodput that
-   benchmarks.allreduce measured in the same run. delta_m is the local cost per
-   element of the model: TF's own copies (tf_fp32), pack + unpack (gf_fp16*), the
-   CSC chunk path (csc_*). s = max(1, N / cores) is the CPU contention of the
-   emulation (N worker processes share this machine's cores); it is 1 in the
-   projection (a worker per host). rho is not 2 alpha: where worker processes
-   share cores a round costs about a whole collective's scheduling (gf_tf.plan.planner);
-   without recursive-doubling cells it is taken as 2 alpha (a 2-member ring).
-   The seven parameters (alpha, rho, kappa, gamma, delta_tf, delta_gf, delta_csc)
-   are fitted by non-negative least squares on relative error.
-2. Validate. The model is fitted again on the cells with N in --fit-workers
-   (default 2,3,4) only and predicts the others (N = 6 and 8 of the `scale`
-   preset); the median and worst |error| are printed. Cells of --validate
-   files (runs not fitted on) are predicted by the fit on every cell.
+T = alpha-beta-gamma latency, wire and reduction terms of the method's collectives (Thakur,
+Rabenseifner & Gropp 2005) + a local cost per element; seven parameters (PARAMETERS) fitted by
+non-negative least squares on relative error, then checked on held-out N. The formulas:
+docs/benchmarks.md, "The tools in detail".
 """
 
 import dataclasses
@@ -82,7 +58,7 @@ def features(case: Case) -> np.ndarray:
 
 
 def all_reduce_seconds(case: Case, params: Dict[str, float]) -> float:
-    """Modelled seconds of one step's all-reduce (module docstring, step 1)."""
+    """Modelled seconds of one step's all-reduce (docs/benchmarks.md, benchmarks.step_model)."""
     return float(features(case) @ np.array([params[p] for p in PARAMETERS]))
 
 
@@ -102,7 +78,7 @@ def _local_index(method: str) -> int:
 def fit(cases: Sequence[Case], seconds: Sequence[float]) -> Dict[str, float]:
     """Non-negative least squares on relative error: min sum((T_model / T - 1)^2), parameters >= 0.
 
-    rho without recursive-doubling cases is 2 alpha (a 2-member ring: module docstring).
+    rho without recursive-doubling cases is 2 alpha (a 2-member ring).
     Raises ValueError with fewer cases than parameters.
     """
     if len(cases) < len(PARAMETERS):

@@ -3,17 +3,9 @@
     python -m benchmarks.workers.allreduce_worker --method gf_fp16 --sets resnet20,resnet50 \
         --iters 5 --warmup 1 --timeout 120
 
-For each gradient set: variables of those shapes (identical values on every
-worker, so the exact sum is known), a tf.function that all-reduces them with
-`gf_tf.all_reduce_gradients` (the Keras optimizer's gradient all-reduce; stock
-`ReplicaContext.all_reduce(SUM, ...)` without GradientFlow),
-`warmup` untimed calls (the first traces the function; for the default, that
-includes a set's trial, gf_tf.plan.trial), then `iters` timed calls. Bytes on the wire are the
-delta of this namespace's eth0 counters over the timed calls. For GradientFlow
-methods each set also records the plan its gradients travelled by
-(`GradientFlowAllReduce.plans()`) and the worker records the planner's measured
-constants (`GradientFlowAllReduce.costs`, None when every setting is pinned).
-Prints one line `RESULT <json>` at the end.
+Per gradient set: `warmup` untimed calls of a tf.function that all-reduces variables of those shapes
+with `gf_tf.all_reduce_gradients`, then `iters` timed calls, the wire bytes from eth0's counters and
+the plans GradientFlow recorded (docs/benchmarks.md, "The tools in detail"). Prints one line `RESULT <json>` at the end.
 """
 
 import argparse
@@ -21,6 +13,7 @@ import json
 import os
 import statistics
 import time
+from typing import Optional
 
 import numpy as np
 import tensorflow as tf
@@ -33,10 +26,14 @@ from benchmarks.workers import gradients, methods
 PAIRED_CALLS, PAIRED_SMALL_ELEMENTS = 50, 1_000_000   # --paired: calls of each for sets this small
 
 
-def read_counters(dev: str = "eth0") -> dict:
+def read_counters(dev: str = "eth0") -> Optional[dict]:
+    """This namespace's tx and rx byte counters of `dev`; None outside an emulated host."""
     base = f"/sys/class/net/{dev}/statistics"
-    with open(f"{base}/tx_bytes") as tx, open(f"{base}/rx_bytes") as rx:
-        return {"tx": int(tx.read()), "rx": int(rx.read())}
+    try:
+        with open(f"{base}/tx_bytes") as tx, open(f"{base}/rx_bytes") as rx:
+            return {"tx": int(tx.read()), "rx": int(rx.read())}
+    except OSError:
+        return None
 
 
 def make_values(shapes, seed):
@@ -47,31 +44,21 @@ def make_values(shapes, seed):
                 for s in shapes]
 
 
+TF_OWN = "tf_own"   # build_step's method for ReplicaContext.all_reduce (GradientFlow hands it to TF's ops)
+
+
 def build_step(strategy, values, method):
-    by_hand_fp16 = method == "tf_fp16"
+    """A tf.function all-reducing `values` as the method's gradients (tf_fp16: cast by hand around
+    it), or with TF_OWN through TensorFlow's own all-reduce (the paired baseline, --paired)."""
+    dtype = tf.float16 if method == "tf_fp16" else tf.float32
 
     @tf.function
     def step():
         def replica_fn():
-            grads = [tf.identity(v) for v in values]
-            if by_hand_fp16:
-                grads = [tf.cast(g, tf.float16) for g in grads]
-            reduced = gf_tf.all_reduce_gradients(grads, values)
-            if by_hand_fp16:
-                reduced = [tf.cast(r, tf.float32) for r in reduced]
-            return reduced
-        return strategy.run(replica_fn)
-    return step
-
-
-def build_tf_own_step(strategy, values):
-    """TensorFlow's own all-reduce of `values` through `strategy`: ReplicaContext.all_reduce,
-    which GradientFlow hands to TF's ops unchanged (the paired baseline, --paired)."""
-    @tf.function
-    def step():
-        def replica_fn():
-            return tf.distribute.get_replica_context().all_reduce(
-                tf.distribute.ReduceOp.SUM, [tf.identity(v) for v in values])
+            grads = [tf.cast(tf.identity(v), dtype) for v in values]
+            if method == TF_OWN:
+                return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, grads)
+            return [tf.cast(r, tf.float32) for r in gf_tf.all_reduce_gradients(grads, values)]
         return strategy.run(replica_fn)
     return step
 
@@ -80,7 +67,7 @@ def paired_seconds(strategy, step, shapes, iters):
     """(median seconds of `step`, of TF's own all-reduce of a copy of the set): `iters` calls of
     each, alternating, in these processes, after one untimed call of TF's own. The medians of 5
     calls moved 15% between launches of ResNet-20's set: small sets get PAIRED_CALLS."""
-    tf_own = build_tf_own_step(strategy, make_values(shapes, seed=len(shapes)))
+    tf_own = build_step(strategy, make_values(shapes, seed=len(shapes)), TF_OWN)
     timed_calls(tf_own, 1, 0)
     mine, theirs = [], []
     for _ in range(iters):
@@ -218,6 +205,16 @@ def stats_totals(gradient_flow):
     return {key: totals[key] for key in ("steps", "sent_bytes", "dense_bytes", "densities")}
 
 
+def stats_per(before, after, per: str, count: float) -> dict:
+    """GradientFlow's CommStats between two `stats_totals`, divided by `count` (`per`: the keys'
+    suffix): payload bytes sent and dense, the steps counted and the densities; {} when none ran."""
+    if not before or not after or after["steps"] <= before["steps"]:
+        return {}
+    delta = {key: (after[key] - before[key]) / count for key in after}
+    return {f"sent_payload_bytes_per_{per}": delta["sent_bytes"], f"dense_payload_bytes_per_{per}":
+            delta["dense_bytes"], f"stats_steps_per_{per}": delta["steps"], f"density_per_{per}": delta["densities"]}
+
+
 def plan_records(gradient_flow, variables):
     """The gf_tf.plan.PlanReport of each variable set serving exactly `variables`, as JSON
     records."""
@@ -285,11 +282,8 @@ def main():
             "tx_bytes_per_iter": (after["tx"] - before["tx"]) / args.iters,
             "rx_bytes_per_iter": (after["rx"] - before["rx"]) / args.iters,
         }
-        if before_stats is not None and after_stats["steps"] > before_stats["steps"]:
-            steps = after_stats["steps"] - before_stats["steps"]
-            entry["stats_steps_per_iter"] = steps / args.iters
-            entry["sent_payload_bytes_per_iter"] = (after_stats["sent_bytes"] - before_stats["sent_bytes"]) / args.iters
-            entry["dense_payload_bytes_per_iter"] = (after_stats["dense_bytes"] - before_stats["dense_bytes"]) / args.iters
+        stats = stats_per(before_stats, after_stats, "iter", args.iters)
+        entry.update({k: v for k, v in stats.items() if not k.startswith("density")})
         local = [strategy.experimental_local_results(r)[0] for r in out]
         entry.update(check_result(args.method, values, local, num_workers))
         if gradient_flow is not None:

@@ -3,28 +3,9 @@
     python -m benchmarks.workers.fit_worker --model alexnet --method csc_1 \
         --batch 32 --warmup-steps 2 --steps 5 --timeout 300 [--reference] [--cpu 0]
 
-Without --reference: TF_CONFIG must be set; the strategy is the method's
-(benchmarks/workers/methods.py; the TF default goes through
-gf_tf.MultiWorkerMirroredStrategy(gradient_flow=None) because Keras 3 `fit`
-needs its multi-worker fixes). With --reference: one process, no strategy, no
-communication (the compute-only reference).
-
-With --overlap, after the timed fit, in the same processes: `allreduce_s`, the
-median of `steps` all-reduces of gradients shaped like the model's trainable
-variables alone (benchmarks.workers.allreduce_worker's step and timing: one
-untimed call, then the timed ones), then `compute_s`, the median step time of a
-fresh copy of the model fitted (`warmup-steps`, then `steps`) with every
-collective replaced by a local reduce (benchmarks.workers.local_only).
-With --profile DIR, one more 3-step fit under the method's strategy runs before
-those, and worker 0 writes a tf.profiler trace of its second step to DIR
-(gf_tf.keras.callbacks.StepProfile; the others run the same steps unprofiled:
-TF's profiler stop() crashed a second profiled worker).
-
-`fit` runs two epochs: the first (`warmup-steps` steps) traces the step
-function and is not timed; the second (`steps` steps) is. Throughput is
-global batch x (steps - 1) / (end of the last step - end of the first step)
-of the second fit, so iterator creation and any retracing are excluded.
-Prints one line `RESULT <json>`.
+TF_CONFIG set (or --reference: one process, no communication). With --overlap, `allreduce_s` and
+`compute_s` after the timed fit; with --profile DIR, a tf.profiler trace of worker 0's step. How
+each figure is measured: docs/benchmarks.md, "The tools in detail". Prints one line `RESULT <json>`.
 """
 
 import argparse
@@ -122,10 +103,10 @@ def main():
     model.fit(data, epochs=1, steps_per_epoch=args.warmup_steps, verbose=0, callbacks=[clock])
     from benchmarks.workers import allreduce_worker
     stats_before = allreduce_worker.stats_totals(gradient_flow)
-    wire_before = _wire_counters()
+    wire_before = allreduce_worker.read_counters()
     model.fit(data, initial_epoch=1, epochs=2, steps_per_epoch=args.steps, verbose=0, callbacks=[clock])
     stats_after = allreduce_worker.stats_totals(gradient_flow)
-    wire_after = _wire_counters()
+    wire_after = allreduce_worker.read_counters()
     extra = {} if strategy is None else _after_the_fit(strategy, gradient_flow, model, build, data)
     # Steady state: from the end of the first step of the timed fit (which also creates the
     # input iterator) to the end of its last step.
@@ -144,24 +125,23 @@ def main():
         "cpu": args.cpu, **extra,
     }
     if wire_before and wire_after:   # all steps of the timed fit, measured on this namespace's eth0
-        result["wire_tx_bytes_per_step"] = (wire_after[0] - wire_before[0]) / args.steps
-        result["wire_rx_bytes_per_step"] = (wire_after[1] - wire_before[1]) / args.steps
+        result["wire_tx_bytes_per_step"] = (wire_after["tx"] - wire_before["tx"]) / args.steps
+        result["wire_rx_bytes_per_step"] = (wire_after["rx"] - wire_before["rx"]) / args.steps
     if gradient_flow is not None:
         import gf_tf
         result["gradient_flow"] = repr(gradient_flow)
         result["ops_library"] = gf_tf.ops.library_status()
     if stats_before and stats_after and stats_after["steps"] > stats_before["steps"]:
-        steps = stats_after["steps"] - stats_before["steps"]
-        result["sent_payload_bytes_per_step"] = (stats_after["sent_bytes"] - stats_before["sent_bytes"]) / steps
-        result["dense_payload_bytes_per_step"] = (stats_after["dense_bytes"] - stats_before["dense_bytes"]) / steps
-        result["density_per_step"] = (stats_after["densities"] - stats_before["densities"]) / steps
+        stats = allreduce_worker.stats_per(stats_before, stats_after, "step",
+                                           stats_after["steps"] - stats_before["steps"])
+        result.update({k: v for k, v in stats.items() if not k.startswith("stats_steps")})
     harness.write_result(result)
     from gf_tf import worker
     worker.exit_together(args.timeout)   # a worker left alone after its peer exits logs a crash
 
 
 def _after_the_fit(strategy, gradient_flow, model, build, data):
-    """--profile's trace, then --overlap's allreduce_s and compute_s (module docstring)."""
+    """--profile's trace, then --overlap's allreduce_s and compute_s (docs/benchmarks.md, "The tools in detail")."""
     extra = {}
     if args.profile:
         extra["profile_dir"] = _profile(model, data)
@@ -203,15 +183,6 @@ def _profile(model, data):
     callbacks = [StepProfile(args.profile, batch=1)] if task == 0 else []
     model.fit(data, initial_epoch=2, epochs=3, steps_per_epoch=3, verbose=0, callbacks=callbacks)
     return args.profile if task == 0 else None
-
-
-def _wire_counters():
-    try:
-        with open("/sys/class/net/eth0/statistics/tx_bytes") as tx, \
-                open("/sys/class/net/eth0/statistics/rx_bytes") as rx:
-            return int(tx.read()), int(rx.read())
-    except OSError:   # not inside an emulated host
-        return None
 
 
 if __name__ == "__main__":

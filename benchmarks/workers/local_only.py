@@ -1,33 +1,10 @@
 """The compute-only step of benchmarks.fit: the same strategy, every collective replaced by a local reduce.
 
-`compute_only_ops(method, gradient_flow, variables)` gives the cross-device ops
-to swap into the fit's own strategy (`swapped`) before a fresh copy of the
-model is built and fitted: its median step time is the cell's `compute_s`.
-
-- TF's method: `local_ops()` is the strategy's communication itself.
-- GradientFlow methods: `gf_tf.GradientFlowAllReduce(..., cross_device_ops=local_ops())`
-  with the method's own keywords (benchmarks.workers.methods), so its local
-  work stays in the step: packing, FP16 scaling, CSC's accumulate, norms,
-  top-k, gather and scatter; only the collectives are gone.
-
-How GradientFlowAllReduce then behaves (gf_tf/cross_device_ops.py): its packs,
-control values and every other all-reduce go through
-`strategy.extended.batch_reduce_to`, hence through itself to the wrapped ops
-(`_cross_ops()`, here `local_ops()`). It is not attached to the strategy
-(`_attach` is what gf_tf.MultiWorkerMirroredStrategy does at construction), so
-it knows no workers: no settings handshake (`gf_tf.agreement`, whose table would
-hold this worker's row only and fail), no `gf_tf.plan.probe` measurement, and the
-planner sees one worker (pinned settings are kept as they are). algorithm is
-pinned to "ring": recursive doubling (`gf_tf.collectives`) issues TF's
-subgroup collectives itself, around the wrapped ops, and would need a
-CollectiveAllReduce. With `auto` settings the real run's plan of the model's
-variables (`GradientFlowAllReduce.plans()`) is pinned instead ("tf": `local_ops()`).
-
-With no collective in the step, the workers do not wait for each other; the
-model's variables are still created through the strategy (its initial-value
-broadcast), on every worker alike. One replica per worker only: with several,
-TF sends values living on one device through its host cross-device ops, which
-are not swapped.
+`compute_only_ops(method, gradient_flow, variables)` gives the cross-device ops to swap into the fit's
+own strategy (`swapped`): TF's methods reduce with `local_ops()`, GradientFlow methods keep their local
+work (packing, scaling, CSC) around `local_ops()`, settings left "auto" pinned to the real run's plan.
+Why it needs no handshake, why the algorithm is pinned to "ring", one replica per worker:
+docs/benchmarks.md, "The tools in detail".
 """
 
 import contextlib
@@ -61,7 +38,7 @@ def _plan_of(gradient_flow, variables):
 
 
 def compute_only_ops(method: str, gradient_flow=None, variables=()) -> tf.distribute.CrossDeviceOps:
-    """The cross-device ops of `method`'s compute-only step (module docstring).
+    """The cross-device ops of `method`'s compute-only step (docs/benchmarks.md, "The tools in detail").
 
     gradient_flow / variables: the real run's GradientFlowAllReduce and the model's
     trainable variables; needed only for settings left "auto" (their plan is pinned).
@@ -91,7 +68,7 @@ def swapped(strategy, ops: Optional[tf.distribute.CrossDeviceOps]):
     """Within the block `strategy` reduces with `ops` (a step traced inside keeps them);
     its own ops are put back after.
 
-    Raises ValueError for a strategy with several local replicas (module docstring).
+    Raises ValueError for a strategy with several local replicas (docs/benchmarks.md, "The tools in detail").
     """
     if len(strategy.extended.worker_devices) != 1:
         raise ValueError(f"the compute-only step needs one replica per worker, "

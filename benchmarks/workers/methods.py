@@ -1,27 +1,12 @@
 """The all-reduce methods under comparison: one table (TABLE), everything else derived from it.
 
-Each entry of `_ENTRIES` is one `Method`: its name, label, and the settings that
-differ from the pinned transport. Every GradientFlow method pins
-GradientFlowAllReduce(**PINNED) (FP16, 4 MiB packs of gf_tf.plan.DEFAULT_BYTES_PER_PACK,
-TF's ring, overlap False) unless its `gradient_flow` says otherwise, so that it
-measures the same transport whatever the planner's defaults. From an entry come:
-
-- `gradient_flow_kwargs(name)`: the GradientFlowAllReduce keywords the in-process
-  workers build (benchmarks.allreduce / benchmarks.fit, CSC warm-up 0 steps);
-- `trainer_flags(name)`: the `python -m models.train` flags of the same
-  GradientFlowAllReduce (benchmarks.convergence), CSC warm-up left at the trainer's;
-- `traffic(name, shapes)` / `payload_bytes(name, shapes)`: the one byte model, from
-  gf_tf's own pack plan, chunk counts and LowRank layout (benchmarks.projection,
-  the allreduce and convergence time estimates);
-- `LABELS`, `METHODS` (table order), `PRESET_METHODS` (benchmarks.allreduce's and
-  benchmarks.fit's loops over every method: presets "allreduce") and
-  `CONVERGENCE_METHODS` (benchmarks.convergence's full matrix: presets "convergence").
-  The other methods run when named (`--methods`).
-
-A new method to measure is one entry, e.g. `Method("csc_5", "GradientFlow CSC 5%",
-csc={"density": 0.05})`, or `register(...)` of it from outside. The name "auto" is
-read as "default" (`canonical`): the dated reports' commands and the JSON results
-written before the table named gf_tf's default so.
+Each `Method` entry holds its name, label and the settings that differ from the pinned transport
+(GradientFlowAllReduce(**PINNED)). From an entry come `gradient_flow_kwargs` (benchmarks.allreduce,
+benchmarks.fit), `trainer_flags` (benchmarks.convergence), `traffic` / `payload_bytes` (the one byte
+model, from gf_tf's own pack plan, chunk counts and LowRank layout), `LABELS`, `METHODS`,
+`PRESET_METHODS` and `CONVERGENCE_METHODS`. A new method is one entry, e.g. `Method("csc_5",
+"GradientFlow CSC 5%", csc={"density": 0.05})`, or `register(...)` of it from outside; "auto" reads
+as "default" (`canonical`). More: docs/benchmarks.md, "The tools in detail".
 """
 
 import dataclasses
@@ -199,13 +184,6 @@ def density(name: str):
     return None if csc is None else csc["density"]
 
 
-def largest_density(name: str) -> float:
-    """The most a method may send, as a fraction of the gradient's elements: a CSC method's
-    density, "auto" -> its top rung (1.0, a dense step: gf_tf.csc.AUTO_LADDER[0]); 1.0 otherwise."""
-    value = density(name)
-    return 1.0 if value in (None, "auto") else float(value)
-
-
 def csc_selection(name: str) -> str:
     """ChunkSparsity(selection=...) of a CSC method: "per_pack" (its default), "global" or "ahead"."""
     return str(get(name).csc.get("selection", "per_pack"))
@@ -334,7 +312,7 @@ def _traffic(name: str, shapes, bytes_per_pack: Optional[int]) -> Tuple[float, i
         return _lowrank_traffic(method, specs)
     if method.csc is None:   # packs + the bounds' control (local SGD: once every H steps)
         return (2.0 * elements + 4.0 * len(shapes)) / (method.local or {}).get("sync_every", 1), len(specs) + 1
-    fraction = largest_density(name)
+    fraction = 1.0 if density(name) == "auto" else float(density(name))   # "auto": its dense top rung
     chunk_size = int(method.csc.get("chunk_size", DEFAULT_CHUNK_SIZE))
     chunks = [math.ceil(spec.num_elements / chunk_size) for spec in specs]
     if csc_selection(name) == "global":   # one top K over all chunks (one wire dtype)
