@@ -163,13 +163,14 @@ def _settings(gradient_flow):
 def test_trainer_flags_build_the_gradient_flow_the_workers_build(method):
     """Every method of the table: models.train's GradientFlowAllReduce from `trainer_flags` is the
     workers' from `gradient_flow_kwargs` given the trainer's CSC warm-up (the workers' own is 0
-    steps; the only difference allowed); TF's methods build none."""
+    steps; the only difference allowed; 0 on local SGD's pseudo-gradient too); TF's methods
+    build none."""
     import gf_tf
     trainer, dtype = _gradient_flow_of(method)
     if not methods.is_gradient_flow(method):
         assert trainer is None and dtype == methods.get(method).tf_dtype
         return
-    warmup = train.FLAGS["warmup_steps"].default
+    warmup = 0 if methods.get(method).local else train.FLAGS["warmup_steps"].default
     worker = gf_tf.GradientFlowAllReduce(**methods.gradient_flow_kwargs(method, warmup_steps=warmup))
     assert trainer is not None and dtype == "float32"
     assert _settings(trainer) == _settings(worker)

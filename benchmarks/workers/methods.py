@@ -107,6 +107,12 @@ _ENTRIES = [
     # 8 steps alone, then averaging (post-local SGD) or DiLoCo's outer Nesterov step (gf_tf.keras.LocalSGD).
     Method("local_8", "GradientFlow local SGD, averaging every 8", local={"sync_every": 8, "outer": "average"}),
     Method("diloco_8", "GradientFlow DiLoCo, Nesterov every 8", local={"sync_every": 8, "outer": "nesterov"}),
+    # diloco_8 with CSC 10% on the pseudo-gradient (its own residual; SparseLoCo's idea).
+    Method("diloco_8_csc", "GradientFlow DiLoCo every 8, CSC 10% on the pseudo-gradient",
+           local={"sync_every": 8, "outer": "nesterov"}, csc={"density": 0.1}),
+    # The sweep over H (docs/local-sgd.md): averaging every 4 to 64 steps.
+    *[Method(f"local_{h}", f"GradientFlow local SGD, averaging every {h}",
+             local={"sync_every": h, "outer": "average"}) for h in (4, 16, 32, 64)],
 ]
 TABLE: Dict[str, Method] = {}
 METHODS: List[str] = []   # TABLE's names in order (list views, kept current by register)
@@ -236,7 +242,8 @@ _CSC_FLAGS = {"density": "--density", "selection": "--selection", "chunk_size": 
 def trainer_flags(name: str) -> List[str]:
     """The `python -m models.train` flags of the method: the same GradientFlowAllReduce as
     `gradient_flow_kwargs` (PINNED included), the CSC warm-up left at the trainer's default
-    (--warmup_steps is not given). A CSC `momentum` m is `--momentum_correction --momentum m`.
+    (--warmup_steps is not given; 0 for a reducer on local SGD's pseudo-gradient). A CSC
+    `momentum` m is `--momentum_correction --momentum m`.
 
     Raises ValueError for an unknown method or a ChunkSparsity / LowRank keyword that
     models.train has no flag for."""
@@ -261,6 +268,8 @@ def trainer_flags(name: str) -> List[str]:
     if method.lowrank is not None:
         flags += ["--reducer", "lowrank", "--rank", str(lowrank["rank"])]
         flags += ["--lowrank_alternate"] if lowrank.get("alternate") else []
+    if method.local is not None and (method.csc is not None or method.lowrank is not None):
+        flags += ["--warmup_steps", "0"]   # the reducer counts meetings: a warm-up would last H times as long
     return flags + [x for key, value in (method.local or {}).items() for x in (f"--{key}", str(value))]
 
 
@@ -280,6 +289,7 @@ def traffic(name: str, shapes: Sequence[Sequence[int]], bytes_per_pack: Optional
     is taken at its largest rung, 1.0 (dense chunks). Low rank: `_lowrank_traffic`. Settings
     left "auto" (the default method) are modelled as FP16 packs of DEFAULT_BYTES_PER_PACK (the
     planner may choose TF's float32 instead); overlap's extra control all-reduces are left out.
+    Local SGD: one meeting's all-reduce (of the method's kind) every H steps, bytes / H.
 
     bytes_per_pack: None for the method's own. Raises ValueError for a compression other than
     fp16 or "auto" (no byte model for it)."""
@@ -293,6 +303,11 @@ def payload_bytes(name: str, shapes: Sequence[Sequence[int]]) -> float:
 
 @functools.lru_cache(maxsize=512)
 def _traffic(name: str, shapes, bytes_per_pack: Optional[int]) -> Tuple[float, int]:
+    payload, collectives = _one_all_reduce(name, shapes, bytes_per_pack)
+    return payload / (get(name).local or {}).get("sync_every", 1), collectives   # local SGD: every H steps
+
+
+def _one_all_reduce(name: str, shapes, bytes_per_pack: Optional[int]) -> Tuple[float, int]:
     method = get(name)
     elements = sum(math.prod(s) for s in shapes)
     if method.tf_dtype is not None:   # no TensorFlow import for TF's own
@@ -310,8 +325,8 @@ def _traffic(name: str, shapes, bytes_per_pack: Optional[int]) -> Tuple[float, i
     specs = packing.plan_packs([(tf.TensorShape(s), tf.float32) for s in shapes], bytes_per_pack, wire.FP16)
     if method.lowrank is not None:
         return _lowrank_traffic(method, specs)
-    if method.csc is None:   # packs + the bounds' control (local SGD: once every H steps)
-        return (2.0 * elements + 4.0 * len(shapes)) / (method.local or {}).get("sync_every", 1), len(specs) + 1
+    if method.csc is None:   # packs + the bounds' control
+        return 2.0 * elements + 4.0 * len(shapes), len(specs) + 1
     fraction = 1.0 if density(name) == "auto" else float(density(name))   # "auto": its dense top rung
     chunk_size = int(method.csc.get("chunk_size", DEFAULT_CHUNK_SIZE))
     chunks = [math.ceil(spec.num_elements / chunk_size) for spec in specs]
