@@ -205,4 +205,3 @@ class StepFreeStats:
 
     def update(self, **added) -> None:
         self.stats.update(**added, step=False)
-
