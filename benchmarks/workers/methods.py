@@ -107,9 +107,11 @@ _ENTRIES = [
     # 8 steps alone, then averaging (post-local SGD) or DiLoCo's outer Nesterov step (gf_tf.keras.LocalSGD).
     Method("local_8", "GradientFlow local SGD, averaging every 8", local={"sync_every": 8, "outer": "average"}),
     Method("diloco_8", "GradientFlow DiLoCo, Nesterov every 8", local={"sync_every": 8, "outer": "nesterov"}),
-    # diloco_8 with CSC 10% on the pseudo-gradient (its own residual; SparseLoCo's idea).
+    # diloco_8 / local_8 with CSC 10% on the pseudo-gradient (its own residual; SparseLoCo's idea).
     Method("diloco_8_csc", "GradientFlow DiLoCo every 8, CSC 10% on the pseudo-gradient",
            local={"sync_every": 8, "outer": "nesterov"}, csc={"density": 0.1}),
+    Method("local_8_csc", "GradientFlow local SGD every 8, CSC 10% on the pseudo-gradient",
+           local={"sync_every": 8, "outer": "average"}, csc={"density": 0.1}),
     # The sweep over H (docs/local-sgd.md): averaging every 4 to 64 steps.
     *[Method(f"local_{h}", f"GradientFlow local SGD, averaging every {h}",
              local={"sync_every": h, "outer": "average"}) for h in (4, 16, 32, 64)],
