@@ -287,6 +287,24 @@ def test_compressed_pseudo_gradient_state_is_saved_and_restored(reducer, tmp_pat
                for got, want in zip(without_state.get_weights(), straight.get_weights()))
 
 
+@pytest.mark.parametrize("outer, warned", [("nesterov", True), ("average", False)])
+def test_outer_momentum_over_error_feedback_is_warned(outer, warned, caplog):
+    gfar = gf_tf.GradientFlowAllReduce(cross_device_ops=tf.distribute.ReductionToOneDevice(),
+                                       sparsity=gf_tf.ChunkSparsity(density=0.5, chunk_size=4))
+    strategy = tf.distribute.MirroredStrategy(DEVICES[:2], cross_device_ops=gfar)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+        model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+    with caplog.at_level("WARNING", logger="gf_tf.keras.local_sgd"):
+        fit(model, [gf_tf.keras.LocalSGD(2, outer_optimizer=outer)], epochs=0)
+    said = [r.getMessage() for r in caplog.records if "outer optimizer has momentum" in r.getMessage()]
+    assert said == (["gf_tf: LocalSGD's outer optimizer has momentum 0.9 and the meetings go "
+                     "through CSCReducer, whose error feedback already carries what a meeting "
+                     "does not send: the two together diverged in gf_tf's measurements "
+                     "(docs/local-sgd.md). Use outer_optimizer=\"average\" (or one without "
+                     "momentum) with a compressing reducer."] if warned else [])
+
+
 def test_later_fit_without_local_sgd_is_synchronous_again():
     gfar, strategy, model = linear_model()
     fit(model, [gf_tf.keras.LocalSGD(2)])

@@ -6,12 +6,15 @@ al., "DiLoCo: Distributed Low-Communication Training of Language Models", 2023 (
 `DiLoCo`). docs/local-sgd.md says when each wins and loses.
 """
 
+import logging
+
 import numpy as np
 import tensorflow as tf
 import keras
 
 from gf_tf import tf_internal
 from gf_tf.checks import is_int_at_least
+from gf_tf.keras.checkpoint_checks import keeps_state
 from gf_tf.local_steps import MEETING, LocalSteps
 
 AVERAGE = "average"
@@ -21,6 +24,7 @@ DILOCO_MOMENTUM = 0.9
 # The model's optimizer holds the outer optimizer under this attribute, so Keras's weight saving
 # (save_weights, ModelCheckpoint, BackupAndRestore) saves and loads its state with the model's.
 OUTER_ATTRIBUTE = "_gf_tf_local_sgd_outer"
+_log = logging.getLogger(__name__)
 
 
 def outer_optimizer_named(name: str, learning_rate: float = DILOCO_LEARNING_RATE,
@@ -135,6 +139,14 @@ class LocalSGD(keras.callbacks.Callback, LocalSteps):
             raise ValueError("LocalSGD: this GradientFlowAllReduce already serves another "
                              "LocalSGD; pass one LocalSGD per fit")
         self._gradient_flow.local_steps = self
+        reducer = self._gradient_flow.reducer
+        if getattr(self.outer_optimizer, "momentum", 0.0) and keeps_state(reducer):
+            _log.warning("gf_tf: LocalSGD's outer optimizer has momentum %g and the meetings go "
+                         "through %s, whose error feedback already carries what a meeting does "
+                         "not send: the two together diverged in gf_tf's measurements "
+                         "(docs/local-sgd.md). Use outer_optimizer=\"average\" (or one without "
+                         "momentum) with a compressing reducer.",
+                         self.outer_optimizer.momentum, type(reducer).__name__)
         self._trainable_ids = frozenset(id(v.value) for v in model.trainable_variables)
         if self._weights is None or [id(w) for w in self._weights] != \
                 [id(w) for w in _float_weights(model)]:
