@@ -6,6 +6,8 @@ dtype, an `IndexedSlices` (an embedding's gradient) its rows in that dtype and i
 theirs, as TensorFlow's gather of them does; the float32 figure is the dense reference.
 """
 
+from typing import List, Tuple
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -13,39 +15,40 @@ import tensorflow as tf
 WIDTH = {"float32": 4, "float16": 2}   # --tf_all_reduce_dtype: bytes per gradient element
 
 
-def tf_step_bytes(model: keras.Model, per_replica_batch: int, tf_all_reduce_dtype: str) -> int:
-    """Bytes per step one replica sends by TensorFlow's own all-reduce in `tf_all_reduce_dtype`
-    ("float32" or "float16"): per trainable weight its element count, or for an `IndexedSlices`
-    gradient rows x row elements, times the dtype's width, plus the rows' index bytes.
+def gradient_layout(model: keras.Model, per_replica_batch: int) -> List[Tuple[int, int]]:
+    """Per trainable weight, what its gradient puts into TensorFlow's all-reduce: (elements,
+    index bytes): a dense gradient its size and 0, an `IndexedSlices` rows x row elements and its
+    indices' bytes.
 
-    The structure comes from one gradient of a clone of `model` (its own variables, outside any
-    strategy) on a zero batch of `per_replica_batch` examples: an embedding's row count depends
-    on the batch's shape, not its values. A model that cannot be cloned (a subclassed one)
-    counts every weight dense."""
-    width = WIDTH[tf_all_reduce_dtype]
+    From one gradient of a clone of `model` (its own variables, outside any strategy) on a zero
+    batch of `per_replica_batch` examples: an embedding's row count depends on the batch's
+    shape, not its values. A model that cannot be cloned (a subclassed one) counts every
+    weight dense."""
     try:
         clone = keras.models.clone_model(model)
     except (ValueError, TypeError):
-        return width * sum(int(np.prod(w.shape)) for w in model.trainable_weights)
+        return [(int(np.prod(w.shape)), 0) for w in model.trainable_weights]
     spec = clone.inputs[0]
     batch = tf.zeros([per_replica_batch, *spec.shape[1:]], spec.dtype)
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(clone(batch, training=False))
-    total = 0
+    layout = []
     for grad, weight in zip(tape.gradient(loss, clone.trainable_weights), clone.trainable_weights):
         if isinstance(grad, tf.IndexedSlices):
             rows = int(grad.indices.shape[0])
-            total += rows * (width * int(np.prod(grad.values.shape[1:])) + grad.indices.dtype.size)
+            layout.append((rows * int(np.prod(grad.values.shape[1:])), rows * grad.indices.dtype.size))
         else:
-            total += width * int(np.prod(weight.shape))
-    return total
+            layout.append((int(np.prod(weight.shape)), 0))
+    return layout
 
 
 def tf_bytes_per_step(model: keras.Model, per_replica_batch: int, tf_all_reduce_dtype: str) -> dict:
-    """`bytes_per_step`'s figures for TensorFlow's own all-reduce in `tf_all_reduce_dtype`:
-    `tf_step_bytes` sent, and in float32 as the dense reference."""
-    sent = tf_step_bytes(model, per_replica_batch, tf_all_reduce_dtype)
-    dense = tf_step_bytes(model, per_replica_batch, "float32")
+    """`bytes_per_step`'s figures for TensorFlow's own all-reduce in `tf_all_reduce_dtype`
+    ("float32" or "float16"): bytes one replica sends a step (`gradient_layout`'s elements in
+    that dtype plus the index bytes), and the same in float32 as the dense reference."""
+    layout = gradient_layout(model, per_replica_batch)
+    sent, dense = (sum(width * elements + index for elements, index in layout)
+                   for width in (WIDTH[tf_all_reduce_dtype], WIDTH["float32"]))
     return {"sent_bytes_per_step": sent, "dense_bytes_per_step": dense,
             "last_epoch_sent_bytes_per_step": sent, "density": 1.0, "last_epoch_density": 1.0,
             "source": f"TF {tf_all_reduce_dtype} all-reduce"}

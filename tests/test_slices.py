@@ -187,7 +187,6 @@ def test_which_sets_send_their_slices_16_bit(compression, method, workers, expec
     assert route.slices_on_16bit_wire(settings, set_plan, workers) is bool(expected)
 
 
-
 def test_the_handshake_compares_whether_slices_travel_16_bit():
     """Two workers whose dense plans agree ("none" packs) but whose rows would not (one under
     "auto", one with compression=None) differ in the handshake's row for it, not elsewhere: a
