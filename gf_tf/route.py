@@ -343,7 +343,8 @@ def _measure_trial(orchestrator: Orchestrator, state: VariableSetState, grads, p
                    comm: Communicator, options) -> trial.Decision:
     """Runs the set's trial eagerly on tensors shaped like its packable gradients `grads`
     (per served replica), on their devices: TF's own all-reduce against the reducer's, both
-    through TF's one SUM door (`gf_tf.collectives.ring.tf_batch_sum`)."""
+    through TF's one SUM door (`gf_tf.collectives.ring.tf_batch_sum`). The reducer's state
+    of the set is the same after it as before."""
     size = len(state.signature)
     tf_batch_sum = collectives.ring.tf_batch_sum(orchestrator.cross_ops, options)
 
@@ -378,5 +379,11 @@ def _measure_trial(orchestrator: Orchestrator, state: VariableSetState, grads, p
         for device, replica in zip(comm.devices, grads):
             with tf.device(device):
                 inputs.append([tf.fill(g.shape, tf.constant(1e-3, g.dtype)) for g in replica])
-        return trial.measure([lambda: tf_own(inputs), lambda: gradient_flow(inputs)], mean,
-                             state.set_name, orchestrator.trial_clock)
+        # The trial's runs of the reducer are not steps: a stateful reducer's state (a counter,
+        # a residual) is put back as it was.
+        before = state.to_arrays()
+        decision = trial.measure([lambda: tf_own(inputs), lambda: gradient_flow(inputs)], mean,
+                                 state.set_name, orchestrator.trial_clock)
+        if before:
+            state.assign_arrays(before)
+        return decision

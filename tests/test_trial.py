@@ -90,6 +90,8 @@ def test_workers_with_different_clocks_keep_the_same_candidate_and_sum_right(num
         lines = [l for l in r.output.splitlines() if "gf_tf: variable set [" in l]
         assert len(lines) == 2 and all("it travels as" in l for l in lines), r.output[-2000:]
     sets = ("small", "large")
+    steps = sorted({int(k.split("_")[0][4:]) for k in first if k.startswith("step") and k[4].isdigit()})
+    assert len(steps) >= 3
     for key in sets:
         for r in results[1:]:   # the same figures, bitwise, whatever each worker's clock said
             np.testing.assert_array_equal(r.result[f"{key}_measured"], first[f"{key}_measured"])
@@ -99,10 +101,12 @@ def test_workers_with_different_clocks_keep_the_same_candidate_and_sum_right(num
         assert int(first[f"{key}_choice"]) == trial.keep(tf_s, gf_s)
         np.testing.assert_array_equal(first[f"{key}_plan_measured"], first[f"{key}_measured"])
         assert str(first[f"{key}_plan"]).startswith("tf ") == (first[f"{key}_choice"] == trial.TF_OWN)
+        # The trial's runs of the reducer are not steps: its state counts only the steps it carried.
+        carried = len(steps) if first[f"{key}_choice"] == trial.GRADIENT_FLOW else 0
+        for r in results:
+            assert int(r.result[f"{key}_reduce_calls"]) == carried, key
     for r in results:   # the step carries the kept candidates only: nothing of the trial runs in it
         assert not {"Case", "StatelessCase", "Timestamp"} & set(r.result["step_ops"]), r.result["step_ops"]
-    steps = sorted({int(k.split("_")[0][4:]) for k in first if k.startswith("step") and k[4].isdigit()})
-    assert len(steps) >= 3
     for s in steps:
         # The kept candidate from the first step on, in the last step's new trace too (the
         # decision lives in the set's state).

@@ -29,7 +29,8 @@ The step itself carries only the kept candidate: nothing of the trial runs in
 it (carrying both behind a `tf.switch_case` costs CPU time in every step). The
 decision lives in the set's state (`gf_tf.state.VariableSetState.trial`): a
 retrace keeps it, and nothing changes it afterwards. It is not checkpointed: a
-restored run measures again.
+restored run measures again. The trial's runs are not steps: the state of a reducer
+(`gf_tf.reducers.Reducer.create_states`) is assigned back afterwards as it was before.
 
 Every worker traces its step in the same order, so every worker runs the same
 collectives in the same order here too.

@@ -6,7 +6,8 @@
   the workers' local medians differ.
   Writes per step the gradients it sent, the sums it received and the bytes CommStats counted,
   the op types of the last step's graph, then each set's decision (candidate kept, measured
-  seconds) and effective plan.
+  seconds), effective plan and how many steps its reducer (the dense one, with a counter for
+  state) reduced.
 --mode fit: model.fit of a 4-layer MLP past the decision with GradientFlowStats, then
   tf.saved_model.save; or --baseline (one process, no strategy, float32). Writes the weights,
   the optimizer's iterations and the set's trial decision.
@@ -31,15 +32,41 @@ parser.add_argument("--saved_model", default=None, help="--mode fit: where to sa
 args = parser.parse_args()
 
 import gf_tf  # after argparse
+from gf_tf import reducers
 from gf_tf.plan import planner
 
 planner.TRIAL_BAND = (0.0, math.inf)   # every "auto" set is measured, whatever the model says
 
 
+class Calls(reducers.VariablesState):
+    def __init__(self):
+        super().__init__()
+        self.calls = tf.Variable(0, dtype=tf.int64, trainable=False)
+
+    def named_variables(self):
+        return {"calls": self.calls}
+
+
+class CountingReducer(reducers.DenseReducer):
+    """The dense reducer (no cost of its own: its sets are planned, and tried, as the default's)
+    with state: how many steps it reduced."""
+
+    def create_states(self, packs, devices):
+        with tf.device(devices[0]):
+            return Calls(), [None] * len(packs)
+
+    def reduce(self, step):
+        outputs, sent = super().reduce(step)
+        with tf.control_dependencies([t for pack in outputs for replica in pack for t in replica]):
+            step.shared.calls.assign_add(1)
+        return outputs, sent
+
+
 def run_values():
     rank = worker_util.task_index()
     strategy = gf_tf.MultiWorkerMirroredStrategy(
-        communication_options=worker_util.communication_options())
+        communication_options=worker_util.communication_options(),
+        gradient_flow=gf_tf.GradientFlowAllReduce(reducer=CountingReducer()))
     gfar = strategy.gradient_flow
     gfar.trial_clock = lambda: time.perf_counter() * (1.0 + args.skew * rank)
     shapes = {"small": [(7,), (1009,), (1,)], "large": [(300, 1000)]}
@@ -88,6 +115,7 @@ def run_values():
         result[f"{key}_plan"] = f"{plan.method} {plan.bytes_per_pack} {plan.algorithm} {plan.trial}"
         result[f"{key}_plan_measured"] = np.array(report.measured, np.float64)
         result[f"{key}_elements"] = sum(int(np.prod(s)) for s in shapes[key])
+        result[f"{key}_reduce_calls"] = int(states[name].shared.calls.numpy())
     worker_util.write_result(**result)
 
 
