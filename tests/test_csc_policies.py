@@ -105,8 +105,8 @@ def test_an_unregistered_policy_is_unknown_again():
         gf_tf.ChunkSparsity(selection="quietest")
 
 
-@pytest.mark.parametrize("module", ["reducer.py", "settings.py"])
-def test_the_step_and_the_settings_test_no_selection_or_density_by_name(module):
+@pytest.mark.parametrize("module", ["reducer.py", "sparsity.py"])
+def test_the_step_and_chunk_sparsity_test_no_selection_or_density_by_name(module):
     source = (CSC / module).read_text()
     for pattern in (r'==\s*"ahead"', r'!=\s*"ahead"', r"\bselection\s*[!=]=", r"\bsparsity\.auto\b",
                     r"\bself\.auto\b", r"\b_ahead\b", r"scores is not None",

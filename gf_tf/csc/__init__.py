@@ -42,9 +42,9 @@ With ChunkSparsity(selection="ahead") each pack's k chunks are chosen at the
 previous step from all-reduced scores that travel with that step's chunks, so
 a sparse step is one collective (`gf_tf.csc.ahead`).
 State (`CSCSetState` per variable set, `CSCState` per pack) is owned by
-GradientFlowAllReduce's state for that variable set, never by the settings.
+GradientFlowAllReduce's state for that variable set, never by the ChunkSparsity object.
 
-Modules: `settings` (ChunkSparsity, defaults, schedule), `policies` (the registry of
+Modules: `sparsity` (ChunkSparsity, defaults, schedule), `policies` (the registry of
 selection policies by name, and the density rules), `selection` (chunk counts, top-k, the
 `SelectionPolicy` interface, the plan of a step), one module per selection policy
 (`per_pack`, `global_top_k`, `ahead`: with its one-collective sparse step), the density
@@ -58,7 +58,7 @@ from gf_tf.csc.density import MIN_CHUNKS, DensityRule, FixedDensity
 from gf_tf.csc.policies import POLICIES, AheadSelection, GlobalSelection, PerPackSelection
 from gf_tf.csc.reducer import CSCReducer
 from gf_tf.csc.selection import SelectionPolicy, StepPlan, select_chunks, selected_chunk_count
-from gf_tf.csc.settings import (DEFAULT_AUTO_BUDGET, DEFAULT_CHUNK_SIZE, DEFAULT_DENSITY,
+from gf_tf.csc.sparsity import (DEFAULT_AUTO_BUDGET, DEFAULT_CHUNK_SIZE, DEFAULT_DENSITY,
                                 DEFAULT_MIN_DENSITY, SCORINGS, SELECTIONS, WARMUP_MODES,
                                 ChunkSparsity)
 from gf_tf.csc.state import CSCSetState, CSCState

@@ -1,4 +1,4 @@
-"""CSC settings: `ChunkSparsity`, its defaults, the warm-up schedule and the auto rungs.
+"""`ChunkSparsity`: the arguments of CSC a user passes, their defaults and the warm-up schedule.
 
 Source: GradientFlow (arXiv 1902.06855), "coarse-grained sparse
 communication"; momentum correction and warm-up as in Deep Gradient
