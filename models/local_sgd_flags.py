@@ -13,8 +13,11 @@ flags.DEFINE_enum("outer", "average", ["average", "nesterov"],
                   "weights) or nesterov (DiLoCo: outer Nesterov SGD on the mean pseudo-gradient)")
 flags.DEFINE_float("outer_learning_rate", 0.7, "--outer nesterov: the outer learning rate (DiLoCo: 0.7)")
 flags.DEFINE_float("outer_momentum", 0.9, "--outer nesterov: the outer momentum (DiLoCo: 0.9)")
+flags.DEFINE_integer("sync_warmup_steps", None, "--sync_every: synchronous steps before the "
+                     "first local one (LocalSGD(warmup_steps=); default: LocalSGD's, 50)",
+                     lower_bound=0)
 
-NAMES = ("sync_every", "outer", "outer_learning_rate", "outer_momentum")
+NAMES = ("sync_every", "outer", "outer_learning_rate", "outer_momentum", "sync_warmup_steps")
 AT_LEAST = {"sync_every": 0}   # models.train checks these ranges with its own
 
 
@@ -27,4 +30,5 @@ def callbacks() -> list:
     from gf_tf.keras import local_sgd  # pylint: disable=import-outside-toplevel
     outer = local_sgd.outer_optimizer_named(values.outer, values.outer_learning_rate,
                                             values.outer_momentum)
-    return [local_sgd.LocalSGD(values.sync_every, outer_optimizer=outer)]
+    warmup = {} if values.sync_warmup_steps is None else {"warmup_steps": values.sync_warmup_steps}
+    return [local_sgd.LocalSGD(values.sync_every, outer_optimizer=outer, **warmup)]

@@ -12,6 +12,7 @@ import keras
 
 import gf_tf
 from gf_tf.keras import backup
+from gf_tf.keras.local_sgd import DEFAULT_WARMUP_STEPS
 from helpers import DEVICES, GRADIENT_SCALE
 
 LR = 0.05
@@ -109,11 +110,25 @@ def test_steps_per_execution_meets_at_the_first_batch_end_after_h_steps():
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
         model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", steps_per_execution=2)
-    local_sgd = gf_tf.keras.LocalSGD(2, outer_optimizer="nesterov")
+    local_sgd = gf_tf.keras.LocalSGD(2, outer_optimizer="nesterov", warmup_steps=0)
     fit(model, [local_sgd])
     for got, want in zip(model.get_weights(), reference(2, "nesterov")):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert local_sgd.meetings == 2
+
+
+def test_by_default_the_first_steps_are_synchronous():
+    """DEFAULT_WARMUP_STEPS (50) synchronous steps first: a 4-step fit with H = 2 never trains
+    alone, and equals the fit without LocalSGD bit for bit."""
+    _, _, synchronous = linear_model()
+    fit(synchronous, [])
+    _, _, local = linear_model()
+    local_sgd = gf_tf.keras.LocalSGD(2)
+    fit(local, [local_sgd])
+    assert local_sgd.warmup_steps == DEFAULT_WARMUP_STEPS == 50
+    assert local_sgd.meetings == 0
+    for got, want in zip(local.get_weights(), synchronous.get_weights()):
+        np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("compression, tolerance", [(None, 1e-6), ("fp16", 2e-4)])
@@ -121,7 +136,7 @@ def test_averaging_every_step_is_synchronous_sgd(compression, tolerance):
     synchronous_gfar, _, synchronous = linear_model(compression)
     fit(synchronous, [])
     gfar, _, local = linear_model(compression)
-    fit(local, [gf_tf.keras.LocalSGD(1)])
+    fit(local, [gf_tf.keras.LocalSGD(1, warmup_steps=0)])
     for got, want in zip(local.get_weights(), synchronous.get_weights()):
         np.testing.assert_allclose(got, want, rtol=0, atol=tolerance)
     # 4 local steps and 4 meetings: per step the bytes of the synchronous step's all-reduce
@@ -134,7 +149,7 @@ def test_averaging_every_step_is_synchronous_sgd(compression, tolerance):
 def test_replicas_differ_between_meetings_and_are_bitwise_equal_after():
     gfar, strategy, model = linear_model()
     record = PerReplicaWeights(strategy)
-    fit(model, [gf_tf.keras.LocalSGD(3, outer_optimizer="nesterov"), record], epochs=2)
+    fit(model, [gf_tf.keras.LocalSGD(3, outer_optimizer="nesterov", warmup_steps=0), record], epochs=2)
     equal = [all(r[0].tobytes() == r[1].tobytes() for r in step) for step in record.seen]
     # meetings after steps 3 and 4 (the epoch's end), then 7 and 8
     assert equal == [False, False, True, True, False, False, True, True]
@@ -150,12 +165,12 @@ def test_outer_state_is_saved_and_restored_with_the_weights(tmp_path):
     """A fit of 2 epochs against 1 epoch, save_weights, a new model + LocalSGD loading it, 1 epoch."""
     path = str(tmp_path / "diloco.weights.h5")
     _, _, straight = linear_model()
-    fit(straight, [gf_tf.keras.LocalSGD(3, outer_optimizer="nesterov")], epochs=2)
+    fit(straight, [gf_tf.keras.LocalSGD(3, outer_optimizer="nesterov", warmup_steps=0)], epochs=2)
     _, _, first = linear_model()
-    fit(first, [gf_tf.keras.LocalSGD(3, outer_optimizer="nesterov")])
+    fit(first, [gf_tf.keras.LocalSGD(3, outer_optimizer="nesterov", warmup_steps=0)])
     first.save_weights(path)
     _, _, resumed = linear_model()
-    local_sgd = gf_tf.keras.LocalSGD(3, outer_optimizer="nesterov")
+    local_sgd = gf_tf.keras.LocalSGD(3, outer_optimizer="nesterov", warmup_steps=0)
     fit(resumed, [local_sgd], epochs=0)    # builds the outer optimizer, then the restore reaches it
     resumed.load_weights(path)
     momentum = [v.numpy() for v in local_sgd.outer_optimizer.variables if "momentum" in v.path]
@@ -171,7 +186,7 @@ def test_backup_and_restore_gives_each_replica_its_own_inner_momentum(tmp_path):
     two replicas' momenta included (they differ: each replica's own since the last meeting)."""
     def run(epochs, backup_dir=None):
         _, strategy, model = linear_model(momentum=0.9)
-        local_sgd = gf_tf.keras.LocalSGD(3, outer_optimizer="nesterov")
+        local_sgd = gf_tf.keras.LocalSGD(3, outer_optimizer="nesterov", warmup_steps=0)
         callbacks = [local_sgd]
         if backup_dir:
             callbacks.append(backup.BackupAndRestore(backup_dir, delete_checkpoint=False))
@@ -207,7 +222,7 @@ def test_batch_norm_statistics_are_averaged_at_meetings():
                                   keras.layers.BatchNormalization(), keras.layers.Dense(3)])
         model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
     before = PerReplicaWeights(strategy)
-    fit(model, [before, gf_tf.keras.LocalSGD(100)])
+    fit(model, [before, gf_tf.keras.LocalSGD(100, warmup_steps=0)])
     statistics = [i for i, w in enumerate(model.weights) if "moving" in w.path]
     assert len(statistics) == 2
     for i in statistics:
@@ -231,7 +246,7 @@ def test_compressed_pseudo_gradient_keeps_error_feedback_of_its_own(reducer):
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(6), keras.layers.Dense(3)])
         model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
     record = PerReplicaWeights(strategy)
-    fit(model, [gf_tf.keras.LocalSGD(2), record])
+    fit(model, [gf_tf.keras.LocalSGD(2, warmup_steps=0), record])
     equal = [all(r[0].tobytes() == r[1].tobytes() for r in step) for step in record.seen]
     assert equal == [False, True, False, True]
     (name, state), = gfar.states().items()    # no gradient set: every step local
@@ -255,7 +270,7 @@ def test_compressed_pseudo_gradient_state_is_saved_and_restored(tmp_path):
             model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(6),
                                       keras.layers.Dense(3)])
             model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
-        local_sgd = gf_tf.keras.LocalSGD(2, outer_optimizer="nesterov")
+        local_sgd = gf_tf.keras.LocalSGD(2, outer_optimizer="nesterov", warmup_steps=0)
         fit(model, [local_sgd], epochs=0 if load else epochs)   # builds the outer optimizer
         if load:
             if load == "weights only":   # the same weights and optimizers, no reducer state
@@ -293,7 +308,7 @@ def test_outer_momentum_over_error_feedback_is_warned(outer, warned, caplog):
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
         model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
     with caplog.at_level("WARNING", logger="gf_tf.keras.local_sgd"):
-        fit(model, [gf_tf.keras.LocalSGD(2, outer_optimizer=outer)], epochs=0)
+        fit(model, [gf_tf.keras.LocalSGD(2, outer_optimizer=outer, warmup_steps=0)], epochs=0)
     said = [r.getMessage() for r in caplog.records if "outer optimizer has momentum" in r.getMessage()]
     assert said == (["gf_tf: LocalSGD's outer optimizer has momentum 0.9 and the meetings go "
                      "through CSCReducer, whose error feedback already carries what a meeting "
@@ -304,7 +319,7 @@ def test_outer_momentum_over_error_feedback_is_warned(outer, warned, caplog):
 
 def test_later_fit_without_local_sgd_is_synchronous_again():
     gfar, strategy, model = linear_model()
-    fit(model, [gf_tf.keras.LocalSGD(2)])
+    fit(model, [gf_tf.keras.LocalSGD(2, warmup_steps=0)])
     assert gfar.local_steps is None
     record = PerReplicaWeights(strategy)
     fit(model, [record])
@@ -328,7 +343,7 @@ def test_built_outer_optimizer_is_refused():
     outer = keras.optimizers.SGD(0.7)
     outer.build([keras.Variable(np.zeros(2, np.float32))])
     with pytest.raises(ValueError, match="unbuilt keras.optimizers.Optimizer"):
-        gf_tf.keras.LocalSGD(2, outer_optimizer=outer)
+        gf_tf.keras.LocalSGD(2, outer_optimizer=outer, warmup_steps=0)
 
 
 @pytest.mark.parametrize("strategy", [
@@ -341,13 +356,13 @@ def test_strategy_without_gradient_flow_is_refused(strategy):
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
         model.compile(optimizer="sgd", loss="mse")
     with pytest.raises(ValueError, match=r"cross_device_ops=gf_tf.GradientFlowAllReduce\(\)"):
-        fit(model, [gf_tf.keras.LocalSGD(2)])
+        fit(model, [gf_tf.keras.LocalSGD(2, warmup_steps=0)])
 
 
 def test_gradient_accumulation_is_refused():
     _, _, model = linear_model(gradient_accumulation_steps=2)
     with pytest.raises(ValueError, match="gradient_accumulation_steps does not combine"):
-        fit(model, [gf_tf.keras.LocalSGD(2)])
+        fit(model, [gf_tf.keras.LocalSGD(2, warmup_steps=0)])
 
 
 def test_local_steps_must_be_a_local_steps_object():

@@ -64,7 +64,7 @@ class KillAfterEpoch(keras.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-local_sgd = gf_tf.keras.LocalSGD(args.sync_every, outer_optimizer=args.outer)
+local_sgd = gf_tf.keras.LocalSGD(args.sync_every, outer_optimizer=args.outer, warmup_steps=0)
 record = Record()
 callbacks = [local_sgd, record]   # LocalSGD first: BackupAndRestore's restore reaches its outer state
 if args.backup_dir:
