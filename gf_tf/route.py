@@ -322,13 +322,13 @@ def _choice(orchestrator: Orchestrator, state: VariableSetState, call: Call, pac
     """trial.TF_OWN or trial.GRADIENT_FLOW: how the set travels this step. Its plan's method;
     for a trial plan, the trial's decision, timed at the set's first trace where every local
     replica is served (the merge-call path), else the model's pick (the replica-context path:
-    one replica a call)."""
+    one replica a call; a reducer state the trial could not put back, `serializable`)."""
     set_plan = state.planned.plan
     if set_plan.method == plan.TF_OWN:
         return trial.TF_OWN
     if not set_plan.trial:
         return trial.GRADIENT_FLOW
-    if len(comm.replicas) != len(devices):
+    if len(comm.replicas) != len(devices) or not state.serializable:
         forecast = state.planned.forecast
         faster = forecast.seconds <= forecast.tf_seconds
         return trial.GRADIENT_FLOW if faster else trial.TF_OWN

@@ -77,6 +77,13 @@ class VariableSetState(tf.Module):
     def has_state(self) -> bool:
         return self.shared is not None or any(p is not None for p in self.pack_states)
 
+    @property
+    def serializable(self) -> bool:
+        """Every part of the reducer's state turns itself into arrays and back (`to_arrays`,
+        `assign_arrays`; True without state)."""
+        return all(hasattr(part, "to_arrays") and hasattr(part, "assign_arrays")
+                   for _, part in self._parts())
+
     def _parts(self) -> List[Tuple[str, tf.Module]]:
         """(key prefix, state) of the set's state (prefix "") and of each pack p's ("p{p}_")."""
         parts = [("", self.shared)] + [(f"p{p}_", pack)
