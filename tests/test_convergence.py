@@ -1,9 +1,9 @@
 """benchmarks.convergence: time to target on synthetic curves, the per-cell summary, the matrix and
-its dry run, every method's models.train flags, and one real 2-worker cell (slow)."""
+its dry run, every method's models.train flags, and one real 2-worker cell (slow, local SGD)."""
 
 import copy
 import json
-import os
+import math
 import tempfile
 
 import pytest
@@ -195,3 +195,25 @@ def test_the_estimates_bytes_are_the_shared_byte_model_and_auto_names_the_defaul
     assert convergence.main(["--dry-run", "--tasks", "digits", "--methods", "tf_fp32,auto", "--seeds", "0",
                              "--workers", "2", "--links", "none"]) == 0
     assert "x methods ['tf_fp32', 'default'] x" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_tiny_local_sgd_cell_records_its_curve_and_the_bytes_of_its_steps_and_meetings():
+    """digits, 2 workers on loopback, `local_16` for 2 epochs of 4 steps after 2 synchronous steps:
+    the replicas meet at each epoch's end (H = 16 is longer than an epoch)."""
+    params = sum(math.prod(shape) for shape in convergence.TASKS["digits"].shapes)
+    statistics = 2 * (32 + 64)   # the CNN's BatchNorm moving means and variances, averaged at meetings
+    extra = ["--epochs", "2", "--steps_per_epoch", "4", "--sync_warmup_steps", "2"]
+    with tempfile.TemporaryDirectory() as workdir:
+        run = convergence.run_local(("digits", 2, None, "local_16", 0), workdir, 600, extra)
+    assert "error" not in run, run.get("error")
+    curve = run["curve"]
+    assert [p["epoch"] for p in curve] == [1, 2]
+    assert 0 < curve[0]["seconds"] < curve[1]["seconds"]
+    assert curve[-1]["test_accuracy"] == run["final_accuracy"] and 0 <= run["final_accuracy"] <= 1
+    # FP16 packs with a 4-byte bound per tensor: a synchronous step sends the 10 gradients; a meeting
+    # the pseudo-gradient of the same 10 weights and the 4 BatchNorm statistics; local steps nothing.
+    step = 2 * params + 4 * 10
+    meeting = step + 2 * statistics + 4 * 4
+    assert [p["bytes_sent"] for p in curve] == [2 * step + meeting, 2 * step + 2 * meeting]
+    assert run["sent_bytes_per_step"] == pytest.approx((2 * step + 2 * meeting) / 8)
