@@ -21,9 +21,9 @@ AVERAGE = "average"
 NESTEROV = "nesterov"
 DILOCO_LEARNING_RATE = 0.7   # DiLoCo's outer Nesterov SGD (Douillard et al., 2023, s3)
 DILOCO_MOMENTUM = 0.9
-# Post-local SGD starts from synchronous steps (Lin et al., ICLR 2020). Local from the first step,
-# models.train's digits CNN at N = 4 (each replica's batch 16 at the global batch's learning rate)
-# ended 33 points below synchronous training; 22 synchronous steps first: -0.3 points, 44: +0.8.
+# Post-local SGD starts from synchronous steps (Lin et al., ICLR 2020): a replica's first solo steps
+# take 1/R of the global batch at the global batch's learning rate and can run away before the
+# weights settle (the digits CNN at N = 4: docs/local-sgd.md, "Warm-up").
 DEFAULT_WARMUP_STEPS = 50
 """`LocalSGD(warmup_steps=)`: synchronous steps before the first local one."""
 # The model's optimizer holds the outer optimizer under this attribute, so Keras's weight saving
