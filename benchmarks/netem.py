@@ -53,9 +53,22 @@ def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess
     return result
 
 
+# A shaped link's largest segment (its veths' gso_max_size), so that a shallow bucket still holds
+# whole packets: tbf drops a packet larger than its bucket.
+SHAPED_GSO_MAX_BYTES = 4096
+UNSHAPED_GSO_MAX_BYTES = 65536   # the veth's own
+# The bucket refills while the workers compute, so a step's first bucketful leaves at the veth's
+# speed: 1 ms of the rate is a small error at any rate. A bucket of two default 64 KiB segments
+# (128 KiB) lets 10.5 ms of a 100 Mbit/s link through free every step and fools the planner's
+# trial, which times one set's all-reduces on an idle link
+# (benchmarks/results/2026-12-06-time-to-accuracy.md).
+BURST_SECONDS = 0.001
+
+
 def tbf_burst_bytes(rate_mbit: float) -> int:
-    """Token-bucket depth: at least rate/250 (one 4 ms tick at HZ=250) and two 64 KiB GSO segments."""
-    return int(max(rate_mbit * 1e6 / 8 / 250, 2 * 65536))
+    """Token-bucket depth in bytes: BURST_SECONDS of the rate, and at least 4 segments of
+    SHAPED_GSO_MAX_BYTES (16 KiB)."""
+    return int(max(rate_mbit * 1e6 / 8 * BURST_SECONDS, 4 * SHAPED_GSO_MAX_BYTES))
 
 
 class EmulatedCluster:
@@ -148,6 +161,8 @@ class EmulatedCluster:
         for i, ns in enumerate(self.hosts):
             for netns, dev in ((ns, "eth0"), (self.bridge_ns, f"v{i}")):
                 tc = ["tc", "-n", netns, "qdisc"]
+                gso = UNSHAPED_GSO_MAX_BYTES if rate_mbit is None else SHAPED_GSO_MAX_BYTES
+                _run(["ip", "-n", netns, "link", "set", "dev", dev, "gso_max_size", str(gso)])
                 if rate_mbit is None:
                     _run(tc + ["del", "dev", dev, "root"], check=False)   # absent qdisc is fine
                     continue

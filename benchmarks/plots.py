@@ -5,8 +5,8 @@
     python -m benchmarks.plots --speed benchmarks/results/allreduce.json   # a run of your own
 
 Figures: speed-vs-tf.png (--speed), bytes-vs-density.png (--bytes), projection.png (--projection),
-convergence-<task>-<link>.png (--convergence); what each reads and draws: docs/benchmarks.md, "The tools
-in detail". Needs matplotlib
+convergence-<task>-<link>.png (--convergence), local-sgd-sweep.png (--sweep); what each reads and
+draws: docs/benchmarks.md, "The tools in detail". Needs matplotlib
 (`pip install ".[plot]"`); without it, exits with status 2 and writes nothing.
 """
 
@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from benchmarks import harness, report
+from benchmarks import convergence_summary, harness, report
 from benchmarks.workers import methods
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -31,6 +31,10 @@ DEFAULT_OUT_DIR = os.path.join(REPO_ROOT, "docs", "img")
 FIGURES = ("speed-vs-tf.png", "bytes-vs-density.png", "projection.png")
 DEFAULT_CONVERGENCE: List[str] = [os.path.join(RESULTS, "2026-12-04-convergence.json")]
 CONVERGENCE_METHODS = methods.CONVERGENCE_METHODS   # colours in the table's order
+# The sweep's runs, and tf_fp32's seed 0 of the same cell (its target) from the auto-guard report.
+DEFAULT_SWEEP = [os.path.join(RESULTS, name) for name in ("2026-12-06-auto-guard-n2.json",
+                                                          "2026-12-06-local-sgd-sweep.json")]
+SWEEP_FIGURE = "local-sgd-sweep.png"
 N_STYLES = {2: "-", 3: "-.", 4: "--", 8: ":"}
 
 SET_LABELS = {"tiny": "tiny", "resnet20": "ResNet-20", "resnet50": "ResNet-50", "alexnet": "AlexNet",
@@ -271,6 +275,71 @@ def convergence_figures(paths: Sequence[str], out_dir: str, plt) -> List[str]:
     return written
 
 
+def _averaging_every(method: str) -> Optional[int]:
+    """H of a plain local-SGD method of the table (averaging every H steps, no compression), else None."""
+    entry = methods.TABLE.get(method)
+    if entry is None or not entry.local or entry.csc or entry.lowrank or entry.local["outer"] != "average":
+        return None
+    return int(entry.local["sync_every"])
+
+
+def sweep_figure(paths: Sequence[str], out: str, plt) -> Dict[str, List[tuple]]:
+    """Local SGD's trade over H (docs/local-sgd.md): final accuracy, time to target and bytes per
+    step of the averaging methods against H, one line per task, N and link, with TensorFlow's
+    float32 and float16 all-reduce of the same cell as horizontal lines (medians over seeds).
+
+    Returns, per line ("task, N=n, link"), the points drawn: (H, final accuracy %, seconds to
+    target or None, bytes per step)."""
+    docs = [load(p) for p in paths]
+    cells = convergence_summary.summarize(convergence_summary.merge_runs(docs))
+    fig, (acc_ax, time_ax, bytes_ax) = plt.subplots(1, 3, figsize=(13, 4.2))
+    drawn = {}
+    for key in sorted({(c["task"], c["workers"], c["rate_mbit"]) for c in cells},
+                      key=lambda k: (k[0], k[1], *harness.link_order(k[2]))):
+        mine = [c for c in cells if (c["task"], c["workers"], c["rate_mbit"]) == key]
+        swept = sorted(((_averaging_every(c["method"]), c) for c in mine
+                        if _averaging_every(c["method"])), key=lambda hc: hc[0])
+        if not swept:
+            continue
+        i = len(drawn)
+        name = f"{key[0]}, N={key[1]}, {report.link_label(key[2])}"
+        drawn[name] = [(h, 100 * c["final_accuracy_median"], c["time_to_target_s"], c["bytes_per_step"])
+                       for h, c in swept]
+        hs, accuracies, times, sent = zip(*drawn[name])
+        acc_ax.errorbar(hs, accuracies, color=f"C{i}", marker="o", capsize=3, label=name,
+                        yerr=[[a - 100 * c["final_accuracy_min"] for a, (_, c) in zip(accuracies, swept)],
+                              [100 * c["final_accuracy_max"] - a for a, (_, c) in zip(accuracies, swept)]])
+        time_ax.plot(hs, [float("nan") if t is None else t for t in times], color=f"C{i}", marker="o")
+        bytes_ax.plot(hs, sent, color=f"C{i}", marker="o")
+        for base, style in (("tf_fp32", ":"), ("tf_fp16", "--")):
+            ref = next((c for c in mine if c["method"] == base), None)
+            if ref is not None:
+                acc_ax.axhline(100 * ref["final_accuracy_median"], color=f"C{i}", linestyle=style, linewidth=1)
+                if ref["time_to_target_s"] is not None:
+                    time_ax.axhline(ref["time_to_target_s"], color=f"C{i}", linestyle=style, linewidth=1)
+                bytes_ax.axhline(ref["bytes_per_step"], color=f"C{i}", linestyle=style, linewidth=1)
+    for ax, title in ((acc_ax, "final test accuracy % (median, range over seeds)"),
+                      (time_ax, "seconds to the target (tf_fp32's accuracy - 1 point)"),
+                      (bytes_ax, "bytes a worker sends per step")):
+        ax.set_xscale("log", base=2)
+        hs = sorted({h for points in drawn.values() for h, *_ in points})
+        ax.set_xticks(hs)
+        ax.set_xticklabels([str(h) for h in hs])
+        ax.minorticks_off()
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("H: steps between meetings")
+        ax.grid(True, alpha=0.3)
+    fig.suptitle("Local SGD, averaging every H steps (LocalSGD(sync_every=H)): the trade over H", fontsize=10)
+    bytes_ax.set_yscale("log")
+    handles, _ = acc_ax.get_legend_handles_labels()
+    handles += [plt.Line2D([], [], color="gray", linestyle=":", label="tf_fp32 (TF's own all-reduce)"),
+                plt.Line2D([], [], color="gray", linestyle="--", label="tf_fp16 (TF's own, cast to float16)")]
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 4), fontsize=8, frameon=False)
+    fig.text(0.01, 0.005, _sources(docs, paths), fontsize=6.5, color="gray")
+    report.save_figure(fig, out, dpi=100, bottom=0.14)
+    return drawn
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--speed", nargs="+", default=DEFAULT_SPEED, help="benchmarks.allreduce JSON(s)")
@@ -279,6 +348,8 @@ def main(argv=None) -> int:
                         help="benchmarks.projection --json output(s), one column each")
     parser.add_argument("--convergence", nargs="*", default=[p for p in DEFAULT_CONVERGENCE if os.path.exists(p)],
                         help="benchmarks.convergence JSON(s): one figure per task and link")
+    parser.add_argument("--sweep", nargs="*", default=[p for p in DEFAULT_SWEEP if os.path.exists(p)],
+                        help="benchmarks.convergence JSON(s) with local_H runs: the sweep over H")
     parser.add_argument("--link-gbit", type=float, default=56.0, help="the projection's link rate to draw")
     parser.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="where the PNGs go (default docs/img)")
     args = parser.parse_args(argv)
@@ -286,7 +357,7 @@ def main(argv=None) -> int:
     if plt is None:
         print(f"benchmarks.plots: {harness.PLOT_MISSING}", file=sys.stderr)
         return 2
-    for path in [*args.speed, *args.bytes, *args.projection, *args.convergence]:
+    for path in [*args.speed, *args.bytes, *args.projection, *args.convergence, *args.sweep]:
         if not os.path.exists(path):
             raise SystemExit(f"benchmarks.plots: no such file {path}")
     outputs = [os.path.join(args.out_dir, name) for name in FIGURES]
@@ -295,6 +366,9 @@ def main(argv=None) -> int:
     projection_figure(args.projection, outputs[2], plt, args.link_gbit)
     if args.convergence:
         outputs += convergence_figures(args.convergence, args.out_dir, plt)
+    if args.sweep:
+        outputs.append(os.path.join(args.out_dir, SWEEP_FIGURE))
+        sweep_figure(args.sweep, outputs[-1], plt)
     plt.close("all")
     for path in outputs:
         print(path)

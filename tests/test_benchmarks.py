@@ -204,10 +204,10 @@ def test_repeated_launches_merge_into_the_median_launch_with_its_spread():
     assert merged["default"]["speedup_vs_tf_fp32"] == pytest.approx(0.3 / 0.2)
 
 
-def test_token_bucket_is_deep_enough_for_the_rate():
-    for rate in (10, 100, 1000, 10000):
-        assert netem.tbf_burst_bytes(rate) >= rate * 1e6 / 8 / 250
-        assert netem.tbf_burst_bytes(rate) >= 2 * 65536
+def test_token_bucket_holds_whole_segments_and_lets_at_most_a_millisecond_through_free():
+    # 100 Mbit/s: 16 KiB, 1.3 ms of the link (a bucket of 128 KiB let 10.5 ms through every step).
+    assert [netem.tbf_burst_bytes(rate) for rate in (10, 100, 1000, 10000)] == [16384, 16384, 125000, 1250000]
+    assert netem.tbf_burst_bytes(100) >= 4 * netem.SHAPED_GSO_MAX_BYTES   # tbf drops a packet above its bucket
 
 
 def test_markdown_table_has_one_row_per_entry_and_aligned_columns():

@@ -53,3 +53,34 @@ def test_convergence_figures_draw_one_png_per_task_and_link(tmp_path):
     for p in written:
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n", p
+
+
+def test_the_sweep_figure_draws_each_averaging_method_at_its_h_with_medians_over_seeds(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed (pip install '.[plot]')")
+    import json
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def run(method, seed, accuracies, step_bytes):
+        return {"task": "digits", "rate_mbit": 100.0, "method": method, "workers": 2, "seed": seed,
+                "final_accuracy": accuracies[-1], "sent_bytes_per_step": step_bytes, "load_average_1min": 1.0,
+                "curve": [{"seconds": 2.0 * (i + 1), "bytes_sent": 1e5 * (i + 1), "test_accuracy": a}
+                          for i, a in enumerate(accuracies)]}
+
+    runs = [run("tf_fp32", s, [0.5, 0.9], 4000) for s in (0, 1)]
+    runs += [run("tf_fp16", 0, [0.6, 0.9], 2000), run("local_8_csc", 0, [0.9, 0.9], 10)]
+    runs += [run("local_16", 0, [0.7, 0.88], 120), run("local_16", 1, [0.9, 0.92], 130),
+             run("local_4", 0, [0.85, 0.91], 500), run("local_4", 1, [0.9, 0.91], 500)]
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps({"meta": {"date_utc": "test input"}, "runs": runs}))
+    out = tmp_path / "sweep.png"
+    drawn = plots.sweep_figure([str(path)], str(out), plt)
+    plt.close("all")
+    # The target is tf_fp32's median final accuracy (0.9) - 1 point: 0.89. local_4 reaches it at 4 s
+    # and 2 s (median 3 s); local_16 on one seed of two (median: not reached); local_8_csc is not swept.
+    assert drawn == {"digits, N=2, 100 Mbit/s": [(4, pytest.approx(91.0), 3.0, 500),
+                                                 (16, pytest.approx(90.0), None, 125)]}
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [plots._averaging_every(m) for m in ("local_8", "local_64", "local_8_csc", "diloco_8", "tf_fp16")] == [
+        8, 64, None, None, None]
