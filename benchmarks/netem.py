@@ -60,8 +60,8 @@ UNSHAPED_GSO_MAX_BYTES = 65536   # the veth's own
 # The bucket refills while the workers compute, so a step's first bucketful leaves at the veth's
 # speed: 1 ms of the rate is a small error at any rate. A bucket of two default 64 KiB segments
 # (128 KiB) lets 10.5 ms of a 100 Mbit/s link through free every step and fools the planner's
-# trial, which times one set's all-reduces on an idle link
-# (benchmarks/results/2026-12-06-time-to-accuracy.md).
+# trial, which times one set's all-reduces on an idle link (docs/benchmarks.md, "How a cell is
+# measured").
 BURST_SECONDS = 0.001
 
 

@@ -297,8 +297,8 @@ def sweep_figure(paths: Sequence[str], out: str, plt) -> Dict[str, List[tuple]]:
     for key in sorted({(c["task"], c["workers"], c["rate_mbit"]) for c in cells},
                       key=lambda k: (k[0], k[1], *harness.link_order(k[2]))):
         mine = [c for c in cells if (c["task"], c["workers"], c["rate_mbit"]) == key]
-        swept = sorted(((_averaging_every(c["method"]), c) for c in mine
-                        if _averaging_every(c["method"])), key=lambda hc: hc[0])
+        every = [(_averaging_every(c["method"]), c) for c in mine]
+        swept = sorted(((h, c) for h, c in every if h), key=lambda hc: hc[0])
         if not swept:
             continue
         i = len(drawn)
