@@ -23,6 +23,7 @@ from benchmarks import harness, report, step_model
 from benchmarks.workers import gradients, methods
 from gf_tf import collectives
 from gf_tf.plan import Costs, PlanReport, planner
+from gf_tf.reducers import DenseReducer
 
 PARAMETERS = step_model.PARAMETERS
 AUTO = step_model.AUTO
@@ -74,7 +75,8 @@ def project(params, model: str, method: str, workers: int, link_gbit: float, com
     extra = {}
     if method == AUTO:
         plan = PlanReport(*planner.choose(elements, len(shapes), workers,
-                                          planner_costs(params, link_gbit * 1e9)))
+                                          planner_costs(params, link_gbit * 1e9),
+                                          control=DenseReducer.wire_control))
         comm, extra["plan"] = plan.steady_seconds or 0.0, plan   # a trial keeps the faster
     else:
         payload, collectives = methods.traffic(method, shapes)

@@ -102,7 +102,8 @@ def run(orchestrator: Orchestrator, call: Call) -> List[List]:
                                       settings(signature, planned, reducer, slices_16bit),
                                       devices, orchestrator.cross_ops, call.options)
     state = orchestrator.states.get(list(call.variables), signature, pack_specs,
-                                    lambda specs: reducer.create_states(specs, devices))
+                                    lambda specs: reducer.create_states(specs, devices),
+                                    lambda specs: reducer.create_hints(specs, devices))
     if state.planned != planned:
         state.planned = planned
         _log.info("gf_tf: variable set [%s] travels as %s", state.set_name,
@@ -217,7 +218,7 @@ def reduce_packs(reducer: Reducer, state: VariableSetState, grads, comm: Communi
     if not live:
         return Sent()
     step = StepInput(tuple(PackStep(specs[p], [[g[i] for i in specs[p].indices] for g in grads],
-                                    state.pack_states[p]) for p in live),
+                                    state.pack_states[p], state.hints[p]) for p in live),
                      state.shared, comm, state.planned.plan.groups)
     outputs, sent = reducer.reduce(step)
     for pack, per_replica in zip(step.packs, outputs):

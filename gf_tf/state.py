@@ -30,6 +30,8 @@ class VariableSetState(tf.Module):
     shared: the reducer's state of the whole set (e.g. `gf_tf.csc.CSCSetState`: the
       step counters) or None.
     pack_states: per pack spec, the reducer's state (e.g. `gf_tf.csc.CSCState`) or None.
+    hints: per pack spec, what the reducer keeps that is not state (`Reducer.create_hints`,
+      e.g. the dense reducer's `ScaleAhead`; saved beside the state, never checked) or None.
     planned: the `gf_tf.plan.Planned` (plan and forecast) its gradients travel by.
     trial: with a trial plan, its `gf_tf.plan.trial.Decision` (taken at the first trace; not
       checkpointed), else None.
@@ -37,13 +39,14 @@ class VariableSetState(tf.Module):
 
     def __init__(self, name: str, variables: Sequence, signature,
                  pack_specs: Tuple[PackSpec, ...], shared: Optional[tf.Module],
-                 pack_states: List[Optional[tf.Module]]):
+                 pack_states: List[Optional[tf.Module]], hints: Optional[list] = None):
         super().__init__(name=None)
         self.set_name = name
         self.signature = tuple(signature)
         self.pack_specs = pack_specs
         self.shared = shared
         self.pack_states = pack_states
+        self.hints = hints if hints is not None else [None] * len(pack_specs)
         self.planned = None   # the gf_tf.plan.Planned it travels by, set on first use
         self.trial = None
         self._refs = [_weak(v) for v in variables]
@@ -83,6 +86,11 @@ class VariableSetState(tf.Module):
         `assign_arrays`; True without state)."""
         return all(hasattr(part, "to_arrays") and hasattr(part, "assign_arrays")
                    for _, part in self._parts())
+
+    def hint_variables(self) -> Dict[str, tf.Variable]:
+        """The hints' variables (`Reducer.create_hints`) by key: pack p's "p{p}_<its key>"."""
+        return {f"p{p}_{key}": v for p, hints in enumerate(self.hints)
+                for key, v in getattr(hints, "named_variables", dict)().items()}
 
     def _parts(self) -> List[Tuple[str, tf.Module]]:
         """(key prefix, state) of the set's state (prefix "") and of each pack p's ("p{p}_")."""
@@ -149,12 +157,14 @@ class StateRegistry:
 
     def get(self, variables: Sequence, signature, pack_specs: Tuple[PackSpec, ...],
             create_states: Callable[[Tuple[PackSpec, ...]],
-                                    Tuple[Optional[tf.Module], List[Optional[tf.Module]]]]
+                                    Tuple[Optional[tf.Module], List[Optional[tf.Module]]]],
+            create_hints: Optional[Callable[[Tuple[PackSpec, ...]], list]] = None
             ) -> VariableSetState:
         """The state of `variables`, created (eagerly, outside any scope) on first use.
 
         create_states(pack_specs) -> (the set's reducer state, per pack its state), as
-        `gf_tf.reducers.Reducer.create_states`.
+        `gf_tf.reducers.Reducer.create_states`; create_hints(pack_specs) -> per pack its hints,
+        as `gf_tf.reducers.Reducer.create_hints` (None: none).
 
         A set whose gradient signature changed, or an older set that shares
         variables with a new one (e.g. a layer frozen between `fit` calls),
@@ -175,8 +185,9 @@ class StateRegistry:
                             "from zero with a fresh warm-up.", old.set_name, describe(variables))
             with tf.init_scope():
                 shared, pack_states = create_states(pack_specs)
+                hints = create_hints(pack_specs) if create_hints is not None else None
             state = VariableSetState(describe(variables), variables, signature, pack_specs,
-                                     shared, list(pack_states))
+                                     shared, list(pack_states), hints)
             with tf.init_scope():
                 for ref in list(self._listeners):
                     if ref() is not None:

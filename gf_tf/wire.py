@@ -170,6 +170,41 @@ def power_of_two_scale(bound: tf.Tensor) -> tf.Tensor:
     return tf.where(usable, tf.pow(2.0, e), tf.ones_like(bound))
 
 
+# Scaled a step ahead (`gf_tf.reducers.dense`, CSC's selection="ahead"): the prescale of the
+# previous step's bound with AHEAD_HEADROOM_BITS of room to grow (the summed bound lands in
+# [2**(14-h), 2**(15-h))); the dense reducer keeps the values when this step's summed bound is
+# finite, at most 2**15 (no partial sum near 65504), and, where not 0, at least
+# 2**(14-h-AHEAD_SHRINK_BITS) (small values keep nearly all the precision the exact scale gives
+# them: docs/fp16.md); else the pack is sent again in float32.
+AHEAD_HEADROOM_BITS = 3
+AHEAD_SHRINK_BITS = 6
+AHEAD_CEILING = 2.0 ** SCALE_TARGET_EXPONENT
+AHEAD_FLOOR = 2.0 ** (SCALE_TARGET_EXPONENT - 1 - AHEAD_HEADROOM_BITS - AHEAD_SHRINK_BITS)
+
+
+def ahead_scale(previous_bound: tf.Tensor) -> tf.Tensor:
+    """Prescale of a step whose previous step's all-reduced bound was `previous_bound`.
+
+    Args:
+      previous_bound: float32 [T]: SUM over replicas of each tensor's max |x| a step before
+        (NaN: none).
+
+    Returns:
+      float32 [T]: `power_of_two_scale(previous_bound) / 2**AHEAD_HEADROOM_BITS`, a power of
+      two (1/4 where the bound is 0, not finite or below 2**-126).
+    """
+    return power_of_two_scale(previous_bound) * 2.0 ** -AHEAD_HEADROOM_BITS
+
+
+def ahead_fits(summed: tf.Tensor, nonzero: tf.Tensor) -> tf.Tensor:
+    """Whether values scaled a step ahead are kept (`ahead_scale`): per tensor, its bound this
+    step times the prescale (float32 [T], summed over replicas on the wire) is finite, at most
+    AHEAD_CEILING, and at least AHEAD_FLOOR unless every replica's max is 0 (`nonzero`: float32
+    [T], the count of replicas whose max |x| is not 0). bool [T]."""
+    return (tf.math.is_finite(summed) & (summed <= AHEAD_CEILING)
+            & ((summed >= AHEAD_FLOOR) | tf.equal(nonzero, 0.0)))
+
+
 def power_of_two_scale_np(bound: np.ndarray) -> np.ndarray:
     """NumPy twin of `power_of_two_scale` (float64 in, float64 out), for models and tests."""
     bound = np.asarray(bound, np.float64)

@@ -162,12 +162,14 @@ def _expected_collectives(n, rank, all_reduces_per_step):
 
 @pytest.mark.slow
 def test_gradient_flow_dense_fp16_over_recursive_doubling_at_4_workers():
-    """The control vector and the one FP16 pack each take log2(4) = 2 rounds of 2-member
-    all-reduces (no 4-member ring); sums within FP16 rounding of float64, identical bits."""
-    steps, n = 2, 4
+    """The one FP16 pack, scaled a step ahead, and its float32 retry (a branch taken at the
+    first step only) each take log2(4) = 2 rounds of 2-member all-reduces (no 4-member ring);
+    sums within FP16 rounding of float64, identical bits."""
+    steps, n = 3, 4
     results = _workers(n, "--mode=gradients", f"--steps={steps}", timeout=300)
     for rank, r in enumerate(results):
         assert sorted(r["collectives"].tolist()) == sorted(_expected_collectives(n, rank, 2))
+        assert [float(r[f"retries{s}"]) for s in range(steps)] == [1.0, 1.0, 1.0]
     for s in range(steps):
         for i in range(len(VARIABLES)):
             ref = sum(r[f"g{s}_{i}"].astype(np.float64) for r in results)

@@ -21,6 +21,7 @@ import cluster
 import gf_tf
 from gf_tf import tf_internal
 from gf_tf.plan import DEFAULT_BYTES_PER_PACK
+from helpers import fp16_pack_bytes
 
 DEVICES = [d.name for d in tf.config.list_logical_devices("CPU")]
 SUM = tf.distribute.ReduceOp.SUM
@@ -39,9 +40,12 @@ def make(num_replicas, **kwargs):
     return gfar, tf.distribute.MirroredStrategy(DEVICES[:num_replicas], cross_device_ops=gfar)
 
 
-def batch_reduce(gfar, strategy, per_replica, reduce_op=SUM):
+def batch_reduce(gfar, strategy, per_replica, reduce_op=SUM, steps=2):
     """per_replica[r] = list of gradients of replica r, all-reduced as gradients
-    (gf_tf.all_reduce_gradients in strategy.run) -> per value, list of per-replica results."""
+    (gf_tf.all_reduce_gradients in strategy.run) `steps` times for the same variables -> per
+    value, list of per-replica results of the last step. Two by default: the dense reducer sends
+    a set's first step in float32 (no bound a step ahead yet, gf_tf.reducers.dense), the second
+    on the FP16 wire."""
     num_values = len(per_replica[0])
     variables = [tf.Variable(0.0, name=f"v{k}") for k in range(num_values)]
 
@@ -60,7 +64,8 @@ def batch_reduce(gfar, strategy, per_replica, reduce_op=SUM):
         args = [a if a is None or isinstance(a, tf.IndexedSlices) else tf.identity(a) for a in args]
         return gf_tf.all_reduce_gradients(list(args), variables, reduce_op)
 
-    out = strategy.run(step, args=tuple(values))
+    for _ in range(steps):
+        out = strategy.run(step, args=tuple(values))
     return [None if o is None else list(strategy.experimental_local_results(o)) for o in out]
 
 
@@ -142,10 +147,19 @@ def test_mixed_dtype_list_matches_numpy_in_callers_order():
             else:                          # FP16 wire: ~2^-11 relative per term and in the sum
                 np.testing.assert_allclose(got, want, rtol=0, atol=3 * 2 ** -10 * np.max(np.abs(want)) + 1e-3)
     # Only float32 and float16 values were packed: 1009 + 7 + 1 + 12 elements, in FP16 on the
-    # wire, plus one float32 scale bound per packed tensor (4 tensors) in the control all-reduce.
+    # wire. The float16 pack adds one float32 scale bound per tensor in a control all-reduce;
+    # each float32 pack (scaled a step ahead) 2T + 1 FP16 slots, and at the first of the two
+    # steps its float32 retry: 4 bytes per element and per tensor (gf_tf.reducers.dense).
     stats = gfar.stats.result()
     assert stats["dense_bytes_per_step"] == 4 * (1009 + 7 + 1 + 12)
-    assert stats["sent_bytes_per_step"] == 2 * (1009 + 7 + 1 + 12) + 4 * 4
+    (state,) = gfar.states().values()
+    packs = [(spec.num_elements, len(spec.shapes), spec.dtypes[0]) for spec in state.pack_specs
+             if spec.num_elements]
+    assert stats["sent_bytes_per_step"] == sum(
+        2 * n + 4 * t if dtype == tf.float16 else fp16_pack_bytes(n, t, retries=0.5)
+        for n, t, dtype in packs)
+    assert gfar.stats.totals()["figure_float32_retries"] == sum(
+        1 for _, _, dtype in packs if dtype == tf.float32)
 
 
 def test_indexed_slices_pass_through_untouched_on_a_float32_wire():
@@ -192,9 +206,10 @@ def test_mean_and_nan():
     b = np.array([3.0, 1.0, np.inf, 1e-6], np.float32)
     got = batch_reduce(gfar, strategy, [[a], [b]], reduce_op=MEAN)[0][0].numpy()
     assert got[0] == 2.0 and np.isnan(got[1]) and got[2] == np.inf
-    # A tensor holding inf or NaN travels unscaled; 1e-6 sits in FP16's subnormal range there
-    # (a multiple of 2^-24 after rounding) ...
-    assert got[3] == np.float32(np.float16(a[3]) + np.float16(b[3])) / 2
+    # A tensor holding inf or NaN has no finite bound: its pack goes again in float32, where
+    # 1e-6 comes back exact (an unscaled FP16 would round it to a multiple of 2^-24) ...
+    assert got[3] == np.float32(1e-6)
+    assert gfar.stats.totals()["figure_float32_retries"] == 2
     # ... while in a finite tensor it is scaled into FP16's normal range and keeps 11 bits.
     got = batch_reduce(gfar, strategy, [[a[3:]], [b[3:]]], reduce_op=MEAN)[0][0].numpy()
     np.testing.assert_allclose(got, [1e-6], rtol=2 ** -11)
@@ -202,7 +217,8 @@ def test_mean_and_nan():
 
 def test_many_tiny_tensors_travel_in_the_planned_packs():
     """100 float32 tensors of 10 elements, bytes_per_pack=1024: two FP16 packs (510 and 490
-    elements, 1020 and 980 bytes), seen as float16 reductions in the traced graph."""
+    elements, 1020 and 980 bytes, each with its 2T + 1 slots), seen as float16 reductions in the
+    traced graph; the second step's sums within FP16 rounding."""
     gfar, strategy = make(2, bytes_per_pack=1024)
     grads = [[RNG.normal(size=[10]).astype(np.float32) for _ in range(100)] for _ in range(2)]
     variables = [tf.Variable(0.0) for _ in range(100)]
@@ -216,13 +232,16 @@ def test_many_tiny_tensors_travel_in_the_planned_packs():
             return gf_tf.all_reduce_gradients(values, variables)
         return strategy.run(replica_fn)
 
+    step()   # the first step: float32 retries (no bounds yet)
     out = step()
     half_sums = sorted(op.outputs[0].shape.num_elements()
                        for op in step.get_concrete_function().graph.get_operations()
                        if op.type == "AddN" and op.get_attr("T") == tf.float16)
-    assert half_sums == [490, 510]
-    stats = gfar.stats.result()    # + one float32 scale bound per tensor
-    assert stats["sent_bytes_per_step"] == 2000 + 400 and stats["dense_bytes_per_step"] == 4000
+    assert half_sums == [490 + 2 * 49 + 1, 510 + 2 * 51 + 1]
+    stats = gfar.stats.result()
+    assert stats["float32_retries_per_step"] == 1   # both packs at the first of the two steps
+    assert stats["sent_bytes_per_step"] == fp16_pack_bytes(490, 49, 0.5) + fp16_pack_bytes(510, 51, 0.5)
+    assert stats["dense_bytes_per_step"] == 4000
     for k in range(100):
         want = grads[0][k].astype(np.float64) + grads[1][k]
         for v in strategy.experimental_local_results(out[k]):
@@ -230,18 +249,22 @@ def test_many_tiny_tensors_travel_in_the_planned_packs():
 
 
 def test_reduce_locally_runs_the_fp16_route_with_identity_collectives():
-    """One replica, every collective the identity: each tensor comes back as its FP16 wire
-    leaves it, scaled by the power of two of its own max |g| and unscaled (float64 reference)."""
+    """One replica, every collective the identity: the first step comes back exact (its float32
+    retry), the second as its FP16 wire leaves it, scaled by the power of two of the first
+    step's max |g| a step ahead and unscaled (float64 reference)."""
     gfar, strategy = make(1)
     grads = [RNG.normal(size=s).astype(np.float32) * 1e-4 for s in ((7, 3), (1009,))]
     variables = [tf.Variable(tf.zeros(g.shape)) for g in grads]
-    out = tf.function(lambda: gfar.reduce_locally(strategy, [tf.constant(g) for g in grads],
-                                                  variables))()
-    for got, g in zip(out, grads):
-        scale = gf_tf.wire.power_of_two_scale_np(np.abs(g).max())
+    step = tf.function(lambda: gfar.reduce_locally(strategy, [tf.constant(g) for g in grads],
+                                                   variables))
+    for got, g in zip(step(), grads):
+        np.testing.assert_array_equal(got.numpy(), g)
+    for got, g in zip(step(), grads):
+        scale = (gf_tf.wire.power_of_two_scale_np(np.abs(g).max())
+                 / 2 ** gf_tf.wire.AHEAD_HEADROOM_BITS)
         want = np.float16(g.astype(np.float64) * scale).astype(np.float64) / scale
         np.testing.assert_array_equal(got.numpy().astype(np.float64), want)
-    assert gfar.stats.result()["sent_bytes_per_step"] == 2 * 1030 + 4 * 2
+    assert gfar.stats.result()["sent_bytes_per_step"] == fp16_pack_bytes(1030, 2, 0.5)
 
 
 def test_bad_settings_raise_clear_errors():
@@ -273,13 +296,16 @@ def run_mirrored(*args):
 def test_mirrored_strategy_fit_runs_the_fp16_path(devices):
     gf = run_mirrored("--devices", str(devices))
     # Our path ran: the traced step's collectives are, once per replica, one float16 pack of all
-    # 387 gradient elements and one float32 vector of the 4 tensors' scale bounds.
+    # 387 gradient elements with its 2 x 4 + 1 slots, and its float32 retry (the elements and
+    # the 4 tensors' bounds), taken at the first step (gf_tf.reducers.dense).
     # (The walker may find the step in more than one concrete function: counts are multiples.)
     pairs = sorted(zip(gf["reduce_dtypes"].tolist(), gf["reduce_elements"].tolist()))
-    copies = pairs.count(("float16", MODEL_ELEMENTS)) // devices
-    assert copies and pairs == [("float16", MODEL_ELEMENTS)] * copies * devices + \
-        [("float32", 4)] * copies * devices, pairs
-    assert float(gf["sent_bytes_per_step"]) == 2 * MODEL_ELEMENTS + 4 * 4
+    copies = pairs.count(("float16", MODEL_ELEMENTS + 9)) // devices
+    assert copies and pairs == [("float16", MODEL_ELEMENTS + 9)] * copies * devices + \
+        [("float32", MODEL_ELEMENTS + 4)] * copies * devices, pairs
+    retries = float(gf["retries_per_step"])
+    assert 0.25 <= retries < 1   # 4 steps: the first and at most two more
+    assert float(gf["sent_bytes_per_step"]) == fp16_pack_bytes(MODEL_ELEMENTS, 4, retries)
     assert float(gf["dense_bytes_per_step"]) == 4 * MODEL_ELEMENTS
     # ... and the weights match TF's float32 all-reduce within FP16 tolerance.
     for k in range(4):
@@ -319,7 +345,7 @@ def test_replica_context_path_runs_csc_with_real_collectives():
 def test_mirrored_strategy_mixed_float16_with_loss_scale_optimizer():
     gf = run_mirrored("--devices", "2", "--mixed_precision")
     assert str(gf["optimizer"]) == "LossScaleOptimizer"
-    assert ("float16", MODEL_ELEMENTS) in list(zip(gf["reduce_dtypes"], gf["reduce_elements"]))
+    assert ("float16", MODEL_ELEMENTS + 9) in list(zip(gf["reduce_dtypes"], gf["reduce_elements"]))
     assert all(np.all(np.isfinite(gf[f"w{k}"])) for k in range(4))
     assert np.all(np.isfinite(gf["loss"]))
 

@@ -125,8 +125,9 @@ def test_first_group_has_no_path_from_the_first_layers_gradient(fits):
     for r in on:
         groups = int(r["groups"])
         assert groups >= 4 and int(r["groups_seen"]) == groups, str(r["plan"])
-        # Per group: its bounds' float32 all-reduce, then its float16 packs (>= 1).
-        assert np.all(r["collectives_per_group"] >= 2), r["collectives_per_group"]
+        # Per group: its float16 packs (>= 1), each carrying its bounds a step ahead (the
+        # dense reducer: no bounds all-reduce of its own).
+        assert np.all(r["collectives_per_group"] >= 1), r["collectives_per_group"]
         # The first layer's kernel gradient (computed last in backprop) is packed in the last
         # group; no op of the first group's collectives depends on it, through data or control.
         assert list(r["kernel_gradient_groups"]) == [groups - 1]

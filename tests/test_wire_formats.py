@@ -2,8 +2,8 @@
 
 Registering `WireFormat("bf16_scaled", tf.bfloat16, scaled=True)` scales the packs that travel on it
 and no others: compression="bf16" packs and native bfloat16 gradients keep the unscaled built-in
-format, and on every registered format the planner prices a control collective exactly where the
-step sends one.
+format, and on every registered format the dense reducer sends its scale bounds in the pack (a step
+ahead, gf_tf.reducers.dense) where the format is scaled, and the planner prices no control collective.
 """
 
 import numpy as np
@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from gf_tf import collectives, wire
 from gf_tf.plan import Costs, planner
+from helpers import fp16_pack_bytes
 from test_cross_device_ops import batch_reduce, make
 
 BF16 = tf.bfloat16.as_numpy_dtype
@@ -29,8 +30,9 @@ def bf16_scaled():
 
 
 def _step(compression, per_replica):
-    """One gradient all-reduce of 2 replicas' lists -> (its outputs, its variable set, its plan,
-    the control bytes it sent: sent bytes beyond its packs' wire buffers)."""
+    """Two gradient all-reduces of 2 replicas' lists (`batch_reduce`) -> (the second's outputs,
+    the variable set, its plan, the control bytes sent per step: sent bytes beyond the packs'
+    wire buffers)."""
     gfar, strategy = make(2, compression=compression)
     out = batch_reduce(gfar, strategy, per_replica)
     (name, variable_set), = gfar.states().items()
@@ -77,14 +79,17 @@ def test_bf16_scaled_packs_are_scaled(bf16_scaled):
     out, variable_set, plan, control = _step("bf16_scaled", per_replica)
     assert [spec.wire for spec in variable_set.pack_specs] == [bf16_scaled]
     assert plan.scaled
-    assert control == 4 * len(SHAPES)        # one float32 scale bound per tensor
+    # The bounds ride in the pack a step ahead: 2T + 1 slots, and the first step's float32 retry.
+    elements = sum(int(np.prod(s)) for s in SHAPES)
+    assert control == fp16_pack_bytes(elements, len(SHAPES), 0.5) - 2 * elements
     _assert_sums(out, per_replica)
 
 
-def test_the_planner_prices_a_control_collective_exactly_where_the_step_sends_one(bf16_scaled):
+def test_the_dense_reducer_sends_no_control_collective_and_none_is_priced(bf16_scaled):
     """With every latency unit 1 s and nothing else costing, one pack over the 2-worker ring
-    is predicted at 2 s (two hops), plus 2 s for a control collective; the step sends its
-    control bytes on the same formats."""
+    is predicted at 2 s (two hops) on every format, as the dense reducer prices it (no control
+    collective, `Reducer.wire_control`); 2 s more for a reducer with a control collective on a
+    scaled format. The dense reducer's scaled packs carry their bounds as slots instead."""
     costs = Costs(0.0, {name: 1.0 for name in collectives.ALGORITHMS},
                   {f.method: 0.0 for f in wire.FORMATS.values()})
     per_replica = _grads([np.float32] * 3)
@@ -92,11 +97,15 @@ def test_the_planner_prices_a_control_collective_exactly_where_the_step_sends_on
     for name, wire_format in list(wire.FORMATS.items()):
         _, variable_set, plan, control = _step(name, per_replica)
         assert [spec.wire for spec in variable_set.pack_specs] == [wire_format]
-        seconds = planner.predict_seconds(plan.method, collectives.RING, elements, len(SHAPES), 2,
-                                          costs, packs=1)
-        priced_control = seconds - 2.0
-        assert (priced_control, control) == ((2.0, 4 * len(SHAPES)) if wire_format.scaled
-                                             else (0.0, 0)), name
+        dense = planner.predict_seconds(plan.method, collectives.RING, elements, len(SHAPES), 2,
+                                        costs, packs=1, control=False)
+        with_control = planner.predict_seconds(plan.method, collectives.RING, elements,
+                                               len(SHAPES), 2, costs, packs=1)
+        assert dense == 2.0, name
+        assert with_control == (4.0 if wire_format.scaled else 2.0), name
+        slots = (fp16_pack_bytes(elements, len(SHAPES), 0.5) - 2 * elements
+                 if wire_format.scaled else 0)
+        assert control == slots, name
 
 
 def test_csc_sends_packs_of_two_formats_of_one_dtype_in_separate_chunk_all_reduces(bf16_scaled):

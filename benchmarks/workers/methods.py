@@ -284,8 +284,9 @@ def traffic(name: str, shapes: Sequence[Sequence[int]], bytes_per_pack: Optional
     (`gf_tf.packing.plan_packs` on the FP16 wire), chunk counts and LowRank layout.
 
     TF's methods: 4 (float32) or 2 (float16) bytes an element in one collective (TF's batch
-    all-reduce concatenates). FP16 packs: 2 bytes an element, a float32 scale bound per tensor,
-    a collective per pack and one for the bounds. CSC: the selected chunks (2 bytes an element)
+    all-reduce concatenates). FP16 packs (the dense reducer, scaled a step ahead): 2 bytes an
+    element and 2T + 1 FP16 slots per pack of T tensors, a collective per pack (its float32
+    retries left out). CSC: the selected chunks (2 bytes an element)
     and per chunk a float32 norm (2 collectives), or with selection "ahead" chunks, next scores
     and a bound per pack in one FP16 buffer (1 collective); density "auto" (chosen at run time)
     is taken at its largest rung, 1.0 (dense chunks). Low rank: `_lowrank_traffic`. Settings
@@ -327,8 +328,8 @@ def _one_all_reduce(name: str, shapes, bytes_per_pack: Optional[int]) -> Tuple[f
     specs = packing.plan_packs([(tf.TensorShape(s), tf.float32) for s in shapes], bytes_per_pack, wire.FP16)
     if method.lowrank is not None:
         return _lowrank_traffic(method, specs)
-    if method.csc is None:   # packs + the bounds' control
-        return 2.0 * elements + 4.0 * len(shapes), len(specs) + 1
+    if method.csc is None:   # packs with their slots (gf_tf.reducers.dense)
+        return 2.0 * (elements + sum(2 * len(s.shapes) + 1 for s in specs)), len(specs)
     fraction = 1.0 if density(name) == "auto" else float(density(name))   # "auto": its dense top rung
     chunk_size = int(method.csc.get("chunk_size", DEFAULT_CHUNK_SIZE))
     chunks = [math.ceil(spec.num_elements / chunk_size) for spec in specs]

@@ -16,9 +16,8 @@ as the reducer's state objects serialize themselves (`to_arrays`, `to_tensors`,
   `keras.callbacks.BackupAndRestore` and `tf.train.Checkpoint(model=...,
   optimizer=...)` (a TF dependency of the optimizer; its write may run in a tf.function).
   `tf.saved_model.save` and `model.export` leave the state out of the SavedModel's graph.
-- A restore that comes before the state exists (BackupAndRestore restores in
-  `on_train_begin`, before the first step is traced) is held and applied when
-  GradientFlow creates the variable set's state, after checking it matches.
+- A restore that comes before the state exists (BackupAndRestore restores in `on_train_begin`,
+  before the first step) is held and applied, once checked, when the set's state is created.
 - Each worker saves ITS OWN replicas' state (workers see different data, so
   residuals differ); the file records the worker's rank and the worker count.
   `gf_tf.keras.backup` restores a job on every worker from the chief's files
@@ -28,17 +27,16 @@ Mismatches (never silent; gf_tf.keras.checkpoint_checks, at restore time):
 
 - CheckpointMismatchError (a ValueError): another worker count, another replica
   count per worker, another worker's file loaded by plain `load_weights` (a file
-  only the chief saved: `load_weights_from_chief`), another variable list or
-  pack plan (compression, bytes_per_pack), another reducer class or other reducer
-  `settings()` (CSC's cover its momentum correction), naming the saved and the current.
+  only the chief saved: `load_weights_from_chief`), another variable list or pack plan
+  (compression, bytes_per_pack), another reducer class or `state_settings()`, naming both.
 - Warned reset (the reducer's state from zero, its counters kept in step with the
   other workers): a checkpoint without reducer state for a run whose reducer keeps
   state, or a worker whose own backup is missing or from another step than the
   chief's backup (e.g. it was killed between the chief's save and its own).
 - Warning, state ignored: reducer state in the checkpoint, a reducer without state in this run.
 
-The checkpoint also holds the GradientFlowAllReduce's CommStats totals (`comm_<total>`), so
-figures over all steps (models.train's summary) cover the whole run after a resume too.
+It also holds the CommStats totals (`comm_<total>`: a resumed run's figures cover all its steps)
+and the sets' hints (`gf_tf.keras.checkpoint_hints`).
 """
 
 import contextlib
@@ -50,7 +48,7 @@ import numpy as np
 import tensorflow as tf
 
 from gf_tf import gradients, tf_internal
-from gf_tf.keras import checkpoint_format
+from gf_tf.keras import checkpoint_format, checkpoint_hints
 from gf_tf.keras.checkpoint_checks import (
     CHIEF_RECIPE, CheckpointMismatchError, another_set_message, check as _check, check_reducer,
     check_sets, keeps_state, pack_keys_of, reducer_meta, settings_of, signature_to_json)
@@ -76,6 +74,7 @@ class _Held:
         self.variables = []         # weak references to the optimizer's trainable variables
         self.num_local = 1
         self.iterations = None      # the optimizer's step counter
+        self.hints = {}             # restored hints (checkpoint_hints), assigned as sets appear
 
 
 def _keras_saveable_class():
@@ -91,16 +90,15 @@ def _keras_saveable_class():
 class GradientFlowCheckpoint(_keras_saveable_class(), tf.Module):
     """The reducer state of one optimizer's variable sets, as a Keras and TF checkpoint dependency.
 
-    Keras format (`save_own_variables`): "meta" (uint8 JSON: format, worker,
-    num_workers, local_replicas, reducer ({"class": qualified class name,
-    "settings": [[name, number], ...] of its `settings()`}), optimizer_iterations,
-    settings (compression, bytes_per_pack), per set the positions of its variables
-    in the optimizer's list, its gradient signature and its pack keys and sizes),
+    Keras format (`save_own_variables`): "meta" (uint8 JSON: format, worker, num_workers,
+    local_replicas, reducer ({"class": qualified class name, "settings": [[name, number], ...]
+    of its `settings()`}), optimizer_iterations, settings (compression, bytes_per_pack), per
+    set its variables' positions in the optimizer's list, its signature, pack keys and sizes),
     per set s the arrays of its state (`VariableSetState.to_arrays`) under
     "s{s}_<key>" (CSC, per pack p and local replica r: "s{s}_p{p}_step_r{r}" (int64
     scalar), "s{s}_p{p}_residual_r{r}" and "s{s}_p{p}_velocity_r{r}" (float32 [n]),
     "s{s}_p{p}_residual_l1" (float32 scalar)), and the CommStats totals
-    "comm_steps" (int64), "comm_dense_bytes", ... (gf_tf.stats, scalars).
+    "comm_steps" (int64), "comm_dense_bytes", ... (gf_tf.stats, scalars); hints: checkpoint_hints.
     Bytes: gf_tf.keras.checkpoint_format.
 
     Args:
@@ -191,6 +189,7 @@ class GradientFlowCheckpoint(_keras_saveable_class(), tf.Module):
         if not empty:
             tensors.update({STATS_PREFIX + key: value
                             for key, value in self._gf.stats.to_tensors().items()})
+            tensors.update(self._hints(lambda v: v.read_value()))
         return self._meta(sets), tensors, iterations
 
     def to_bytes(self) -> bytes:
@@ -241,7 +240,11 @@ class GradientFlowCheckpoint(_keras_saveable_class(), tf.Module):
                   for key, value in state.to_arrays().items()}
         arrays.update({STATS_PREFIX + key: value.numpy()
                        for key, value in self._gf.stats.to_tensors().items()})
+        arrays.update(self._hints(lambda v: v.numpy()))
         return meta, arrays
+
+    def _hints(self, read):
+        return checkpoint_hints.hints_of(self._gf.state_registry.all_states(), self._positions, read)
 
     def _held_state(self):
         """(meta, arrays) restored for this worker and not applied yet (no step run since), or None."""
@@ -289,6 +292,8 @@ class GradientFlowCheckpoint(_keras_saveable_class(), tf.Module):
         if saved_state and stateful:
             self._check_fits(meta)
         self._restore_comm_totals(arrays)
+        held.hints = checkpoint_hints.saved(arrays)
+        checkpoint_hints.assign(self._gf.state_registry.all_states(), self._positions, held.hints)
         if not saved_state:
             if stateful and not held.expect_side_file:
                 _log.warning("gf_tf: the checkpoint holds no reducer state (saved by a run whose "
@@ -333,6 +338,7 @@ class GradientFlowCheckpoint(_keras_saveable_class(), tf.Module):
             self._gf.stats.assign_totals(totals)
 
     def _on_new_state(self, state) -> None:
+        checkpoint_hints.assign([state], self._positions, self._self_held.hints)
         self._apply(state)
 
     def _apply(self, state) -> None:

@@ -78,7 +78,8 @@ def plan_set(signature: Sequence, settings: Settings, reducer: Reducer, workers:
     terms = reducer.cost(elements, own_wire)
     if terms is None:
         planned = planner.choose(elements, len(packable), workers, costs, method,
-                                 settings.algorithm, settings.bytes_per_pack, settings.overlap)
+                                 settings.algorithm, settings.bytes_per_pack, settings.overlap,
+                                 reducer.wire_control)
     else:
         size = (DEFAULT_BYTES_PER_PACK if settings.bytes_per_pack == AUTO
                 else settings.bytes_per_pack)

@@ -127,10 +127,12 @@ def wire_share(elements: float, workers: int, costs: Costs, tf_seconds: float) -
 
 
 def predict_seconds(method: str, algorithm: str, elements: float, tensors: float, workers: int,
-                    costs: Costs, packs: float = 1, groups: int = 1) -> float:
+                    costs: Costs, packs: float = 1, groups: int = 1, control: bool = True) -> float:
     """Predicted seconds of one step's all-reduce of `elements` float32 gradients in `tensors`
     tensors by `method` over `algorithm`, in `packs` packs, cut into `groups` groups (scaled
-    wires; module docstring, "Overlap"), nothing hidden by backprop.
+    wires; module docstring, "Overlap"), nothing hidden by backprop. control=False: a scaled
+    wire's packs need no control collective (the dense reducer scales them a step ahead,
+    `Reducer.wire_control`): their bounds ride in the packs, 2T + P slots of the wire's dtype.
 
     GradientFlow's packs form a two-stage pipeline (the local pack/unpack of one pack runs
     while another is on the wire): with W the wire time and L the local time of the
@@ -142,13 +144,16 @@ def predict_seconds(method: str, algorithm: str, elements: float, tensors: float
                                   costs) + costs.local_s[wire.NO_COMPRESSION] * elements
     fmt = wire.format_of(method)
     latency = collective_seconds(algorithm, 0, workers, costs)
-    wire_s = collective_seconds(algorithm, fmt.wire_bytes * elements, workers, costs) - latency
+    slots = fmt.wire_bytes * (2 * tensors + max(1, packs)) if fmt.scaled and not control else 0
+    wire_s = (collective_seconds(algorithm, fmt.wire_bytes * elements + slots, workers, costs)
+              - latency)
     local_s = costs.local_s[method] * elements
-    groups = max(1, groups) if fmt.scaled else 1   # other wires have no control barrier
-    control = groups * collective_seconds(algorithm, FLOAT32_BYTES * tensors / groups, workers,
-                                          costs) if fmt.scaled else 0.0
+    barrier = fmt.scaled and control
+    groups = max(1, groups) if barrier else 1   # other wires have no control barrier
+    control_s = groups * collective_seconds(algorithm, FLOAT32_BYTES * tensors / groups, workers,
+                                            costs) if barrier else 0.0
     packs = max(1, packs)
-    return control + packs * latency + max(wire_s, local_s) + min(wire_s, local_s) * groups / packs
+    return control_s + packs * latency + max(wire_s, local_s) + min(wire_s, local_s) * groups / packs
 
 
 def last_group_seconds(method: str, algorithm: str, elements: float, tensors: float, workers: int,
@@ -160,7 +165,8 @@ def last_group_seconds(method: str, algorithm: str, elements: float, tensors: fl
 
 
 def choose(elements: int, tensors: int, workers: int, costs: Optional[Costs],
-           method: str = AUTO, algorithm: str = AUTO, bytes_per_pack=AUTO, overlap=False) -> Planned:
+           method: str = AUTO, algorithm: str = AUTO, bytes_per_pack=AUTO, overlap=False,
+           control: bool = True) -> Planned:
     """The plan of one variable set: the pinned settings kept, the "auto" ones chosen.
 
     Args:
@@ -174,6 +180,8 @@ def choose(elements: int, tensors: int, workers: int, costs: Optional[Costs],
       bytes_per_pack: "auto" (one of PACK_SIZES) or a pinned number of bytes.
       overlap: "auto", True or False (default): how a scaled wire's packs are grouped
         (`choose_overlap`).
+      control: a scaled wire's packs need a control collective first (`predict_seconds`);
+        without one they have no barrier to cut into groups, and `overlap` changes nothing.
 
     Returns:
       the Plan with the lowest predicted seconds and its Forecast (ties go to the
@@ -192,6 +200,8 @@ def choose(elements: int, tensors: int, workers: int, costs: Optional[Costs],
             return Planned(Plan(TF_OWN, 0 if bytes_per_pack == AUTO else int(bytes_per_pack),
                                 algorithms[0]), Forecast())
         plan = Plan(method, pack_options(elements, method, bytes_per_pack)[0][1], algorithms[0])
+        if not control:
+            return Planned(plan, Forecast())
         return choose_overlap(Planned(plan, Forecast()), elements, tensors, workers, costs,
                               overlap, bytes_per_pack)
     candidates: List[Tuple[Plan, float]] = []
@@ -202,7 +212,7 @@ def choose(elements: int, tensors: int, workers: int, costs: Optional[Costs],
                 continue   # TF's own all-reduce again
             for count, pack in pack_options(elements, m, bytes_per_pack):
                 candidates.append((Plan(m, pack, a), predict_seconds(
-                    m, a, elements, tensors, workers, costs, count)))
+                    m, a, elements, tensors, workers, costs, count, control=control)))
     wires = [c for c in candidates if c[0].method != TF_OWN]
     best, seconds = min(wires or candidates, key=lambda c: c[1])
     forecast = Forecast(seconds)
@@ -215,6 +225,8 @@ def choose(elements: int, tensors: int, workers: int, costs: Optional[Costs],
                 elements, workers, costs, tf_seconds) >= WIRE_BOUND):
             best, forecast = dataclasses.replace(best, trial=True), Forecast(seconds,
                                                                              tf_seconds=tf_seconds)
+    if not control:
+        return Planned(best, forecast)
     return choose_overlap(Planned(best, forecast), elements, tensors, workers, costs, overlap,
                           bytes_per_pack)
 

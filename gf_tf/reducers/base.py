@@ -99,10 +99,13 @@ class PackStep:
       spec: the pack's `gf_tf.packing.PackSpec` (its tensors' shapes and dtypes).
       grads: per served replica, the pack's gradients in pack order.
       state: the pack's reducer state (`Reducer.create_states`), or None.
+      hints: what the reducer keeps of the pack that is not state (`Reducer.create_hints`:
+        a wrong or missing one costs time, never a value), or None.
     """
     spec: PackSpec
     grads: PackGrads
     state: Optional[tf.Module]
+    hints: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +205,10 @@ class Reducer:
     """
 
     default_method = "auto"
+    # Its packs on a scaled wire need their all-reduced bounds first (one control collective
+    # a step, as the planner's model of packs prices it): False for the dense reducer, which
+    # scales a step ahead.
+    wire_control = True
 
     def create_states(self, packs: Sequence[PackSpec], devices: Sequence[str]
                       ) -> Tuple[Optional[tf.Module], List[Optional[tf.Module]]]:
@@ -209,6 +216,14 @@ class Reducer:
         worker's replica `devices`. Created eagerly, once per variable set. A state
         object serializes itself (`to_arrays`, `to_tensors`, `assign_arrays`)."""
         return None, [None] * len(packs)
+
+    def create_hints(self, packs: Sequence[PackSpec], devices: Sequence[str]) -> List[Any]:
+        """Per pack what the reducer keeps that is not state (`PackStep.hints`: variables on
+        this worker's replica `devices`, equal on every worker, a wrong or missing one costing
+        time, never a value), or None. Created eagerly, once per variable set. An object with
+        `named_variables()` ({key: tf.Variable}) is saved in checkpoints and restored where its
+        key and shape match; nothing checks it. Default: none."""
+        return [None] * len(packs)
 
     def settings(self) -> List[Setting]:
         """(name, number, how to print it) that every worker must agree on beyond the pack

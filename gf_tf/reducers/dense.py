@@ -1,36 +1,85 @@
 """The dense reducer: every pack packed, scaled into its wire's range, all-reduced and unpacked.
 
-Source: GradientFlow (arXiv 1902.06855), lazy all-reduce and mixed-precision communication.
+A float32 pack on a scaled wire (FP16) is scaled a step ahead: its prescale comes from the
+previous step's all-reduced bound (`ScaleAhead`), so the pack is the step's only collective.
+The bound of this step rides in the same buffer, as 2T + 1 slots after the T tensors' values:
+each worker's own max |g| times the prescale, 1 where that max is not 0, and 1 where the worker
+has no previous bound. Their sums come out of the all-reduce as the same bits on every worker,
+so every worker takes the same decision: the values are kept, or, where the summed bound is not
+finite, grew past 2**15 (a partial sum could have overflowed), or shrank more than
+`wire.AHEAD_SHRINK_BITS` below its room (small values would lose precision), or a worker had
+no bound (the first step, a reset), the pack is sent again in float32 with its exact bounds
+(one more collective, counted as the figure "float32_retries").
+
+Source: GradientFlow (arXiv 1902.06855), lazy all-reduce and mixed-precision communication;
+the one-step-ahead scale is the delayed scaling of FP8 training recipes (NVIDIA Transformer
+Engine: the scale of step t from the amax history of earlier steps).
 """
 
-from typing import List
+from typing import List, Optional, Sequence
 
 import tensorflow as tf
 
-from gf_tf import ops
+from gf_tf import ops, wire
 from gf_tf.packing import PackSpec
 from gf_tf.reducers.base import (Communicator, PackStep, Reducer, Sent, for_each_group,
-                                 fuse_controls, no_control, wire_scales)
+                                 fuse_controls, local_variable, no_control, wire_scales)
+
+
+class ScaleAhead:
+    """The previous step's all-reduced bounds of one pack, per local replica.
+
+    Attributes:
+      bounds: per local replica of this worker, float32 [T] (T: the pack's tensors): the SUM
+        over workers of each tensor's max |g| at the pack's previous step; NaN before the first
+        step. The same on every worker (it comes out of the all-reduce). A hint only: a wrong
+        or missing bound costs a float32 retry, never a value; checkpoints keep it beside the
+        reducer's state (`gf_tf.keras.checkpoint`), and one without it starts with a retry.
+    """
+
+    def __init__(self, spec: PackSpec, devices: Sequence[str]):
+        unknown = tf.fill([len(spec.shapes)], float("nan"))
+        self.bounds = [local_variable(unknown, d, f"gf_scale_ahead_{spec.key}_r{r}")
+                       for r, d in enumerate(devices)]
+
+    def named_variables(self):
+        """{"bound_r<r>": the bounds of local replica r}: what a checkpoint keeps of it, so that
+        a resumed run scales its next step as the uninterrupted one would."""
+        return {f"bound_r{r}": v for r, v in enumerate(self.bounds)}
+
+
+def scales_ahead(spec: PackSpec) -> bool:
+    """Whether the dense reducer scales this pack a step ahead: float32 values on a scaled wire."""
+    return spec.wire.scaled and all(d == tf.float32 for d in spec.dtypes)
 
 
 class DenseReducer(Reducer):
     """Packs, scales into the wire dtype's range, all-reduces and unpacks (lazy all-reduce + FP16).
 
-    For a float16 wire the control vector holds each tensor's max |g|; its
-    all-reduced SUM picks a power-of-two scale per tensor
-    (`wire.power_of_two_scale`), so no partial sum of the ring
+    A float32 pack on a float16 wire is scaled a step ahead (module docstring): one collective
+    a step, with a float32 retry where the previous step's bound does not fit. Other scaled
+    packs (float16 gradients) send each tensor's max |g| first: its all-reduced SUM picks a
+    power-of-two scale per tensor (`wire.power_of_two_scale`), so no partial sum of the ring
     overflows and small gradients keep full FP16 precision at any N.
     With `step.groups` > 1 each group of packs (`for_each_group`) all-reduces its
     own bounds, then its packs, under the name scope "gf_group<g>" (`gf_tf.reducers.base`
     docstring: the order and why it cannot deadlock).
     """
 
+    wire_control = False
+
+    def create_hints(self, packs: Sequence[PackSpec], devices: Sequence[str]
+                     ) -> List[Optional[ScaleAhead]]:
+        return [ScaleAhead(spec, devices) if scales_ahead(spec) else None for spec in packs]
+
     def reduce(self, step):
         comm = step.comm
 
         def group(g, packs):
-            bounds = fuse_controls(comm, [self.bounds(pack, comm) for pack in packs])
-            return [self.reduce_pack(pack.spec, pack.grads, bound, comm)
+            bounds = fuse_controls(comm, [no_control(comm) if pack.hints is not None
+                                          else self.bounds(pack, comm) for pack in packs])
+            return [reduce_ahead(pack, comm) if pack.hints is not None
+                    else self.reduce_pack(pack.spec, pack.grads, bound, comm)
                     for pack, bound in zip(packs, bounds)]
 
         results = [result for part in for_each_group(step, group) for result in part]
@@ -58,3 +107,54 @@ class DenseReducer(Reducer):
         control_bytes = 4 * len(spec.shapes) if spec.wire.scaled else 0
         return outputs, Sent(dense_bytes=4 * spec.num_elements,
                              sent_bytes=spec.num_bytes + control_bytes)
+
+
+def reduce_ahead(pack: PackStep, comm: Communicator):
+    """One pack scaled a step ahead (module docstring): (per served replica its reduced tensors,
+    in pack order; what it sent, with the figure "float32_retries": 1 on a retry, else 0)."""
+    spec, count = pack.spec, len(pack.spec.shapes)
+    shapes, dtypes = list(spec.shapes) + [[2 * count + 1]], list(spec.dtypes) + [tf.float32]
+
+    def to_wire(r, grads):
+        previous = pack.hints.bounds[r].read_value()
+        prescale = wire.ahead_scale(previous)
+        own = ops.abs_max(grads)
+        unknown = tf.cast(tf.reduce_any(~tf.math.is_finite(previous)), tf.float32)
+        slots = tf.concat([own * prescale, tf.cast(own > 0, tf.float32), [unknown]], 0)
+        buffer = ops.pack(list(grads) + [slots], spec.wire_dtype, tf.concat([prescale, [1.0]], 0))
+        return buffer, prescale, own
+
+    buffers, prescales, owns = zip(*comm.map(to_wire, pack.grads))
+    buffers = comm.all_reduce_sum(list(buffers))
+    with tf.device(comm.devices[0]):
+        slots = tf.cast(buffers[0][spec.num_elements:], tf.float32)
+        summed, nonzero = slots[:count], slots[count:2 * count]
+        fits = wire.ahead_fits(summed, nonzero) & tf.equal(slots[-1], 0.0)
+        retry = ~tf.reduce_all(fits)
+
+    def keep():
+        def unpack(r, buffer, prescale):
+            postscale = tf.concat([comm.postscale / prescale, [1.0]], 0)
+            *tensors, reduced_slots = ops.unpack(buffer, shapes, dtypes, postscale)
+            return tensors + [reduced_slots[:count] / prescale]
+        return comm.map(unpack, buffers, prescales)
+
+    def resend():   # float32, with each tensor's exact max |g| (unscaled) as the slots
+        exact = comm.all_reduce_sum(comm.map(
+            lambda r, grads, own: ops.pack(list(grads) + [own], tf.float32), pack.grads, owns))
+        postscale = [comm.postscale] * count + [1.0]
+        return comm.map(lambda r, buffer: ops.unpack(
+            buffer, spec.shapes + (tf.TensorShape([count]),), dtypes, postscale), exact)
+
+    results = tf.cond(retry, resend, keep)
+    outputs = []
+    for i, r in enumerate(comm.replicas):
+        *tensors, bound = results[i]
+        with tf.device(comm.devices[i]):
+            pack.hints.bounds[r].assign(bound)
+        outputs.append(tensors)
+    retried = tf.cast(retry, tf.int64)
+    wire_bytes = spec.num_bytes + spec.wire_dtype.size * (2 * count + 1)
+    return outputs, Sent(dense_bytes=4 * spec.num_elements,
+                         sent_bytes=wire_bytes + retried * 4 * (spec.num_elements + count),
+                         figures={"float32_retries": retried})

@@ -9,8 +9,9 @@ across processes.
 --mode gradients: gf_tf.all_reduce_gradients through a GradientFlowAllReduce(compression="fp16",
   algorithm=--algorithm, CSC with --density/--chunk_size if --density > 0) over VARIABLES, --steps
   steps of fresh gradients (chunk scales shared by all workers, so the top chunks are well
-  separated); writes per step the gradients (g{step}_{i}) and results (out{step}_{i}), and the
-  (op type, group size) of every collective of the traced step.
+  separated); writes per step the gradients (g{step}_{i}), results (out{step}_{i}) and the
+  float32 retries so far (retries{step}, `gf_tf.reducers.dense`), and the (op type, group size)
+  of every collective of the traced step.
 --mode fault: worker --victim exits (--stall: sleeps for 4 collective timeouts, alive, then
   exits) after --steps good all-reduces; the others keep calling and write the error they get
   ("error", "error_seconds").
@@ -119,6 +120,7 @@ def gradients():
                  for shape, p in zip(VARIABLES, parts)]
         for i, (g, out) in enumerate(zip(grads, step(grads))):
             results[f"g{s}_{i}"], results[f"out{s}_{i}"] = g.numpy(), out.numpy()
+        results[f"retries{s}"] = gradient_flow.stats.totals().get("figure_float32_retries", 0.0)
     graph = step.get_concrete_function(grads).graph
     group_size_input = {"CollectiveReduceV2": 1, "CollectiveBcastSendV2": 1, "CollectiveBcastRecvV2": 0}
     collectives_found = [

@@ -94,6 +94,7 @@ if strategy is not None and strategy.gradient_flow is not None:
     result["sent_bytes_per_step"] = stats["sent_bytes_per_step"]
     result["dense_bytes_per_step"] = stats["dense_bytes_per_step"]
     result["stat_steps"] = stats["steps"]
+    result["retries_per_step"] = stats.get("float32_retries_per_step", 0.0)
 result["optimizer"] = np.array(type(model.optimizer).__name__)
 if hasattr(model.optimizer, "dynamic_scale"):
     result["loss_scale"] = np.array(float(model.optimizer.dynamic_scale.numpy()))

@@ -79,5 +79,6 @@ worker_util.write_result(**{f"w{i}": w for i, w in enumerate(model.get_weights()
                          after_step=np.stack(record.seen), meetings=local_sgd.meetings,
                          evaluate_loss=model.evaluate(dataset, verbose=0),
                          sent_bytes=totals["sent_bytes"], stat_steps=totals["steps"],
+                         retries=totals.get("figure_float32_retries", 0.0),
                          applied_steps=int(model.optimizer.iterations.numpy()))
 print("done", local_sgd.meetings, totals)

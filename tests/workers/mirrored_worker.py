@@ -70,6 +70,7 @@ result["optimizer"] = np.array(type(model.optimizer).__name__)
 stats = gfar.stats.result()
 result["sent_bytes_per_step"] = stats["sent_bytes_per_step"]
 result["dense_bytes_per_step"] = stats["dense_bytes_per_step"]
+result["retries_per_step"] = stats.get("float32_retries_per_step", 0.0)
 
 plain_model, plain_loss = fit(tf.distribute.MirroredStrategy(
     DEVICES, cross_device_ops=tf.distribute.ReductionToOneDevice()))

@@ -97,6 +97,7 @@ def run_values():
         # properties now: replace them, checked again by gf_tf.plan.Settings).
         settings = gfar._settings  # pylint: disable=protected-access
         gfar._settings = dataclasses.replace(settings, overlap=overlap)  # pylint: disable=protected-access
+        traced_step()   # the first step of the set: float32 retries (no bounds a step ahead yet)
         for (name, _, _), s, got in zip(grads, sent, traced_step()):
             result[f"sent_{name}"] = tf.cast(s, tf.float64).numpy()
             result[f"{form}_{name}"] = tf.cast(got, tf.float64).numpy()

@@ -89,9 +89,12 @@ def run_values():
             step = retraced
         sent = {name: [(rng.normal(size=shape) * 10.0 ** rng.integers(-3, 3)).astype(np.float32)
                        for shape in sizes] for name, sizes in shapes.items()}
-        before = gfar.stats.totals()["sent_bytes"]
+        before = gfar.stats.totals()
         out = step({name: [tf.constant(g) for g in grads] for name, grads in sent.items()})
-        result[f"step{s}_sent_bytes"] = gfar.stats.totals()["sent_bytes"] - before
+        after = gfar.stats.totals()
+        result[f"step{s}_sent_bytes"] = after["sent_bytes"] - before["sent_bytes"]
+        result[f"step{s}_retries"] = (after.get("figure_float32_retries", 0.0)
+                                      - before.get("figure_float32_retries", 0.0))
         for name, grads in sent.items():
             for i, (g, got) in enumerate(zip(grads, out[name])):
                 result[f"step{s}_{name}_sent{i}"] = g
