@@ -178,6 +178,9 @@ def power_of_two_scale(bound: tf.Tensor) -> tf.Tensor:
 # them: docs/fp16.md); else the pack is sent again in float32.
 AHEAD_HEADROOM_BITS = 3
 AHEAD_SHRINK_BITS = 6
+# Bits of a hash of each worker's previous bounds that travel (as b and 1 - b) so that workers
+# whose bounds differ retry: they pass unseen with probability 2**-AGREEMENT_BITS.
+AGREEMENT_BITS = 16
 AHEAD_CEILING = 2.0 ** SCALE_TARGET_EXPONENT
 AHEAD_FLOOR = 2.0 ** (SCALE_TARGET_EXPONENT - 1 - AHEAD_HEADROOM_BITS - AHEAD_SHRINK_BITS)
 
@@ -194,6 +197,13 @@ def ahead_scale(previous_bound: tf.Tensor) -> tf.Tensor:
       two (1/4 where the bound is 0, not finite or below 2**-126).
     """
     return power_of_two_scale(previous_bound) * 2.0 ** -AHEAD_HEADROOM_BITS
+
+
+def ahead_slots(tensors: int) -> int:
+    """Slots (wire elements) a pack of `tensors` tensors scaled a step ahead carries after its
+    values: per tensor its bound and a non-zero count, an unknown-bound count, and the bounds'
+    hash bits as b and 1 - b (`gf_tf.reducers.dense`)."""
+    return 2 * tensors + 1 + 2 * AGREEMENT_BITS
 
 
 def ahead_fits(summed: tf.Tensor, nonzero: tf.Tensor) -> tf.Tensor:

@@ -22,9 +22,9 @@ GRADIENT_SCALE = 2.0 if not flavour.uses_tf_keras() and patches.keras3_minor() <
 
 def fp16_pack_bytes(elements, tensors, retries=0.0):
     """Bytes one float32 pack of `elements` elements in `tensors` tensors sends on the FP16 wire,
-    scaled a step ahead (gf_tf.reducers.dense): the values and 2T + 1 slots in FP16, plus per
-    float32 retry (`retries`: a count, or a mean per step) 4 bytes per element and per tensor."""
-    return 2 * (elements + 2 * tensors + 1) + retries * 4 * (elements + tensors)
+    scaled a step ahead (gf_tf.reducers.dense): the values and `wire.ahead_slots` in FP16, plus
+    per float32 retry (`retries`: a count, or a mean per step) 4 bytes per element and tensor."""
+    return 2 * (elements + gf_tf.wire.ahead_slots(tensors)) + retries * 4 * (elements + tensors)
 
 
 class Runner:

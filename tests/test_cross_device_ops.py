@@ -148,7 +148,7 @@ def test_mixed_dtype_list_matches_numpy_in_callers_order():
                 np.testing.assert_allclose(got, want, rtol=0, atol=3 * 2 ** -10 * np.max(np.abs(want)) + 1e-3)
     # Only float32 and float16 values were packed: 1009 + 7 + 1 + 12 elements, in FP16 on the
     # wire. The float16 pack adds one float32 scale bound per tensor in a control all-reduce;
-    # each float32 pack (scaled a step ahead) 2T + 1 FP16 slots, and at the first of the two
+    # each float32 pack (scaled a step ahead) its FP16 slots, and at the first of the two
     # steps its float32 retry: 4 bytes per element and per tensor (gf_tf.reducers.dense).
     stats = gfar.stats.result()
     assert stats["dense_bytes_per_step"] == 4 * (1009 + 7 + 1 + 12)
@@ -217,7 +217,7 @@ def test_mean_and_nan():
 
 def test_many_tiny_tensors_travel_in_the_planned_packs():
     """100 float32 tensors of 10 elements, bytes_per_pack=1024: two FP16 packs (510 and 490
-    elements, 1020 and 980 bytes, each with its 2T + 1 slots), seen as float16 reductions in the
+    elements, 1020 and 980 bytes, each with its slots), seen as float16 reductions in the
     traced graph; the second step's sums within FP16 rounding."""
     gfar, strategy = make(2, bytes_per_pack=1024)
     grads = [[RNG.normal(size=[10]).astype(np.float32) for _ in range(100)] for _ in range(2)]
@@ -237,7 +237,7 @@ def test_many_tiny_tensors_travel_in_the_planned_packs():
     half_sums = sorted(op.outputs[0].shape.num_elements()
                        for op in step.get_concrete_function().graph.get_operations()
                        if op.type == "AddN" and op.get_attr("T") == tf.float16)
-    assert half_sums == [490 + 2 * 49 + 1, 510 + 2 * 51 + 1]
+    assert half_sums == [490 + gf_tf.wire.ahead_slots(49), 510 + gf_tf.wire.ahead_slots(51)]
     stats = gfar.stats.result()
     assert stats["float32_retries_per_step"] == 1   # both packs at the first of the two steps
     assert stats["sent_bytes_per_step"] == fp16_pack_bytes(490, 49, 0.5) + fp16_pack_bytes(510, 51, 0.5)
@@ -296,12 +296,12 @@ def run_mirrored(*args):
 def test_mirrored_strategy_fit_runs_the_fp16_path(devices):
     gf = run_mirrored("--devices", str(devices))
     # Our path ran: the traced step's collectives are, once per replica, one float16 pack of all
-    # 387 gradient elements with its 2 x 4 + 1 slots, and its float32 retry (the elements and
+    # 387 gradient elements with its slots (wire.ahead_slots), and its float32 retry (the elements and
     # the 4 tensors' bounds), taken at the first step (gf_tf.reducers.dense).
     # (The walker may find the step in more than one concrete function: counts are multiples.)
     pairs = sorted(zip(gf["reduce_dtypes"].tolist(), gf["reduce_elements"].tolist()))
-    copies = pairs.count(("float16", MODEL_ELEMENTS + 9)) // devices
-    assert copies and pairs == [("float16", MODEL_ELEMENTS + 9)] * copies * devices + \
+    copies = pairs.count(("float16", MODEL_ELEMENTS + gf_tf.wire.ahead_slots(4))) // devices
+    assert copies and pairs == [("float16", MODEL_ELEMENTS + gf_tf.wire.ahead_slots(4))] * copies * devices + \
         [("float32", MODEL_ELEMENTS + 4)] * copies * devices, pairs
     retries = float(gf["retries_per_step"])
     assert 0.25 <= retries < 1   # 4 steps: the first and at most two more
@@ -345,7 +345,7 @@ def test_replica_context_path_runs_csc_with_real_collectives():
 def test_mirrored_strategy_mixed_float16_with_loss_scale_optimizer():
     gf = run_mirrored("--devices", "2", "--mixed_precision")
     assert str(gf["optimizer"]) == "LossScaleOptimizer"
-    assert ("float16", MODEL_ELEMENTS + 9) in list(zip(gf["reduce_dtypes"], gf["reduce_elements"]))
+    assert ("float16", MODEL_ELEMENTS + gf_tf.wire.ahead_slots(4)) in list(zip(gf["reduce_dtypes"], gf["reduce_elements"]))
     assert all(np.all(np.isfinite(gf[f"w{k}"])) for k in range(4))
     assert np.all(np.isfinite(gf["loss"]))
 

@@ -29,7 +29,7 @@ def test_workers_differ_between_meetings_and_are_bitwise_equal_after(args):
     assert equal == [False, False, True, False, False, True]
     assert int(first["meetings"]) == 2 and int(first["applied_steps"]) == 6
     assert first["evaluate_loss"] == second["evaluate_loss"]
-    # 6 local steps send nothing; each meeting one float16 pack with its 2T + 1 slots, the FP16
+    # 6 local steps send nothing; each meeting one float16 pack with its slots, the FP16
     # wire scaled a step ahead, and the first meeting its float32 retry (gf_tf.reducers.dense).
     assert float(first["stat_steps"]) == 6   # meetings add bytes, not steps
     retries = float(first["retries"])

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import cluster
+from gf_tf.wire import ahead_slots
 from helpers import fp16_pack_bytes
 
 # slow: every test starts 2 worker processes (tests/workers/fit_worker.py).
@@ -51,12 +52,12 @@ def test_fit_fp16_two_workers_identical_and_close_to_float32_baseline(baseline):
         np.testing.assert_allclose(got, want, atol=2e-3, rtol=0)
         assert np.any(got != want), "FP16 path left no trace: did it run?"
     # The traced step's gradient collective is float16, all 387 gradient elements in one
-    # pack with 2 x 4 + 1 slots (the 4 tensors' bounds scaled a step ahead): 792 bytes on the
-    # wire where float32 would have sent 1548; its float32 retry (387 + 4) is taken at the first
-    # step (gf_tf.reducers.dense).
+    # pack with its slots (the 4 tensors' bounds scaled a step ahead, wire.ahead_slots): about
+    # half the 1548 bytes float32 would have sent; its float32 retry (387 + 4) is taken at the
+    # first step (gf_tf.reducers.dense).
     r = results[0].result
     grad_reduces = [(d, n) for d, n in zip(r["reduce_dtypes"], r["reduce_elements"])
-                    if n == MODEL_ELEMENTS + 9]
+                    if n == MODEL_ELEMENTS + ahead_slots(4)]
     assert grad_reduces and all(d == "float16" for d, _ in grad_reduces), r["reduce_dtypes"]
     float32_vectors = [n for d, n in zip(r["reduce_dtypes"], r["reduce_elements"])
                        if d == "float32" and n > 1]
@@ -133,7 +134,7 @@ def test_mixed_float16_with_loss_scale_optimizer_two_workers():
     assert str(r["optimizer"]) == "LossScaleOptimizer"
     assert all(np.all(np.isfinite(w)) for w in weights(r))
     assert np.all(np.isfinite(r["loss"]))
-    assert ("float16", MODEL_ELEMENTS + 9) in zip(r["reduce_dtypes"], r["reduce_elements"])
+    assert ("float16", MODEL_ELEMENTS + ahead_slots(4)) in zip(r["reduce_dtypes"], r["reduce_elements"])
 
 
 def test_an_inf_on_worker_1_alone_is_skipped_by_both_workers_and_halves_the_loss_scale_once():

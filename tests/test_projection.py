@@ -8,6 +8,7 @@ import pytest
 
 from benchmarks import projection, step_model
 from benchmarks.workers import gradients, methods
+from gf_tf.wire import ahead_slots
 from gf_tf.plan import PlanReport, planner
 
 PARAMS = {"alpha": 1e-3, "rho": 7e-3, "kappa": 1.1, "gamma": 2e-10, "delta_tf": 1e-9,
@@ -102,9 +103,9 @@ def test_method_traffic_matches_the_packing_and_chunk_rules():
     packs = _pack_sizes(shapes)
     assert sum(packs) == elements
     assert methods.traffic("tf_fp32", shapes) == (4.0 * elements, 1)
-    # One collective per pack: the values and 2T + 1 slots (the dense reducer, scaled a step ahead).
-    assert methods.traffic("gf_fp16", shapes) == (2.0 * (elements + 2 * len(shapes) + len(packs)),
-                                                  len(packs))
+    # One collective per pack: the values and their slots (the dense reducer, scaled a step ahead).
+    assert methods.traffic("gf_fp16", shapes) == (
+        2.0 * (elements + 2 * len(shapes) + len(packs) * ahead_slots(0)), len(packs))
     expected = sum(2.0 * max(1, math.ceil(0.01 * math.ceil(n / 1024))) * 1024 + 4.0 * math.ceil(n / 1024)
                    for n in packs)
     assert methods.traffic("csc_1", shapes) == (expected, 2)
@@ -204,16 +205,17 @@ def test_auto_is_the_planners_pick_on_hand_made_costs():
     p = projection.project(wire, "resnet50", "default", 64, 1.0, 0.128, 0.0)
     plan = p["plan"].plan
     assert (plan.method, plan.algorithm, plan.bytes_per_pack) == ("fp16", "ring", 4 << 20)
-    e, t, packs = 25_557_032, 161, 13   # 13 packs of 4 MiB, each with its slots (2T + P)
-    assert p["comm_s"] == pytest.approx(2 * 63 / 64 * (2 * e + 2 * (2 * t + packs)) * 8 / 1e9,
+    e, t, packs = 25_557_032, 161, 13   # 13 packs of 4 MiB, each with its slots
+    slots = 2 * t + packs * ahead_slots(0)
+    assert p["comm_s"] == pytest.approx(2 * 63 / 64 * (2 * e + 2 * slots) * 8 / 1e9,
                                         rel=1e-12)
     # Rounds cheap, hops dear, a tiny set: FP16 packs scaled a step ahead (one collective, the
-    # bounds in 2T + 1 slots) over recursive doubling: 6 rounds of (10 us + its bytes at 10 Gbit/s).
+    # bounds in its slots) over recursive doubling: 6 rounds of (10 us + its bytes at 10 Gbit/s).
     rounds = dict.fromkeys(projection.PARAMETERS, 0.0) | {"alpha": 1e-3, "rho": 1e-5, "kappa": 1.0}
     p = projection.project(rounds, "tiny", "default", 64, 10.0, 0.01, 0.0)
     assert (p["plan"].plan.method, p["plan"].plan.algorithm) == ("fp16", "recursive_doubling")
     t = len(gradients.GRADIENT_SETS["tiny"])
-    assert p["comm_s"] == pytest.approx(6 * (1e-5 + 2 * (996 + 2 * t + 1) * 8 / 1e10), rel=1e-12)
+    assert p["comm_s"] == pytest.approx(6 * (1e-5 + 2 * (996 + ahead_slots(t)) * 8 / 1e10), rel=1e-12)
     # And in general it is exactly gf_tf.plan.planner.choose on planner_costs.
     for model in ("alexnet", "resnet50"):
         for n in (8, 64, 512):

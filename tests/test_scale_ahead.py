@@ -7,7 +7,7 @@ import pytest
 
 from gf_tf import wire
 from gf_tf.plan import planner
-from gf_tf.reducers.dense import ScaleAhead
+from gf_tf.reducers.dense import ScaleAhead, agreement_bits
 from helpers import GIGABIT, Runner
 
 SHAPES = [(1,), (7,), (1009,)]   # one pack of 1017 elements
@@ -114,7 +114,7 @@ def test_the_planner_prices_the_dense_reducers_fp16_without_a_control_collective
     elements, tensors = 300_000, 40
     with_control = planner.predict_seconds("fp16", "ring", elements, tensors, 2, GIGABIT)
     ahead = planner.predict_seconds("fp16", "ring", elements, tensors, 2, GIGABIT, control=False)
-    slots = (planner.collective_seconds("ring", 2 * (elements + 2 * tensors + 1), 2, GIGABIT)
+    slots = (planner.collective_seconds("ring", 2 * (elements + wire.ahead_slots(tensors)), 2, GIGABIT)
              - planner.collective_seconds("ring", 2 * elements, 2, GIGABIT))
     assert with_control - ahead == pytest.approx(
         planner.collective_seconds("ring", 4 * tensors, 2, GIGABIT) - slots)
@@ -146,3 +146,37 @@ def test_a_run_resumed_by_backup_and_restore_scales_as_the_uninterrupted_one_bit
     assert 1 <= retries < 12 and gfar_c.stats.totals()["figure_float32_retries"] == retries
     for a, c in zip(model_a.get_weights(), model_c.get_weights()):
         np.testing.assert_array_equal(a, c)
+
+
+def test_replicas_whose_bounds_differ_retry_instead_of_summing_other_scales():
+    """Replica 1's bounds a step ahead made 16x larger (as a checkpoint from another step could
+    leave them): its hash bits differ, every replica sees ones and zeros counted for some bit,
+    and the pack goes again in float32 (exact), where 1/16 of its values would have summed."""
+    rng = np.random.default_rng()
+    runner = Runner(2, None)
+    runner(gradients(rng, 2, (1, 1, 1)))
+    (state,) = runner.gfar.states().values()
+    (hints,) = state.hints
+    hints.bounds[1].assign(hints.bounds[1] * 16.0)
+    grads = gradients(rng, 2, (1, 1, 1))
+    out = runner(grads)
+    assert runner.gfar.stats.totals()["figure_float32_retries"] == 2
+    for t in range(len(SHAPES)):
+        np.testing.assert_array_equal(out[0][t], grads[0][t] + grads[1][t])
+    hints.bounds[1].assign(hints.bounds[0])   # the retry's exact bounds: equal again
+    runner(gradients(rng, 2, (1, 1, 1)))
+    assert runner.gfar.stats.totals()["figure_float32_retries"] == 2
+
+
+def test_the_agreement_bits_follow_every_bound():
+    rng = np.random.default_rng(3)
+    for size in (1, 7, 1009):
+        bounds = rng.uniform(0, 10, size).astype(np.float32)
+        bits = agreement_bits(bounds).numpy()
+        assert bits.shape == (wire.AGREEMENT_BITS,) and set(bits) <= {0.0, 1.0}
+        np.testing.assert_array_equal(agreement_bits(bounds.copy()).numpy(), bits)
+        for t in {0, size // 2, size - 1}:
+            for other in (np.nextafter(bounds[t], np.inf), 2 * bounds[t], np.nan):
+                changed = bounds.copy()
+                changed[t] = other
+                assert np.any(agreement_bits(changed).numpy() != bits), (size, t, other)

@@ -140,7 +140,7 @@ def test_a_16_bit_wire_gathers_each_row_within_eleven_bits(compression, reduce_o
     dense_bytes = 4 * 13 + 5 * (4 * 4 + 8)
     stats = gfar.stats.result()
     assert stats["dense_bytes_per_step"] == dense_bytes
-    # FP16: the pack's 2T + 1 slots (its bound a step ahead) and the first step's float32 retry
+    # FP16: the pack's slots (its bound a step ahead) and the first step's float32 retry
     pack_bytes = fp16_pack_bytes(13, 1, 0.5) if compression == "fp16" else 2 * 13
     assert stats["sent_bytes_per_step"] == pack_bytes + 5 * (2 * (4 + 1) + 8)
 

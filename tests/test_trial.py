@@ -78,7 +78,7 @@ def test_candidates_run_untimed_then_in_turn_and_the_faster_median_is_kept(
 
 def _bytes(wire, elements, tensors):
     """What one all-reduce of a set sends with the GradientFlow wire (one pack; FP16: with its
-    2T + 1 slots, a step ahead), and what a float32 retry of it adds (gf_tf.reducers.dense)."""
+    `wire.ahead_slots`, a step ahead), and what a float32 retry of it adds (gf_tf.reducers.dense)."""
     if str(wire) == "fp16":
         return fp16_pack_bytes(elements, tensors), 4 * (elements + tensors)
     return {"bf16": 2 * elements, "none": 4 * elements}[str(wire)], 0

@@ -79,7 +79,7 @@ def test_bf16_scaled_packs_are_scaled(bf16_scaled):
     out, variable_set, plan, control = _step("bf16_scaled", per_replica)
     assert [spec.wire for spec in variable_set.pack_specs] == [bf16_scaled]
     assert plan.scaled
-    # The bounds ride in the pack a step ahead: 2T + 1 slots, and the first step's float32 retry.
+    # The bounds ride in the pack a step ahead, in its slots, and the first step's float32 retry.
     elements = sum(int(np.prod(s)) for s in SHAPES)
     assert control == fp16_pack_bytes(elements, len(SHAPES), 0.5) - 2 * elements
     _assert_sums(out, per_replica)

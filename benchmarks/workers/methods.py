@@ -285,8 +285,8 @@ def traffic(name: str, shapes: Sequence[Sequence[int]], bytes_per_pack: Optional
 
     TF's methods: 4 (float32) or 2 (float16) bytes an element in one collective (TF's batch
     all-reduce concatenates). FP16 packs (the dense reducer, scaled a step ahead): 2 bytes an
-    element and 2T + 1 FP16 slots per pack of T tensors, a collective per pack (its float32
-    retries left out). CSC: the selected chunks (2 bytes an element)
+    element and `wire.ahead_slots(T)` FP16 slots per pack of T tensors, a collective per pack
+    (its float32 retries left out). CSC: the selected chunks (2 bytes an element)
     and per chunk a float32 norm (2 collectives), or with selection "ahead" chunks, next scores
     and a bound per pack in one FP16 buffer (1 collective); density "auto" (chosen at run time)
     is taken at its largest rung, 1.0 (dense chunks). Low rank: `_lowrank_traffic`. Settings
@@ -329,7 +329,7 @@ def _one_all_reduce(name: str, shapes, bytes_per_pack: Optional[int]) -> Tuple[f
     if method.lowrank is not None:
         return _lowrank_traffic(method, specs)
     if method.csc is None:   # packs with their slots (gf_tf.reducers.dense)
-        return 2.0 * (elements + sum(2 * len(s.shapes) + 1 for s in specs)), len(specs)
+        return 2.0 * (elements + sum(wire.ahead_slots(len(s.shapes)) for s in specs)), len(specs)
     fraction = 1.0 if density(name) == "auto" else float(density(name))   # "auto": its dense top rung
     chunk_size = int(method.csc.get("chunk_size", DEFAULT_CHUNK_SIZE))
     chunks = [math.ceil(spec.num_elements / chunk_size) for spec in specs]

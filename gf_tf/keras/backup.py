@@ -28,6 +28,7 @@ import tensorflow as tf
 from gf_tf import tf_internal
 from gf_tf.keras import checkpoint_format
 from gf_tf.keras.checkpoint import STATS_PREFIX, of
+from gf_tf.keras.checkpoint_hints import HINT_PREFIX
 
 _log = logging.getLogger(__name__)
 CLEANUP_ATTEMPTS = 3
@@ -77,13 +78,15 @@ def restore_side_file(checkpoint, path: str) -> None:
 
 def restore_chief_reset(checkpoint, chief, why: str) -> None:
     """Restores the chief's state `chief` ((meta, arrays), as `take_chief_state` gives it; None:
-    nothing) on this worker, with its counters and CommStats totals and every other array zero;
-    warns "gf_tf: WHY: its reducer state starts from zero ...". """
+    nothing) on this worker, with its counters, CommStats totals and hints (every worker's are the
+    chief's: the FP16 scales of the next step must agree) and every other array zero; warns
+    "gf_tf: WHY: its reducer state starts from zero ...". """
     if chief is None:
         return
     _log.warning("gf_tf: %s: its reducer state (CSC: residuals and momentum) starts from zero "
                  "(step counters follow the chief's).", why)
-    arrays = {k: (v if _is_counter(k, v) or k.startswith(STATS_PREFIX) else np.zeros_like(v))
+    kept = (STATS_PREFIX, HINT_PREFIX)
+    arrays = {k: (v if _is_counter(k, v) or k.startswith(kept) else np.zeros_like(v))
               for k, v in chief[1].items()}
     checkpoint.restore(dict(chief[0], worker=checkpoint.rank), arrays)
 

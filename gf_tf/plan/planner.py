@@ -132,7 +132,8 @@ def predict_seconds(method: str, algorithm: str, elements: float, tensors: float
     tensors by `method` over `algorithm`, in `packs` packs, cut into `groups` groups (scaled
     wires; module docstring, "Overlap"), nothing hidden by backprop. control=False: a scaled
     wire's packs need no control collective (the dense reducer scales them a step ahead,
-    `Reducer.wire_control`): their bounds ride in the packs, 2T + P slots of the wire's dtype.
+    `Reducer.wire_control`): their bounds ride in the packs, `wire.ahead_slots` of the wire's
+    dtype per pack (2T in all, plus a fixed number per pack).
 
     GradientFlow's packs form a two-stage pipeline (the local pack/unpack of one pack runs
     while another is on the wire): with W the wire time and L the local time of the
@@ -144,7 +145,8 @@ def predict_seconds(method: str, algorithm: str, elements: float, tensors: float
                                   costs) + costs.local_s[wire.NO_COMPRESSION] * elements
     fmt = wire.format_of(method)
     latency = collective_seconds(algorithm, 0, workers, costs)
-    slots = fmt.wire_bytes * (2 * tensors + max(1, packs)) if fmt.scaled and not control else 0
+    slots = (fmt.wire_bytes * (2 * tensors + max(1, packs) * wire.ahead_slots(0))
+             if fmt.scaled and not control else 0)
     wire_s = (collective_seconds(algorithm, fmt.wire_bytes * elements + slots, workers, costs)
               - latency)
     local_s = costs.local_s[method] * elements

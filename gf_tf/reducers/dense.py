@@ -2,14 +2,17 @@
 
 A float32 pack on a scaled wire (FP16) is scaled a step ahead: its prescale comes from the
 previous step's all-reduced bound (`ScaleAhead`), so the pack is the step's only collective.
-The bound of this step rides in the same buffer, as 2T + 1 slots after the T tensors' values:
-each worker's own max |g| times the prescale, 1 where that max is not 0, and 1 where the worker
-has no previous bound. Their sums come out of the all-reduce as the same bits on every worker,
-so every worker takes the same decision: the values are kept, or, where the summed bound is not
-finite, grew past 2**15 (a partial sum could have overflowed), or shrank more than
-`wire.AHEAD_SHRINK_BITS` below its room (small values would lose precision), or a worker had
-no bound (the first step, a reset), the pack is sent again in float32 with its exact bounds
-(one more collective, counted as the figure "float32_retries").
+The bound of this step rides in the same buffer, as `wire.ahead_slots(T)` slots after the
+T tensors' values: each worker's own max |g| times the prescale, 1 where that max is not 0, 1
+where the worker has no previous bound, and each bit b of a hash of its previous bounds as b and
+1 - b. Their sums come out of the all-reduce as the same bits on every worker, so every worker
+takes the same decision: the values are kept, or, where the summed bound is not finite, grew
+past 2**15 (a partial sum could have overflowed), or shrank more than `wire.AHEAD_SHRINK_BITS`
+below its room (small values would lose precision), or a worker had no bound (the first step, a
+reset), or the workers' bounds differ (some worker counted a hash bit 1 and some 0: they scaled
+by other powers of two, as a checkpoint restored from other steps would make them), the pack is
+sent again in float32 with its exact bounds (one more collective, counted as the figure
+"float32_retries").
 
 Source: GradientFlow (arXiv 1902.06855), lazy all-reduce and mixed-precision communication;
 the one-step-ahead scale is the delayed scaling of FP8 training recipes (NVIDIA Transformer
@@ -46,6 +49,20 @@ class ScaleAhead:
         """{"bound_r<r>": the bounds of local replica r}: what a checkpoint keeps of it, so that
         a resumed run scales its next step as the uninterrupted one would."""
         return {f"bound_r{r}": v for r, v in enumerate(self.bounds)}
+
+
+_HASH_PRIME = 2 ** 31 - 1
+
+
+def agreement_bits(bounds: tf.Tensor) -> tf.Tensor:
+    """float32 [wire.AGREEMENT_BITS] of 0 and 1: the low bits of sum_t bits(bounds[t]) * m_t mod
+    2**31 - 1 (m_t = 48271 (t + 1) mod 2**31 - 1, t over the T tensors), exact in int64; equal
+    bounds give equal bits, bounds that differ in any tensor almost never do."""
+    words = tf.cast(tf.bitcast(bounds, tf.uint32), tf.int64)
+    multipliers = (tf.range(1, tf.size(bounds, tf.int64) + 1) * 48271) % _HASH_PRIME
+    digest = tf.reduce_sum(words * multipliers % _HASH_PRIME) % _HASH_PRIME
+    shifts = tf.range(wire.AGREEMENT_BITS, dtype=tf.int64)
+    return tf.cast(tf.bitwise.right_shift(digest, shifts) % 2, tf.float32)
 
 
 def scales_ahead(spec: PackSpec) -> bool:
@@ -113,14 +130,17 @@ def reduce_ahead(pack: PackStep, comm: Communicator):
     """One pack scaled a step ahead (module docstring): (per served replica its reduced tensors,
     in pack order; what it sent, with the figure "float32_retries": 1 on a retry, else 0)."""
     spec, count = pack.spec, len(pack.spec.shapes)
-    shapes, dtypes = list(spec.shapes) + [[2 * count + 1]], list(spec.dtypes) + [tf.float32]
+    extra = wire.ahead_slots(count)
+    shapes, dtypes = list(spec.shapes) + [[extra]], list(spec.dtypes) + [tf.float32]
 
     def to_wire(r, grads):
         previous = pack.hints.bounds[r].read_value()
         prescale = wire.ahead_scale(previous)
         own = ops.abs_max(grads)
         unknown = tf.cast(tf.reduce_any(~tf.math.is_finite(previous)), tf.float32)
-        slots = tf.concat([own * prescale, tf.cast(own > 0, tf.float32), [unknown]], 0)
+        bits = agreement_bits(previous)
+        slots = tf.concat([own * prescale, tf.cast(own > 0, tf.float32), [unknown], bits,
+                           1.0 - bits], 0)
         buffer = ops.pack(list(grads) + [slots], spec.wire_dtype, tf.concat([prescale, [1.0]], 0))
         return buffer, prescale, own
 
@@ -129,8 +149,10 @@ def reduce_ahead(pack: PackStep, comm: Communicator):
     with tf.device(comm.devices[0]):
         slots = tf.cast(buffers[0][spec.num_elements:], tf.float32)
         summed, nonzero = slots[:count], slots[count:2 * count]
-        fits = wire.ahead_fits(summed, nonzero) & tf.equal(slots[-1], 0.0)
-        retry = ~tf.reduce_all(fits)
+        unknown, bits = slots[2 * count], wire.AGREEMENT_BITS
+        ones, zeros = slots[2 * count + 1:2 * count + 1 + bits], slots[2 * count + 1 + bits:]
+        disagree = tf.reduce_any((ones > 0) & (zeros > 0))
+        retry = ~tf.reduce_all(wire.ahead_fits(summed, nonzero)) | (unknown > 0) | disagree
 
     def keep():
         def unpack(r, buffer, prescale):
@@ -154,7 +176,7 @@ def reduce_ahead(pack: PackStep, comm: Communicator):
             pack.hints.bounds[r].assign(bound)
         outputs.append(tensors)
     retried = tf.cast(retry, tf.int64)
-    wire_bytes = spec.num_bytes + spec.wire_dtype.size * (2 * count + 1)
+    wire_bytes = spec.num_bytes + spec.wire_dtype.size * extra
     return outputs, Sent(dense_bytes=4 * spec.num_elements,
                          sent_bytes=wire_bytes + retried * 4 * (spec.num_elements + count),
                          figures={"float32_retries": retried})
