@@ -35,16 +35,24 @@ def relative_error(got, want) -> float:
 def ring_model(grads: np.ndarray, scheme: str) -> np.ndarray:
     """The SUM over replicas as a float16 ring computes it: each hop rounds its partial sum.
 
-    scheme "pow2": every value times gf_tf's power-of-two scale from sum_r max|g_r|;
-    "1/N": every value times 1/N, the sum times N (the former design).
+    scheme "pow2": every value times gf_tf's power-of-two scale from sum_r max|g_r| (B);
+    "ahead": the dense reducer's scale a step ahead (`gf_tf.wire.ahead_scale`) from a previous
+    bound B' = B; "ahead_drop": from B' = 2**AHEAD_SHRINK_BITS * B, the largest drop it still
+    sends in FP16 (docs/fp16.md, "A step ahead"); "1/N": every value times 1/N, the sum times N
+    (the former design).
     """
-    from gf_tf.wire import power_of_two_scale_np  # pylint: disable=import-outside-toplevel
+    from gf_tf import wire  # pylint: disable=import-outside-toplevel
     g = np.asarray(grads, np.float64)
-    if scheme == "pow2":
-        pre = power_of_two_scale_np(np.abs(g).max(axis=1).sum())
-        post = 1.0 / pre
-    else:
+    bound = np.abs(g).max(axis=1).sum()
+    if scheme == "1/N":
         pre, post = 1.0 / len(g), float(len(g))
+    else:
+        drop = 2.0 ** wire.AHEAD_SHRINK_BITS if scheme == "ahead_drop" else 1.0
+        previous = bound * drop
+        pre = wire.power_of_two_scale_np(previous)
+        if scheme != "pow2":
+            pre = pre * 2.0 ** -wire.AHEAD_HEADROOM_BITS
+        post = 1.0 / pre
     partial = np.float16(g[0] * pre)
     for row in g[1:]:
         partial = np.float16(partial.astype(np.float64) + np.float16(row * pre))
@@ -61,9 +69,15 @@ def exact_rounding_error(grads: np.ndarray) -> float:
 
 
 def measure(num_replicas: int, scales, compressions=("fp16",)) -> dict:
-    """In this process (which must have num_replicas logical CPUs): {compression: [error per scale]}."""
+    """In this process (which must have num_replicas logical CPUs): {name: [error per scale]}, for
+    each compression c its steady step (c: the step before had the same gradients) and its step
+    after a drop (c + "_after_drop": the step before had them times 2**AHEAD_SHRINK_BITS).
+
+    The FP16 wire scales a step ahead: the measured step is the second of two, and a float32 retry
+    on it raises RuntimeError (the figure would be float32's, not the wire's)."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     import gf_tf  # pylint: disable=import-outside-toplevel
+    from gf_tf import wire  # pylint: disable=import-outside-toplevel
     devices = [d.name for d in tf.config.list_logical_devices("CPU")][:num_replicas]
     errors = {}
     for compression in compressions:
@@ -77,13 +91,26 @@ def measure(num_replicas: int, scales, compressions=("fp16",)) -> dict:
                 return gf_tf.all_reduce_gradients([tf.identity(g)], [variable])[0]
             return strategy.run(fn, args=(per_replica,))
 
-        errors[compression] = []
-        for s in scales:
-            g = gradients(num_replicas, s)
+        def run(g):
             values = strategy.experimental_distribute_values_from_function(
-                lambda ctx, g=g: tf.constant(g[ctx.replica_id_in_sync_group]))
-            got = strategy.experimental_local_results(step(values))[0].numpy()
-            errors[compression].append(relative_error(got, g.astype(np.float64).sum(axis=0)))
+                lambda ctx: tf.constant(g[ctx.replica_id_in_sync_group]))
+            return strategy.experimental_local_results(step(values))[0].numpy()
+
+        def retries():
+            return gfar.stats.totals().get("figure_float32_retries", 0.0)
+
+        drop = 2.0 ** wire.AHEAD_SHRINK_BITS
+        for name, before in ((compression, 1.0), (compression + "_after_drop", drop)):
+            errors[name] = []
+            for s in scales:
+                g = gradients(num_replicas, s)
+                run(g * np.float32(before))
+                retried = retries()
+                got = run(g)
+                if retries() != retried:
+                    raise RuntimeError(f"N={num_replicas}, s={s:g}, {name}: the measured step "
+                                       "went in float32")
+                errors[name].append(relative_error(got, g.astype(np.float64).sum(axis=0)))
     return errors
 
 
@@ -118,17 +145,19 @@ def run_worker(num_replicas: int, scales, compressions=("fp16", "bf16"),
 
 
 def table(replicas, scales, model_replicas=()) -> str:
-    rows = ["| N | s | fp16 | bf16 | fp16 exact | 1/N model | pow2 model |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| N | s | fp16 | fp16 after drop | bf16 | fp16 exact | 1/N model | pow2 model | ahead model | "
+            "after drop model |", "|---|---|---|---|---|---|---|---|---|---|"]
     for n, measure_it in [(n, True) for n in replicas] + [(n, False) for n in model_replicas]:
         measured = run_worker(n, scales) if measure_it else None
         for j, s in enumerate(scales):
             g = gradients(n, s)
             exact = g.astype(np.float64).sum(axis=0)
-            wire = f"{measured['fp16'][j]:.4%} | {measured['bf16'][j]:.3%}" if measured else "- | -"
+            wire = (f"{measured['fp16'][j]:.4%} | {measured['fp16_after_drop'][j]:.4%} | "
+                    f"{measured['bf16'][j]:.3%}" if measured else "- | - | -")
+            models = " | ".join(f"{relative_error(ring_model(g, scheme), exact):.4%}"
+                                for scheme in ("pow2", "ahead", "ahead_drop"))
             rows.append(f"| {n} | {s:g} | {wire} | {exact_rounding_error(g):.4%} | "
-                        f"{relative_error(ring_model(g, '1/N'), exact):.3%} | "
-                        f"{relative_error(ring_model(g, 'pow2'), exact):.4%} |")
+                        f"{relative_error(ring_model(g, '1/N'), exact):.3%} | {models} |")
     return "\n".join(rows)
 
 

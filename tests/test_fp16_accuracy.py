@@ -2,8 +2,9 @@
 
 Measured on N logical CPUs with MirroredStrategy's own collectives (one fresh process per N,
 benchmarks/fp16_accuracy.py), and modelled in NumPy (a float16 ring whose every hop rounds its
-partial sum) up to the paper's 512 workers. Targets: at every gradient scale s from 1e-8 to 1e2,
-error <= 0.1% for N <= 8 and <= 0.25% for N <= 64.
+partial sum) up to the paper's 512 workers, with the exact scale (CSC, low rank) and the dense
+reducer's scale a step ahead, steady and after the largest drop it still sends in FP16. Targets:
+at every gradient scale s from 1e-8 to 1e2, error <= 0.1% for N <= 8 and <= 0.25% for N <= 64.
 """
 
 import numpy as np
@@ -19,14 +20,15 @@ def limit(n):
     return 0.001 if n <= 8 else 0.0025
 
 
+@pytest.mark.parametrize("scheme", ["pow2", "ahead", "ahead_drop"])
 @pytest.mark.parametrize("n", [2, 8, 64, 512])
-def test_modelled_ring_error_with_the_power_of_two_scale(n):
+def test_modelled_ring_error_with_the_power_of_two_scale(n, scheme):
     for s in SCALES:
         g = acc.gradients(n, s, seed=n)
         exact = g.astype(np.float64).sum(axis=0)
-        error = acc.relative_error(acc.ring_model(g, "pow2"), exact)
+        error = acc.relative_error(acc.ring_model(g, scheme), exact)
         assert error <= (limit(n) if n <= 64 else 0.004), (n, s, error)
-        assert np.all(np.isfinite(acc.ring_model(g, "pow2")))
+        assert np.all(np.isfinite(acc.ring_model(g, scheme)))
     # The same model reproduces the former 1/N prescale's loss of small gradients.
     g = acc.gradients(n, 1e-5, seed=n)
     old = acc.relative_error(acc.ring_model(g, "1/N"), g.astype(np.float64).sum(axis=0))
@@ -60,5 +62,8 @@ def test_tensorflow_and_numpy_scales_agree_bit_for_bit():
 @pytest.mark.parametrize("n", [2, 8, 32, 64])
 def test_measured_fp16_error_of_the_sum_meets_the_targets(n):
     measured = acc.run_worker(n, SCALES, compressions=("fp16",))
-    for s, fp16 in zip(SCALES, measured["fp16"]):
-        assert fp16 <= limit(n), (n, s, fp16)
+    for name in ("fp16", "fp16_after_drop"):
+        for s, fp16 in zip(SCALES, measured[name]):
+            # Above float32's own error: the measured step went on the 16-bit wire (measure raises
+            # where it was retried in float32).
+            assert 1e-5 < fp16 <= limit(n), (n, s, name, fp16)
