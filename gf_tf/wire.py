@@ -170,9 +170,9 @@ def power_of_two_scale(bound: tf.Tensor) -> tf.Tensor:
     return tf.where(usable, tf.pow(2.0, e), tf.ones_like(bound))
 
 
-# Scaled a step ahead (`gf_tf.reducers.dense`, CSC's selection="ahead"): the prescale of the
-# previous step's bound with AHEAD_HEADROOM_BITS of room to grow (the summed bound lands in
-# [2**(14-h), 2**(15-h))); the dense reducer keeps the values when this step's summed bound is
+# Scaled a step ahead (`gf_tf.reducers.dense`; CSC's selection="ahead" forecasts its own scale):
+# the prescale of the previous step's bound with AHEAD_HEADROOM_BITS of room to grow (the summed
+# bound lands in [2**(14-h), 2**(15-h))); the dense reducer keeps the values when this step's summed bound is
 # finite, at most 2**15 (no partial sum near 65504), and, where not 0, at least
 # 2**(14-h-AHEAD_SHRINK_BITS) (small values keep nearly all the precision the exact scale gives
 # them: docs/fp16.md); else the pack is sent again in float32.
@@ -194,7 +194,7 @@ def ahead_scale(previous_bound: tf.Tensor) -> tf.Tensor:
 
     Returns:
       float32 [T]: `power_of_two_scale(previous_bound) / 2**AHEAD_HEADROOM_BITS`, a power of
-      two (1/4 where the bound is 0, not finite or below 2**-126).
+      two (2**-AHEAD_HEADROOM_BITS where the bound is 0, not finite or below 2**-126).
     """
     return power_of_two_scale(previous_bound) * 2.0 ** -AHEAD_HEADROOM_BITS
 

@@ -202,10 +202,8 @@ def choose(elements: int, tensors: int, workers: int, costs: Optional[Costs],
             return Planned(Plan(TF_OWN, 0 if bytes_per_pack == AUTO else int(bytes_per_pack),
                                 algorithms[0]), Forecast())
         plan = Plan(method, pack_options(elements, method, bytes_per_pack)[0][1], algorithms[0])
-        if not control:
-            return Planned(plan, Forecast())
         return choose_overlap(Planned(plan, Forecast()), elements, tensors, workers, costs,
-                              overlap, bytes_per_pack)
+                              overlap, bytes_per_pack, control)
     candidates: List[Tuple[Plan, float]] = []
     for m in methods:
         for a in (collectives.tf_own().name,) if m == TF_OWN else algorithms:
@@ -227,10 +225,8 @@ def choose(elements: int, tensors: int, workers: int, costs: Optional[Costs],
                 elements, workers, costs, tf_seconds) >= WIRE_BOUND):
             best, forecast = dataclasses.replace(best, trial=True), Forecast(seconds,
                                                                              tf_seconds=tf_seconds)
-    if not control:
-        return Planned(best, forecast)
     return choose_overlap(Planned(best, forecast), elements, tensors, workers, costs, overlap,
-                          bytes_per_pack)
+                          bytes_per_pack, control)
 
 
 def check_overlap(overlap):
@@ -248,7 +244,8 @@ def with_pack_count(plan: Plan, packs: int, overlap) -> Plan:
 
 
 def choose_overlap(planned: Planned, elements: int, tensors: int, workers: int,
-                   costs: Optional[Costs], overlap=AUTO, bytes_per_pack=AUTO) -> Planned:
+                   costs: Optional[Costs], overlap=AUTO, bytes_per_pack=AUTO,
+                   control: bool = True) -> Planned:
     """`planned` with its packs grouped for overlap (module docstring, "Overlap").
 
     Args:
@@ -260,6 +257,8 @@ def choose_overlap(planned: Planned, elements: int, tensors: int, workers: int,
         "auto": the rule: the least last(G) with all(G) <= (1 + OVERLAP_SLACK) all(1);
         one barrier without measurements.
       bytes_per_pack: the setting ("auto" or pinned bytes): whether the size may change.
+      control: whether the packs wait for a control collective (`choose`); without that
+        barrier there is nothing to cut into groups (plan unchanged).
 
     Returns:
       the Plan with groups (an estimate from the element count; the caller clamps it to
@@ -268,7 +267,7 @@ def choose_overlap(planned: Planned, elements: int, tensors: int, workers: int,
       larger packs.
     """
     plan = planned.plan
-    if not plan.scaled or overlap is False:
+    if not plan.scaled or overlap is False or not control:
         return planned
     modelled = costs is not None and workers > 1
     sizes = OVERLAP_PACK_SIZES if bytes_per_pack == AUTO and modelled else (plan.bytes_per_pack,)
