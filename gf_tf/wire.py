@@ -176,7 +176,7 @@ def power_of_two_scale(bound: tf.Tensor) -> tf.Tensor:
 # finite, at most 2**15 (no partial sum near 65504), and, where not 0, at least
 # 2**(14-h-AHEAD_SHRINK_BITS) (small values keep nearly all the precision the exact scale gives
 # them: docs/fp16.md); else the pack is sent again in float32.
-AHEAD_HEADROOM_BITS = 3
+AHEAD_HEADROOM_BITS = 5
 AHEAD_SHRINK_BITS = 6
 # Bits of a hash of each worker's previous bounds that travel (as b and 1 - b) so that workers
 # whose bounds differ retry: they pass unseen with probability 2**-AGREEMENT_BITS.
