@@ -10,11 +10,11 @@ import tensorflow as tf
 
 from gf_tf import ops
 from gf_tf.agreement import hex_text
-from gf_tf.csc import auto, buffers, selection
+from gf_tf.csc import auto, buffers, dense_sets, selection
 from gf_tf.csc.density import MIN_CHUNKS
 from gf_tf.csc.state import CSCSetState
-from gf_tf.reducers import (Communicator, CostTerms, PackStep, Reducer, Sent, StepInput,
-                            for_each_group, wire_scales)
+from gf_tf.reducers import (Communicator, CostTerms, DenseReducer, PackStep, Reducer, Sent,
+                            StepInput, for_each_group, wire_scales)
 
 _log = logging.getLogger(__name__)
 
@@ -105,6 +105,7 @@ class CSCReducer(Reducer):
         self.density_rule = sparsity.density_rule
         self.clock = auto.timestamp
         self.warned = False   # the few-chunks warning, once per reducer
+        self.dense = DenseReducer()   # for sets CSC never compresses (`gf_tf.csc.dense_sets`)
 
     @property
     def selection(self):
@@ -122,6 +123,11 @@ class CSCReducer(Reducer):
             pack.key.replace("/", "_"), pack.num_elements,
             ops.num_chunks(pack.num_elements, self.sparsity.chunk_size), devices,
             self.sparsity.momentum > 0.0, shared.steps) for pack in packs]
+
+    def create_hints(self, packs, devices):
+        if dense_sets.never_compressed(self.sparsity, packs):
+            return self.dense.create_hints(packs, devices)
+        return [None] * len(packs)
 
     default_method = "fp16"   # compression="auto" with CSC: FP16 chunks
 
@@ -159,8 +165,11 @@ class CSCReducer(Reducer):
         then its own chunks, under the name scope "gf_group<g>", so its collectives wait
         only for its own gradients; the candidate index (the step counter's stage) is the
         same for every group. Per-pack top k depends on the pack's own norms only, so
-        the sums and residuals are those of one barrier, bit for bit.
+        the sums and residuals are those of one barrier, bit for bit. A set CSC never
+        compresses travels as the dense reducer's packs (`gf_tf.csc.dense_sets`).
         """
+        if dense_sets.never_compressed(self.sparsity, [pack.spec for pack in step.packs]):
+            return dense_sets.reduce(step, self.dense, self.sparsity.chunk_size)
         comm = step.comm
         index = None
 
