@@ -13,9 +13,10 @@ from gf_tf.csc.density import MIN_CHUNKS
 from helpers import Runner
 
 
-def specs_of(*sizes, chunk_bytes=4 << 20):
-    signature = [(tf.TensorShape([n]), tf.float32) for n in sizes]
-    return packing.plan_packs(signature, chunk_bytes, wire.format_of("fp16"))
+def specs_of(elements):
+    """The pack specs of one float32 gradient of `elements` on the FP16 wire, packs of 4 MiB."""
+    return packing.plan_packs([(tf.TensorShape([elements]), tf.float32)], 4 << 20,
+                              wire.format_of("fp16"))
 
 
 @pytest.mark.parametrize("sparsity, chunks, expected", [

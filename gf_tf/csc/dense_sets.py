@@ -11,6 +11,7 @@ step's gradients and cleared, as a dense CSC step would send it. The set's CSC s
 layout, so checkpoints restore across densities either way.
 """
 
+import dataclasses
 from typing import Sequence
 
 import tensorflow as tf
@@ -18,7 +19,7 @@ import tensorflow as tf
 from gf_tf import ops
 from gf_tf.csc import selection
 from gf_tf.packing import PackSpec
-from gf_tf.reducers import PackStep, Sent, StepInput
+from gf_tf.reducers import PackStep, StepInput
 
 
 def never_compressed(sparsity, specs: Sequence[PackSpec]) -> bool:
@@ -43,10 +44,9 @@ def reduce(step: StepInput, dense, chunk_size: int):
 
     def with_residual(pack: PackStep) -> PackStep:
         def add(r, grads):
-            parts = tf.split(pack.state.residuals[r].read_value(),
-                             [shape.num_elements() for shape in pack.spec.shapes])
-            summed = [tf.cast(tf.cast(g, tf.float32) + tf.reshape(part, tf.shape(g)), g.dtype)
-                      for g, part in zip(grads, parts)]
+            parts = ops.unpack(pack.state.residuals[r].read_value(), pack.spec.shapes,
+                               [tf.float32] * len(pack.spec.shapes))
+            summed = [tf.cast(tf.cast(g, tf.float32) + part, g.dtype) for g, part in zip(grads, parts)]
             pack.state.residuals[r].assign(tf.zeros_like(pack.state.residuals[r]))
             return summed
         return PackStep(pack.spec, comm.map(add, pack.grads), pack.state, pack.hints)
@@ -59,6 +59,5 @@ def reduce(step: StepInput, dense, chunk_size: int):
         for pack in packs:
             pack.state.residual_l1.assign(0.0)
     chunks = sum(ops.num_chunks(pack.spec.num_elements, chunk_size) for pack in packs)
-    return outputs, Sent(dense_bytes=sent.dense_bytes, sent_bytes=sent.sent_bytes,
-                         selected_chunks=chunks, total_chunks=chunks, residual_norm=0.0,
-                         density=1.0, figures=sent.figures)
+    return outputs, dataclasses.replace(sent, selected_chunks=chunks, total_chunks=chunks,
+                                        residual_norm=0.0, density=1.0)
