@@ -40,7 +40,7 @@ every worker computes the same plan from the same numbers. Pure Python: the
 projection (benchmarks/projection.py) uses the same model.
 
 The model is refined by measurement where it is unsure: a GradientFlow wire
-predicted within TRIAL_BAND of TF's own seconds is a `Plan` with `trial`: both
+predicted below TF's own seconds by a margin its error could close is a `Plan` with `trial`: both
 are timed on the set's own shapes when its step is first traced and the faster
 is kept (`gf_tf.plan.trial`), decided on all-reduced figures like everything else here.
 
@@ -69,20 +69,17 @@ DEFAULT_BYTES_PER_PACK = 4 * 1024 * 1024
 # one pack in benchmarks/allreduce.py (docs/benchmarks.md), where the model below calls the two
 # a tie, because it does not see everything the pipeline hides.
 PACK_SIZES = (DEFAULT_BYTES_PER_PACK,)
-# compression="auto": where the model is unsure, measure. A GradientFlow wire predicted at most
-# TRIAL_BAND[0] of TF's own seconds is taken; one predicted above TRIAL_BAND[1] is not; in between
-# both are timed when the set is first traced (`gf_tf.plan.trial`). The band is wide because the
-# model's error on one all-reduce is large where worker processes share cores (docs/planner.md,
-# docs/benchmarks.md); above its top are the latency-bound sets where a scaled wire's two
-# collectives (bounds, pack) face TF's one.
-TRIAL_BAND = (0.4, 1.9)
-# Inside the band, a set whose TF all-reduce is predicted at least WIRE_BOUND wire time, and whose
-# best wire is predicted below the trial's own early-look margin (`trial.CLEAR` of TF's seconds),
-# takes the wire untimed: where bytes dominate, FP16 halves them and the model's error (latencies,
-# cores shared between workers) is a small part of the step; the trial would reach the same
-# answer at its early look after timing the set's slowest all-reduces (1.6-2 s of digits' first
-# epoch at 100 Mbit/s, docs/planner.md).
-WIRE_BOUND = 0.9
+# compression="auto": where the model is unsure, measure. A GradientFlow wire predicted to save less
+# than a tenth of TF's own seconds (at or above TIE of them) is not worth a trial: TF's own, untimed
+# (the trial costs 0.2-0.4 s of the first step, and its timings of a few-ms all-reduce spread more
+# than that tenth where worker processes share cores, docs/planner.md). A wire the trial would keep
+# (below trial.KEEP_IF of TF's seconds) even with what it adds to TF's own one collective (more
+# latencies, its local work) at MODEL_ERROR times the prediction, or what it saves of it (fewer
+# rounds) at 1 / MODEL_ERROR, is taken untimed: the model's error lives there (up to 2x,
+# docs/planner.md), not in the bytes or the latency both pay.
+# In between both are timed when the set is first traced (`gf_tf.plan.trial`).
+TIE = 0.9
+MODEL_ERROR = 2.0
 # overlap="auto" (module docstring, "Overlap"): the overlapped form may be predicted at most this
 # share slower than the one-barrier form when nothing hides behind backprop ...
 OVERLAP_SLACK = 0.05
@@ -117,13 +114,15 @@ def latency_bytes(algorithm: str, workers: int, costs: Optional[Costs]) -> float
     return fixed / per_byte if per_byte > 0.0 else 0.0
 
 
-def wire_share(elements: float, workers: int, costs: Costs, tf_seconds: float) -> float:
-    """The share of `tf_seconds` (TF's own all-reduce of `elements` float32 gradients, as
-    `predict_seconds` gives it) that its bytes take on the wire: 0 to 1."""
-    tf_ring = collectives.tf_own().name
-    wire_s = (collective_seconds(tf_ring, FLOAT32_BYTES * elements, workers, costs)
-              - collective_seconds(tf_ring, 0.0, workers, costs))
-    return wire_s / tf_seconds if tf_seconds > 0 else 0.0
+def wire_seconds(method: str, algorithm: str, elements: float, tensors: float, workers: int,
+                 costs: Costs, packs: float = 1, control: bool = True) -> float:
+    """The bytes' part of `predict_seconds` for a GradientFlow wire `method`: its packs' bytes
+    (with the bounds riding in them, control=False) on the wire, latencies excluded."""
+    fmt = wire.format_of(method)
+    slots = (fmt.wire_bytes * (2 * tensors + max(1, packs) * wire.ahead_slots(0))
+             if fmt.scaled and not control else 0)
+    return (collective_seconds(algorithm, fmt.wire_bytes * elements + slots, workers, costs)
+            - collective_seconds(algorithm, 0, workers, costs))
 
 
 def predict_seconds(method: str, algorithm: str, elements: float, tensors: float, workers: int,
@@ -145,10 +144,7 @@ def predict_seconds(method: str, algorithm: str, elements: float, tensors: float
                                   costs) + costs.local_s[wire.NO_COMPRESSION] * elements
     fmt = wire.format_of(method)
     latency = collective_seconds(algorithm, 0, workers, costs)
-    slots = (fmt.wire_bytes * (2 * tensors + max(1, packs) * wire.ahead_slots(0))
-             if fmt.scaled and not control else 0)
-    wire_s = (collective_seconds(algorithm, fmt.wire_bytes * elements + slots, workers, costs)
-              - latency)
+    wire_s = wire_seconds(method, algorithm, elements, tensors, workers, costs, packs, control)
     local_s = costs.local_s[method] * elements
     barrier = fmt.scaled and control
     groups = max(1, groups) if barrier else 1   # other wires have no control barrier
@@ -188,12 +184,13 @@ def choose(elements: int, tensors: int, workers: int, costs: Optional[Costs],
     Returns:
       the Plan with the lowest predicted seconds and its Forecast (ties go to the
       earlier candidate: "tf", the first algorithm, fewer packs), except with method "auto",
-      where the model's error is larger than many of its margins: the best GradientFlow
-      wire is taken outright when predicted below TRIAL_BAND[0] of TF's own seconds, or
-      below `trial.CLEAR` of them on a set whose TF all-reduce is at least WIRE_BOUND wire
-      time (`wire_share`); TF's own when the wire is predicted above TRIAL_BAND[1] of it;
-      in between the wire with `trial` set (both timed at the set's first trace). The same
-      on every worker given the same arguments.
+      where the model's error is larger than many of its margins: TF's own when the best
+      GradientFlow wire is predicted at TIE of its seconds or more; the wire, untimed, when it
+      would stay below `trial.KEEP_IF` of them with what it adds to TF's own one collective
+      (its seconds but `wire_seconds` and TF's latency) at MODEL_ERROR times the prediction
+      (what it saves, at 1 / MODEL_ERROR);
+      else the wire with `trial` set (both timed at the set's first trace). The same on every
+      worker given the same arguments.
     """
     methods = auto_methods() if method == AUTO else (method,)
     algorithms = tuple(collectives.ALGORITHMS) if algorithm == AUTO else (algorithm,)
@@ -204,7 +201,7 @@ def choose(elements: int, tensors: int, workers: int, costs: Optional[Costs],
         plan = Plan(method, pack_options(elements, method, bytes_per_pack)[0][1], algorithms[0])
         return choose_overlap(Planned(plan, Forecast()), elements, tensors, workers, costs,
                               overlap, bytes_per_pack, control)
-    candidates: List[Tuple[Plan, float]] = []
+    candidates: List[Tuple[Plan, float, int]] = []
     for m in methods:
         for a in (collectives.tf_own().name,) if m == TF_OWN else algorithms:
             if (method == AUTO and m != TF_OWN and wire.format_of(m).exact
@@ -212,17 +209,19 @@ def choose(elements: int, tensors: int, workers: int, costs: Optional[Costs],
                 continue   # TF's own all-reduce again
             for count, pack in pack_options(elements, m, bytes_per_pack):
                 candidates.append((Plan(m, pack, a), predict_seconds(
-                    m, a, elements, tensors, workers, costs, count, control=control)))
+                    m, a, elements, tensors, workers, costs, count, control=control), count))
     wires = [c for c in candidates if c[0].method != TF_OWN]
-    best, seconds = min(wires or candidates, key=lambda c: c[1])
+    best, seconds, count = min(wires or candidates, key=lambda c: c[1])
     forecast = Forecast(seconds)
     if method == AUTO:
-        tf_own, tf_seconds = candidates[0]
-        ratio = seconds / tf_seconds if tf_seconds > 0 else math.inf
-        if ratio > TRIAL_BAND[1]:
+        tf_own, tf_seconds, _ = candidates[0]
+        if not seconds < TIE * tf_seconds:
             return Planned(tf_own, Forecast(tf_seconds))
-        if ratio >= TRIAL_BAND[0] and not (ratio < trial.CLEAR and wire_share(
-                elements, workers, costs, tf_seconds) >= WIRE_BOUND):
+        beyond_tf = (seconds - collective_seconds(tf_own.algorithm, 0.0, workers, costs)
+                     - wire_seconds(best.method, best.algorithm, elements, tensors, workers, costs,
+                                    count, control))
+        erred = MODEL_ERROR * beyond_tf if beyond_tf > 0 else beyond_tf / MODEL_ERROR
+        if not seconds - beyond_tf + erred < trial.KEEP_IF * tf_seconds:
             best, forecast = dataclasses.replace(best, trial=True), Forecast(seconds,
                                                                              tf_seconds=tf_seconds)
     return choose_overlap(Planned(best, forecast), elements, tensors, workers, costs, overlap,

@@ -3,7 +3,7 @@
 The planner's cost model (`gf_tf.plan.planner`) comes from a probe of a few
 seconds, and its error on one all-reduce is large where worker processes share
 cores (docs/planner.md). Where its prediction cannot tell TensorFlow's own
-float32 all-reduce and the best GradientFlow wire apart (`planner.TRIAL_BAND`),
+float32 all-reduce and the best GradientFlow wire apart (`planner.TIE`, `planner.MODEL_ERROR`),
 the two are timed on the set's own shapes while its step is first traced,
 eagerly (as the settings handshake runs, `gf_tf.agreement`), and the step is
 traced with the one kept:

@@ -1,5 +1,5 @@
 """One worker of the trial tests: the default GradientFlowAllReduce with every set under trial
-(gf_tf.plan.trial; planner.TRIAL_BAND opened wide).
+(gf_tf.plan.trial; planner.TIE and MODEL_ERROR opened wide).
 
 --mode values: two variable sets, fresh random gradients every step (the last step in a new
   trace), this worker's trial clock running (1 + skew * rank) times as fast as the others' so
@@ -35,7 +35,7 @@ import gf_tf  # after argparse
 from gf_tf import reducers
 from gf_tf.plan import planner
 
-planner.TRIAL_BAND = (0.0, math.inf)   # every "auto" set is measured, whatever the model says
+planner.TIE, planner.MODEL_ERROR = math.inf, math.inf   # every "auto" set is measured, whatever the model says
 
 
 class Calls(reducers.VariablesState):
