@@ -70,11 +70,13 @@ def gradients(rng, replicas, scales):
 
 @pytest.mark.parametrize("replicas", [2, 3])
 def test_steps_that_grow_shrink_and_start_from_zero_match_float64_and_the_rule(replicas):
-    """First step (no bound: retry), steady steps (FP16), a 100x jump (past the headroom:
-    retry), a 1e-5 drop (would flush: retry), a tensor that goes from 0 to 1e-8 (retry, not
-    flushed to 0), values whose SUM passes 65504 (scaled below it)."""
+    """First step (no bound: retry), steady steps (FP16), a 1000x jump (past the headroom:
+    retry), a 1e-6 drop (would flush: retry), a tensor that goes from 0 to 1e-8 (retry, not
+    flushed to 0), values whose SUM passes 65504 (scaled below it). A jump retries for every
+    draw only past 2 * 2**(AHEAD_HEADROOM_BITS + 1) = 128x (a step's maxima span 2x, the
+    previous bound's power of two up to 2x more): 1000 / 1.3 is past it, 100 / 1.3 is not."""
     rng = np.random.default_rng()
-    plan = [(1, 1, 1), (1, 1, 1), (1.3, 0.7, 1), (100, 1, 1), (100, 1, 1), (1e-3, 1, 1),
+    plan = [(1, 1, 1), (1, 1, 1), (1.3, 0.7, 1), (1000, 1, 1), (1000, 1, 1), (1e-3, 1, 1),
             (1e-3, 1, 1), (1e-3, 0, 1), (1e-3, 0, 1), (1e-3, 1e-8, 1), (1e-3, 1e-8, 1),
             (1e-3, 1e-8, 3e4), (1e-3, 1e-8, 3e4)]
     steps = [gradients(rng, replicas, scales) for scales in plan]
