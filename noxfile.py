@@ -11,7 +11,8 @@ A cell is a TensorFlow minor version and a Keras flavour:
             `tensorflow` distribution, which would put a second TensorFlow beside tensorflow-cpu)
             and TF_USE_LEGACY_KERAS=1
 Per cell: the op build against the cell's TensorFlow (`python -m gf_tf.ops --force`, into
-the cell's own cache), the op tests on that library, the fast tests (`-m "not slow"`), the
+the cell's own cache), the op tests on that library, the fast tests (`-m "not slow"`; these two
+on both cores, `-n 2`), the
 2-worker FP16 + CSC fit (tests/test_matrix_fit.py), Keras's multi-step loop under
 MirroredStrategy and 2 workers (tests/test_multistep.py), and CELL_SLOW_TESTS: the slow tests
 that exercise version-dependent wiring (MirroredStrategy fit, the Keras-free core). gf_tf runs from this checkout (PYTHONPATH),
@@ -44,7 +45,7 @@ FLAVOURS = ("keras3", "tf_keras")
 KERAS3_CELLS = (("2.18", "3.6"), ("2.18", "3.7"), ("2.18", "3.8"), ("2.19", "3.9"), ("2.20", "3.10"),
                 ("2.20", "3.11"), ("2.21", "3.12"), ("2.21", "3.13"), ("2.21", "3.14"))
 CELL_SLOW_TESTS = ("tests/test_cross_device_ops.py", "tests/test_versions.py")
-TEST_DEPENDENCIES = ("pytest", "scikit-learn", "tensorboard", "absl-py", "numpy")
+TEST_DEPENDENCIES = ("pytest", "pytest-xdist", "scikit-learn", "tensorboard", "absl-py", "numpy")
 OP_TESTS = ("tests/test_ops.py", "tests/test_ops_build.py")
 ASAN_MULTIWORKER_TEST = ("tests/test_sparsity_multiworker.py::"
                          "test_fit_with_csc_identical_weights_and_chunk_sized_collectives")
@@ -76,8 +77,8 @@ def _cell(session, tf_version: str, flavour: str, keras_minor: str = None) -> No
     env["GF_TF_OPS_LIBRARY"] = output.strip().splitlines()[-1]
     session.log(f"op library: {env['GF_TF_OPS_LIBRARY']}")
     pytest = ("python", "-m", "pytest", "-q", "-p", "no:cacheprovider")
-    session.run(*pytest, "-m", "not slow", *OP_TESTS, env=env)
-    session.run(*pytest, "-m", "not slow", *(f"--ignore={t}" for t in OP_TESTS), env=env)
+    session.run(*pytest, "-n", "2", "-m", "not slow", *OP_TESTS, env=env)
+    session.run(*pytest, "-n", "2", "-m", "not slow", *(f"--ignore={t}" for t in OP_TESTS), env=env)
     session.run(*pytest, "tests/test_matrix_fit.py", "tests/test_multistep.py", env=env)
     session.run(*pytest, "-m", "slow", *CELL_SLOW_TESTS, env=env)
 

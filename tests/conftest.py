@@ -6,7 +6,9 @@ this file before any test module.
 
 Tests that start worker processes or train for more than a few seconds mark themselves
 `slow` (module-level `pytestmark = pytest.mark.slow`, or `@pytest.mark.slow` on the test);
-`-m "not slow"` is the fast set the matrix runs per cell (noxfile.py).
+`-m "not slow"` is the fast set, which README's test command and the matrix's cells (noxfile.py)
+run two at a time (`-n 2`, pytest-xdist: each xdist worker imports this file, so each has the
+layout); the slow set runs one at a time, its worker processes using both cores.
 """
 
 import os
