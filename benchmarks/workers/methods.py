@@ -112,6 +112,9 @@ _ENTRIES = [
            local={"sync_every": 8, "outer": "nesterov"}, csc={"density": 0.1}),
     Method("local_8_csc", "GradientFlow local SGD every 8, CSC 10% on the pseudo-gradient",
            local={"sync_every": 8, "outer": "average"}, csc={"density": 0.1}),
+    # local_8 with ChunkSparsity()'s default on the pseudo-gradient: dense where compressing does not pay.
+    Method("local_8_auto", "GradientFlow local SGD every 8, CSC auto on the pseudo-gradient",
+           local={"sync_every": 8, "outer": "average"}, csc={"density": "auto"}),
     # The sweep over H (docs/local-sgd.md): averaging every 4 to 64 steps.
     *[Method(f"local_{h}", f"GradientFlow local SGD, averaging every {h}",
              local={"sync_every": h, "outer": "average"}) for h in (4, 16, 32, 64)],
