@@ -110,14 +110,14 @@ _ENTRIES = [
     # diloco_8 / local_8 with CSC 10% on the pseudo-gradient (its own residual; SparseLoCo's idea).
     Method("diloco_8_csc", "GradientFlow DiLoCo every 8, CSC 10% on the pseudo-gradient",
            local={"sync_every": 8, "outer": "nesterov"}, csc={"density": 0.1}),
-    Method("local_8_csc", "GradientFlow local SGD every 8, CSC 10% on the pseudo-gradient",
-           local={"sync_every": 8, "outer": "average"}, csc={"density": 0.1}),
+    *[Method(f"local_{h}_csc", f"GradientFlow local SGD every {h}, CSC 10% on the pseudo-gradient",
+             local={"sync_every": h, "outer": "average"}, csc={"density": 0.1}) for h in (8, 16, 32)],
     # local_8 with ChunkSparsity()'s default on the pseudo-gradient: dense where compressing does not pay.
     Method("local_8_auto", "GradientFlow local SGD every 8, CSC auto on the pseudo-gradient",
            local={"sync_every": 8, "outer": "average"}, csc={"density": "auto"}),
-    # The sweep over H (docs/local-sgd.md): averaging every 4 to 64 steps.
+    # The sweep over H (docs/local-sgd.md): averaging every 2 to 64 steps.
     *[Method(f"local_{h}", f"GradientFlow local SGD, averaging every {h}",
-             local={"sync_every": h, "outer": "average"}) for h in (4, 16, 32, 64)],
+             local={"sync_every": h, "outer": "average"}) for h in (2, 4, 16, 32, 64)],
 ]
 TABLE: Dict[str, Method] = {}
 METHODS: List[str] = []   # TABLE's names in order (list views, kept current by register)
