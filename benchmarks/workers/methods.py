@@ -107,7 +107,7 @@ _ENTRIES = [
     # 8 steps alone, then averaging (post-local SGD) or DiLoCo's outer Nesterov step (gf_tf.keras.LocalSGD).
     Method("local_8", "GradientFlow local SGD, averaging every 8", local={"sync_every": 8, "outer": "average"}),
     Method("diloco_8", "GradientFlow DiLoCo, Nesterov every 8", local={"sync_every": 8, "outer": "nesterov"}),
-    # diloco_8 / local_8 with CSC 10% on the pseudo-gradient (its own residual; SparseLoCo's idea).
+    # diloco_8 / local_H with CSC 10% on the pseudo-gradient (its own residual; SparseLoCo's idea).
     Method("diloco_8_csc", "GradientFlow DiLoCo every 8, CSC 10% on the pseudo-gradient",
            local={"sync_every": 8, "outer": "nesterov"}, csc={"density": 0.1}),
     *[Method(f"local_{h}_csc", f"GradientFlow local SGD every {h}, CSC 10% on the pseudo-gradient",
