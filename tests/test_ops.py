@@ -32,7 +32,8 @@ def _with_simd_off(fn):
 IMPLEMENTATIONS = {
     "compiled": ops.compiled,
     "compiled_scalar": type(ops.compiled)(**{k: _with_simd_off(v) for k, v in
-                                              vars(ops.compiled).items() if callable(v)}),
+                                              vars(ops.compiled).items()
+                                              if callable(v) and not k.startswith("lowrank_")}),
     "composite": ops.composite,
 }
 

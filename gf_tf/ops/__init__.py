@@ -1,4 +1,4 @@
-"""GradientFlow tensor ops: pack/unpack and the chunk ops of CSC.
+"""GradientFlow tensor ops: pack/unpack, the chunk ops of CSC and the passes of low rank.
 
 Every function here has two implementations with the same contract:
 the compiled custom ops of ``ops/`` and an equivalent composite of stock
@@ -45,7 +45,8 @@ from gf_tf.ops._checks import GRAD_DTYPES, WIRE_DTYPES  # noqa: F401  (the ops' 
 from gf_tf.ops._library import (  # noqa: F401  (where the library comes from)
     BUILD_COMMAND, LIBRARY_ENV, LIBRARY_FILE, VERSION_FILE_SUFFIX)
 
-_OP_NAMES = ("pack", "unpack", "accumulate", "gather_chunks", "scatter_chunks", "abs_max")
+_OP_NAMES = ("pack", "unpack", "accumulate", "gather_chunks", "scatter_chunks", "abs_max",
+             "lowrank_project", "lowrank_project_back", "lowrank_reconstruct")
 
 
 def num_chunks(num_elements: int, chunk_size: int) -> int:
@@ -82,7 +83,8 @@ composite = _implementation_namespace(
     "public functions).")
 compiled = _implementation_namespace(
     _compiled, "The compiled kernels, called explicitly (same arguments as the public "
-    "functions plus simd=True; RuntimeError if the library is unavailable).")
+    "functions, plus simd=True but for the low-rank ops; RuntimeError if the library is "
+    "unavailable).")
 
 
 def _on_cpu(tensors) -> bool:
@@ -277,3 +279,56 @@ def scatter_chunks(selected: tf.Tensor, indices: tf.Tensor, chunk_size: int,
     """
     return _implementation([selected]).scatter_chunks(
         selected, indices, chunk_size, list(shapes), list(dtypes), scale)
+
+
+def lowrank_project(grad: tf.Tensor, residual: tf.Tensor, q: tf.Tensor
+                    ) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """Low rank's first pass over a matrix: error feedback, P_r = M_r Q and the bound of Q_r.
+
+    Args:
+      grad: [n, m] float16, bfloat16, float32 or float64: replica r's gradient as a matrix.
+      residual: float32 [n, m], its residual.
+      q: float32 [m, r], the warm-started factor.
+
+    Returns:
+      (matrix float32 [n, m] = float32(grad) + residual; p float32 [n, r] = matrix q;
+      column_bound float32 [] = the largest column norm of matrix, 0 for m = 0: bounds
+      |matrix^T p^| for p^ with unit columns). Sums in float32; their order is the
+      implementation's.
+
+    Raises:
+      TypeError: grad not floating, another input not float32.
+      ValueError: an input not 2-D (tf.errors.InvalidArgumentError for shapes that do not
+        pair, when only known at run time).
+
+    Source: PowerSGD (Vogels et al., NeurIPS 2019), Algorithm 2 with error feedback.
+    """
+    return _implementation([grad, residual, q]).lowrank_project(grad, residual, q)
+
+
+def lowrank_project_back(matrix: tf.Tensor, p: tf.Tensor) -> tf.Tensor:
+    """Q_r = matrix^T p: float32 [m, r] from float32 matrix [n, m] and p [n, r].
+
+    Raises TypeError (an input not float32) or ValueError (not 2-D) as `lowrank_project`.
+    Source: PowerSGD, Algorithm 1.
+    """
+    return _implementation([matrix, p]).lowrank_project_back(matrix, p)
+
+
+def lowrank_reconstruct(matrix: tf.Tensor, a: tf.Tensor, b: tf.Tensor, c: tf.Tensor,
+                        d: tf.Tensor, dtype: tf.DType = tf.float32
+                        ) -> Tuple[tf.Tensor, tf.Tensor]:
+    """Low rank's last pass over a matrix: the reduced gradient and the new residual.
+
+    Args:
+      matrix: float32 [n, m] (what `lowrank_project` returned).
+      a, c: float32 [n, r]; b, d: float32 [m, r].
+      dtype: the output's floating dtype (the gradient's).
+
+    Returns:
+      (out `dtype` [n, m] = a b^T, each element summed in float32 and rounded once;
+      residual float32 [n, m] = matrix - c d^T).
+
+    Raises TypeError or ValueError as `lowrank_project`. Source: PowerSGD, Algorithm 2.
+    """
+    return _implementation([matrix, a, b, c, d]).lowrank_reconstruct(matrix, a, b, c, d, dtype)

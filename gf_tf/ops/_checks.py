@@ -133,3 +133,22 @@ def scale(value, count: Optional[int], what: str, items: str):
     got = ",".join("?" if d is None else str(d) for d in shape.as_list())
     expected = "?" if count is None else count
     raise ValueError(f"{what}: scale must have shape [] or [{expected}] ({items}), got [{got}]")
+
+
+def lowrank_factors(what: str, matrix, *factors, grad: bool = False) -> list:
+    """The low-rank ops' arguments as tensors: `matrix` 2-D (float32, or any GRAD_DTYPES dtype
+    with `grad`), each factor 2-D float32 with the rows it pairs with, known statically."""
+    matrix = tf.convert_to_tensor(matrix)
+    if matrix.dtype not in (GRAD_DTYPES if grad else (tf.float32,)):
+        raise TypeError(f"{what}: the matrix has dtype {matrix.dtype.name}; "
+                        f"{dtype_names(GRAD_DTYPES) if grad else 'float32'} accepted")
+    out = [matrix]
+    for name, f in factors:
+        f = tf.convert_to_tensor(f)
+        if f.dtype != tf.float32:
+            raise TypeError(f"{what}: {name} must be float32, got {f.dtype.name}")
+        out.append(f)
+    for t, name in zip(out, ["matrix"] + [name for name, _ in factors]):
+        if t.shape.rank not in (None, 2):
+            raise ValueError(f"{what}: {name} must be 2-D, got shape {t.shape}")
+    return out

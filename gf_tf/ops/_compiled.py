@@ -87,3 +87,23 @@ def scatter_chunks(selected, indices, chunk_size, shapes, dtypes, scale=1.0, sim
     return lib.gf_scatter_chunks(
         tf.convert_to_tensor(selected), indices, scale, chunk_size=int(chunk_size),
         Tout=dtypes, shapes=shapes, simd=simd)
+
+
+def lowrank_project(grad, residual, q):
+    lib = library.require()
+    grad, residual, q = checks.lowrank_factors("lowrank_project", grad, ("residual", residual),
+                                               ("q", q), grad=True)
+    return tuple(lib.gf_low_rank_project(grad, residual, q))
+
+
+def lowrank_project_back(matrix, p):
+    lib = library.require()
+    return lib.gf_low_rank_project_back(*checks.lowrank_factors("lowrank_project_back", matrix,
+                                                                ("p", p)))
+
+
+def lowrank_reconstruct(matrix, a, b, c, d, dtype):
+    lib = library.require()
+    args = checks.lowrank_factors("lowrank_reconstruct", matrix, ("a", a), ("b", b), ("c", c),
+                                  ("d", d))
+    return tuple(lib.gf_low_rank_reconstruct(*args, Tout=tf.as_dtype(dtype)))

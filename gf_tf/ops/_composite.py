@@ -222,3 +222,27 @@ def scatter_chunks(selected, indices, chunk_size, shapes, dtypes, scale=1.0):
         # An update, not scatter_nd's sum into zeros, which would turn -0.0 into +0.0.
         full = tf.tensor_scatter_nd_update(tf.zeros([n], tf.float32), positions, values)
     return unpack(full, shapes, dtypes, 1.0)
+
+
+def lowrank_project(grad, residual, q):
+    grad, residual, q = checks.lowrank_factors("lowrank_project", grad, ("residual", residual),
+                                               ("q", q), grad=True)
+    matrix = tf.cast(grad, tf.float32) + residual
+    # Column sums of squares as a product with a row of ones: TensorFlow's CPU Sum over the
+    # outer axis of a row-major matrix takes about three times as long.
+    squares = tf.matmul(tf.ones([1, tf.shape(matrix)[0]]), tf.square(matrix))
+    bound = tf.sqrt(tf.reduce_max(tf.concat([[0.0], tf.reshape(squares, [-1])], 0)))
+    return matrix, matrix @ q, bound
+
+
+def lowrank_project_back(matrix, p):
+    matrix, p = checks.lowrank_factors("lowrank_project_back", matrix, ("p", p))
+    return tf.matmul(matrix, p, transpose_a=True)
+
+
+def lowrank_reconstruct(matrix, a, b, c, d, dtype):
+    matrix, a, b, c, d = checks.lowrank_factors("lowrank_reconstruct", matrix, ("a", a),
+                                                ("b", b), ("c", c), ("d", d))
+    out, approximation = tf.unstack(tf.matmul(tf.stack([a, c]), tf.stack([b, d]),
+                                              transpose_b=True))
+    return tf.cast(out, dtype), matrix - approximation

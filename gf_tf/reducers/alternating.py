@@ -10,8 +10,9 @@ with an even count (`LowRankSetState.steps`) sends the P's and the next one the 
 (out times 1/N for MEAN). Each step is half a power-iteration step, warm-started from the other
 factor, and the residuals of all replicas add up to SUM_r M_r - out, as in the two-collective
 form (`gf_tf.reducers.lowrank`). The phase is one `tf.cond` over the factors (the count moves
-together on every worker, so every worker issues the same one collective); out and M_r minus the
-residual are then one batched product, and the residual is written only on a finite step. On a
+together on every worker, so every worker issues the same one collective); out and the residual
+are then one pass over M_r (`ops.lowrank_reconstruct`), and the residual is written only on a
+finite step. On a
 scaled wire the bound of the phase's factor uses Q^'s (P^'s) unit columns: |P_r| <= max row
 norm of M_r, |Q_r| <= max column norm of M_r.
 
@@ -25,7 +26,7 @@ import tensorflow as tf
 
 from gf_tf import ops, wire
 from gf_tf.reducers.base import Sent, StepInput, wire_scales
-from gf_tf.reducers.factors import Matrix, orthogonalise, products, residual_commits
+from gf_tf.reducers.factors import Matrix, orthogonalise, residual_commits
 
 
 def alternate_factors(step: StepInput, group: List[Matrix], ms, bounds, wire_format: wire.WireFormat,
@@ -38,8 +39,7 @@ def alternate_factors(step: StepInput, group: List[Matrix], ms, bounds, wire_for
         bounds of the P's, then of the Q's (unused on an unscaled wire); sums: the communicator
         without MEAN; sends_p: bool scalar, this step sends the P's.
       outputs, finite, commits: filled as `LowRank.reduce`'s (per pack, per replica the reduced
-        tensors; per replica the AND of finiteness; per replica (variable, new value) pairs,
-        a residual's value as a function that computes it).
+        tensors; per replica the AND of finiteness; per replica (variable, new value) pairs).
 
     Returns:
       What the step sent (a scalar tensor: the factor's bytes depend on the phase).
@@ -85,16 +85,17 @@ def alternate_factors(step: StepInput, group: List[Matrix], ms, bounds, wire_for
     per_replica = tf.cond(sends_p, branch(True), branch(False))
     for i, (r, m_list, (factors, (ps, qs), ok)) in enumerate(zip(comm.replicas, ms, per_replica)):
         finite[i] = finite[i] & ok
-        approximations = []
+        residuals = []
         with tf.device(comm.devices[i]):
-            for x, state, p, q, (a, b, a_own, b_own) in zip(group, states, ps, qs, factors):
-                out, approximation = products(a, b, a_own, b_own)
+            for x, state, m, p, q, (a, b, a_own, b_own) in zip(group, states, m_list, ps, qs,
+                                                                factors):
                 pack = step.packs[x.pack]
                 shape, out_dtype = pack.spec.shapes[x.position], pack.spec.dtypes[x.position]
-                outputs[x.pack][i][x.position] = tf.cast(tf.reshape(out, shape), out_dtype)
+                out, residual = ops.lowrank_reconstruct(m, a, b, a_own, b_own, out_dtype)
+                outputs[x.pack][i][x.position] = tf.reshape(out, shape)
                 commits[i] += [(state.ps[x.j][r], p), (state.qs[x.j][r], q)]
-                approximations.append(approximation)
-        commits[i] += residual_commits(group, states, r, m_list, approximations)
+                residuals.append(residual)
+        commits[i] += residual_commits(group, states, r, residuals)
     with tf.device("/cpu:0"):
         elements = tf.where(sends_p, sum(x.n for x in group), sum(x.m for x in group)) * rank
         sent_bytes = tf.cast(elements, tf.int64) * dtype.size + (4 * 2 * k if wire_format.scaled

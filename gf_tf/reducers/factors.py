@@ -13,7 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from gf_tf import tf_internal
-from gf_tf.reducers.base import VariablesState
+from gf_tf.reducers.base import PackStep, VariablesState
 
 
 def matrix_shape(shape) -> Optional[Tuple[int, int]]:
@@ -55,24 +55,14 @@ def largest_norm(ms: Sequence[tf.Tensor], axis: int) -> tf.Tensor:
     return tf.stack([tf.sqrt(tf.reduce_max(squares(m))) for m in ms])
 
 
-def products(a: tf.Tensor, b: tf.Tensor, c: tf.Tensor, d: tf.Tensor
-             ) -> Tuple[tf.Tensor, tf.Tensor]:
-    """(a b^T, c d^T) for float32 a, c [n, rank] and b, d [m, rank], as one batched matrix
-    product: the reduced gradient and M_r's approximation (M_r - residual_r) of one matrix."""
-    first, second = tf.unstack(tf.matmul(tf.stack([a, c]), tf.stack([b, d]), transpose_b=True))
-    return first, second
-
-
-def residual_commits(group, states, r: int, ms, approximations) -> List[tuple]:
-    """Per pack of the matrices `group` (`states`: each matrix's pack state), (its replica-r
-    residual variable, a function giving its new value: M - approximation of each of its
-    matrices, flattened and concatenated in pack order). A function, so a non-finite step
-    neither computes nor writes it (`LowRank.reduce`)."""
+def residual_commits(group, states, r: int, residuals) -> List[tuple]:
+    """Per pack of the matrices `group` (`states`: each matrix's pack state), its replica-r
+    residual variable and its new value: the matrices' `residuals` (float32 [n, m], from
+    `ops.lowrank_reconstruct`), flattened and concatenated in pack order."""
     commits = []
     for state in dict.fromkeys(states):
-        own = [(m, a) for s, m, a in zip(states, ms, approximations) if s is state]
-        commits.append((state.residuals[r], lambda own=own: tf.concat(
-            [tf.reshape(m - a, [-1]) for m, a in own], 0)))
+        own = [residual for s, residual in zip(states, residuals) if s is state]
+        commits.append((state.residuals[r], tf.concat([tf.reshape(x, [-1]) for x in own], 0)))
     return commits
 
 
@@ -172,3 +162,16 @@ class Matrix:
     m: int
     j: int
     offset: int
+
+
+def dense_part(pack: PackStep, layout: Layout) -> Optional[PackStep]:
+    """The pack's uncompressed tensors as a pack of their own (no state), or None."""
+    if not layout.dense:
+        return None
+    spec = pack.spec
+    shapes = tuple(spec.shapes[i] for i in layout.dense)
+    part = dataclasses.replace(spec, key=f"{spec.key}_dense",
+                               indices=tuple(spec.indices[i] for i in layout.dense),
+                               shapes=shapes, dtypes=tuple(spec.dtypes[i] for i in layout.dense),
+                               num_elements=sum(int(s.num_elements()) for s in shapes))
+    return PackStep(part, [[g[i] for i in layout.dense] for g in pack.grads], None)

@@ -10,7 +10,9 @@ one step of power iteration with a warm-started Q (float32 [m, rank], equal on e
     Q'  = SUM_r Q_r                    (one all-reduce for the Q's)
     out = P^ Q'^T (Q' times 1/N for MEAN); residual_r = M_r - P^ Q_r^T; Q = Q' for the next step.
 
-out and P^ Q_r^T are one batched matrix product (`factors.products`).
+Each matrix is read three times a step, by the three passes of `gf_tf.ops` (compiled kernels on
+the CPU): `lowrank_project` (M_r, P_r and M_r's largest column norm), `lowrank_project_back`
+(Q_r) and `lowrank_reconstruct` (out and residual_r).
 
 The residual is each replica's own share of what the approximation missed (error feedback,
 Vogels et al.'s Algorithm 2), so the residuals of all replicas add up to SUM_r M_r - P^ Q'^T.
@@ -30,7 +32,7 @@ bound, which bounds every partial sum of the all-reduce, so no partial sum can o
 A step whose all-reduced factors or dense tensors hold inf or NaN returns them (the loss-scale
 optimizer then skips it on every worker: the all-reduced values are the same everywhere) and
 leaves Q and the residuals unchanged: the state is written in one branch on the step's finite
-flag, so a finite step does not read the old residual and a non-finite one computes none.
+flag.
 
 Warm-up (`warmup_steps`): the first steps that all-reduce finite values are dense, the whole
 packs on their wire as the dense reducer sends them (`DenseReducer.reduce`); Q keeps its first
@@ -45,7 +47,7 @@ Distributed Optimization" (NeurIPS 2019), Algorithms 1 and 2; PyTorch's `powerSG
 
 import dataclasses
 import math
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import tensorflow as tf
 
@@ -57,7 +59,7 @@ from gf_tf.reducers.base import (CostTerms, PackStep, Reducer, Sent, StepInput, 
                                  no_control, wire_scales)
 from gf_tf.reducers.dense import DenseReducer
 from gf_tf.reducers.factors import (Layout, LowRankSetState, LowRankState, Matrix, initial_factor,
-                                    largest_norm, matrix_shape, orthogonalise, products,
+                                    dense_part, largest_norm, matrix_shape, orthogonalise,
                                     residual_commits)
 
 # Dense steps before compression starts (LowRank's docstring: why 50).
@@ -232,7 +234,7 @@ class LowRank(Reducer):
         comm = step.comm
         sums = dataclasses.replace(comm, mean=False)   # the factors' sums; MEAN applied to `out`
         layouts = [self.layout(pack.spec) for pack in step.packs]
-        dense_packs = [_dense_part(pack, layout) for pack, layout in zip(step.packs, layouts)]
+        dense_packs = [dense_part(pack, layout) for pack, layout in zip(step.packs, layouts)]
         dense_packs = [(p, part) for p, part in enumerate(dense_packs) if part is not None]
         matrices = [Matrix(p, position, n, m, j, offset)
                     for p, layout in enumerate(layouts)
@@ -241,8 +243,12 @@ class LowRank(Reducer):
         wires = {}   # matrices by the wire their pack travels on, in step order
         for matrix in matrices:
             wires.setdefault(step.packs[matrix.pack].spec.wire, []).append(matrix)
-        ms = comm.map(lambda r, *grads: [self._with_residual(step.packs[x.pack], x, r, grads[x.pack])
-                                         for x in matrices], *[p.grads for p in step.packs])
+        # Per replica, per matrix: (M_r, P_r, M_r's largest column norm); the alternating
+        # form's P_r depends on its phase (None here).
+        projected = comm.map(lambda r, *grads: [self._project(step.packs[x.pack], x, r,
+                                                              grads[x.pack])
+                                                for x in matrices], *[p.grads for p in step.packs])
+        ms = [[m for m, _, _ in per_replica] for per_replica in projected]
         index = {x: i for i, x in enumerate(matrices)}
         groups = [(wire_format, group, [[m[index[x]] for x in group] for m in ms])
                   for wire_format, group in wires.items()]
@@ -254,11 +260,10 @@ class LowRank(Reducer):
                 commits[i].append((step.shared.steps[r], count + 1))
             with tf.device("/cpu:0"):   # the alternating phase, from the first compressed step
                 sends_p = tf.equal((count - self.warmup_steps) % 2, 0)
-        # The two-collective form's P_r, before the control all-reduce: their bound is their own.
-        local_ps = [None if self.alternate else comm.map(
-            lambda r, m_list, group=group: [m @ step.packs[x.pack].state.qs[x.j][r]
-                                            for x, m in zip(group, m_list)], group_ms)
-                    for _, group, group_ms in groups]
+        # The two-collective form's P_r and column norms, before the control all-reduce.
+        local_ps = [None if self.alternate else
+                    [[projected[i][index[x]][1:] for x in group] for i in range(len(ms))]
+                    for _, group, _ in groups]
         controls = fuse_controls(comm, [DenseReducer.bounds(part, comm) for _, part in dense_packs]
                                  + [self._bounds(group_ms, ps, sends_p, wire_format, comm)
                                     for (wire_format, _, group_ms), ps in zip(groups, local_ps)])
@@ -287,16 +292,20 @@ class LowRank(Reducer):
         _commit(comm, finite, commits)
         return outputs, sent
 
-    def _with_residual(self, pack: PackStep, x: Matrix, r: int, grads) -> tf.Tensor:
-        """Replica r's M: its gradient as float32 [n, m] plus its residual."""
-        residual = pack.state.residuals[r][x.offset:x.offset + x.n * x.m]
-        return (tf.reshape(tf.cast(grads[x.position], tf.float32), [x.n, x.m])
-                + tf.reshape(residual, [x.n, x.m]))
+    def _project(self, pack: PackStep, x: Matrix, r: int, grads):
+        """Replica r's (M: its gradient as float32 [n, m] plus its residual, P_r = M Q or None
+        in the alternating form, M's largest column norm or None): `ops.lowrank_project`."""
+        residual = tf.reshape(pack.state.residuals[r][x.offset:x.offset + x.n * x.m], [x.n, x.m])
+        grad = tf.reshape(grads[x.position], [x.n, x.m])
+        if self.alternate:
+            return tf.cast(grad, tf.float32) + residual, None, None
+        return ops.lowrank_project(grad, residual, pack.state.qs[x.j][r])
 
     def _bounds(self, ms, local_ps, sends_p, wire_format: wire.WireFormat,
                 comm) -> List[tf.Tensor]:
         """Per served replica float32 [2 k] for the k matrices of a wire (`ms`: per replica
-        their M's; `local_ps`: per replica their P_r, None in the alternating form): the bounds
+        their M's; `local_ps`: per replica their (P_r, M_r's largest column norm), None in the
+        alternating form): the bounds
         of their P's, then of their Q's (module docstring); [0] on an unscaled wire. Only the
         Q's bound reads M (its column norms); the alternating form computes the bound of the
         one factor its phase sends (`sends_p`) and 0 for the other."""
@@ -309,15 +318,15 @@ class LowRank(Reducer):
                                lambda: tf.concat([largest_norm(m_list, axis=1), zeros], 0),
                                lambda: tf.concat([zeros, largest_norm(m_list, axis=0)], 0))
             return comm.map(bounds, ms)
-        return comm.map(lambda r, m_list, ps: tf.concat([ops.abs_max(ps),
-                                                         largest_norm(m_list, axis=0)], 0),
-                        ms, local_ps)
+        return comm.map(lambda r, m_list, projections: tf.concat(
+            [ops.abs_max([p for p, _ in projections]),
+             tf.stack([bound for _, bound in projections])], 0), ms, local_ps)
 
     def _factors(self, step: StepInput, group: List[Matrix], ms, local_ps, bounds, wire_format,
                  sums, outputs, finite, commits) -> Sent:
         """The P and Q all-reduces of one wire's matrices (`local_ps`: per replica their P_r);
         fills `outputs`, ANDs the factors' finiteness into `finite` and appends the state's new
-        values to `commits` (per replica; a residual as a function that computes it)."""
+        values to `commits` (per replica)."""
         comm, k, rank = step.comm, len(group), self.rank
         dtype = step.packs[group[0].pack].spec.wire_dtype
         states = [step.packs[x.pack].state for x in group]
@@ -325,13 +334,14 @@ class LowRank(Reducer):
         def send_p(r, p_list, bound):
             prescale, postscale = wire_scales(wire_format, sums, lambda: bound[:k])
             return ops.pack(p_list, dtype, prescale), postscale
-        p_buffers, p_post = zip(*comm.map(send_p, local_ps, bounds))
+        p_buffers, p_post = zip(*comm.map(
+            send_p, [[p for p, _ in projections] for projections in local_ps], bounds))
         p_sums = comm.all_reduce_sum(list(p_buffers))
 
         def send_q(r, m_list, p_sum, post, bound):
             ps = [orthogonalise(p) for p in ops.unpack(p_sum, [[x.n, rank] for x in group],
                                                        [tf.float32] * k, post)]
-            qs = [tf.matmul(m, p, transpose_a=True) for m, p in zip(m_list, ps)]
+            qs = [ops.lowrank_project_back(m, p) for m, p in zip(m_list, ps)]
             prescale, postscale = wire_scales(wire_format, sums, lambda: bound[k:])
             return ops.pack(qs, dtype, prescale), postscale, ps, qs
         q_buffers, q_post, p_hats, local_qs = zip(*comm.map(send_q, ms, p_sums, p_post, bounds))
@@ -341,31 +351,20 @@ class LowRank(Reducer):
             q_list = ops.unpack(q_sum, [[x.m, rank] for x in group], [tf.float32] * k, post)
             finite[i] = finite[i] & tf.reduce_all(tf.math.is_finite(p_sums[i])) & tf.reduce_all(
                 tf.math.is_finite(q_sum))
-            approximations = []
-            for x, state, p, q, local_q in zip(group, states, p_list, q_list, local_q_list):
-                out, approximation = products(p, q * comm.postscale, p, local_q)
+            residuals = []
+            for x, state, m, p, q, local_q in zip(group, states, m_list, p_list, q_list,
+                                                  local_q_list):
                 pack = step.packs[x.pack]
                 shape, out_dtype = pack.spec.shapes[x.position], pack.spec.dtypes[x.position]
-                outputs[x.pack][i][x.position] = tf.cast(tf.reshape(out, shape), out_dtype)
+                out, residual = ops.lowrank_reconstruct(m, p, q * comm.postscale, p, local_q,
+                                                        out_dtype)
+                outputs[x.pack][i][x.position] = tf.reshape(out, shape)
                 commits[i].append((state.qs[x.j][r], q))
-                approximations.append(approximation)
-            commits[i] += residual_commits(group, states, r, m_list, approximations)
+                residuals.append(residual)
+            commits[i] += residual_commits(group, states, r, residuals)
         comm.map(receive, range(len(comm.replicas)), q_sums, q_post, ms, p_hats, local_qs)
         factor_bytes = dtype.size * sum((x.n + x.m) * rank for x in group)
         return Sent(sent_bytes=factor_bytes + (8 * k if wire_format.scaled else 0))
-
-
-def _dense_part(pack: PackStep, layout: Layout) -> Optional[PackStep]:
-    """The pack's uncompressed tensors as a pack of their own (no state), or None."""
-    if not layout.dense:
-        return None
-    spec = pack.spec
-    shapes = tuple(spec.shapes[i] for i in layout.dense)
-    part = dataclasses.replace(spec, key=f"{spec.key}_dense",
-                               indices=tuple(spec.indices[i] for i in layout.dense),
-                               shapes=shapes, dtypes=tuple(spec.dtypes[i] for i in layout.dense),
-                               num_elements=sum(int(s.num_elements()) for s in shapes))
-    return PackStep(part, [[g[i] for i in layout.dense] for g in pack.grads], None)
 
 
 def _all_finite(ok: tf.Tensor, tensors) -> tf.Tensor:
@@ -383,12 +382,11 @@ def _count(step: StepInput) -> tf.Tensor:
 
 
 def _commit(comm, finite, commits) -> None:
-    """Per served replica, assigns its (variable, value) pairs (a value may be a function that
-    computes it) in one branch on its finite flag: a non-finite step reads and writes none."""
+    """Per served replica, assigns its (variable, value) pairs in one branch on its finite
+    flag: a non-finite step writes none."""
     def assign(r, ok, pairs):
         def write():
-            return tf.group([v.assign(value() if callable(value) else value)
-                             for v, value in pairs])
+            return tf.group([v.assign(value) for v, value in pairs])
         return tf.cond(ok, write, tf.no_op)
     comm.map(assign, finite, commits)
 
