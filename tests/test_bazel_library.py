@@ -3,10 +3,11 @@
 Two libraries registering the same op names cannot be loaded into one process, so each runs in its
 own subprocess (this file, run as a script): `gf_tf.ops` loads the library named by
 GF_TF_OPS_LIBRARY, or its default (pip-built) one when that is unset. Each subprocess runs every op
-on the same fixed-seed inputs (eagerly, inside `tf.function`, and through the kernels' scalar path)
-and reports the raw bytes of every result, the `_gf_tf_ops` shared objects mapped into the process
-and, per op, which op types of its traced graph come from that library. The test asserts that each
-process used the compiled ops of the intended library and that both sets of results are bitwise equal.
+on the same fixed-seed inputs (eagerly, inside `tf.function`, and through the kernels' scalar path
+where they have one) and reports the raw bytes of every result, the `_gf_tf_ops` shared objects
+mapped into the process and, per op, which op types of its traced graph come from that library.
+The test asserts that each process used the compiled ops of the intended library and that both
+sets of results are bitwise equal.
 
 Where the Bazel library is: $GF_TF_BAZEL_LIBRARY (set by .ci/run from .ci/bazel_build.sh), else
 bazel-bin/_gf_tf_ops.so. Without one the test skips, unless GF_TF_REQUIRE_BAZEL=1 (CI), where a
@@ -29,7 +30,9 @@ pytestmark = pytest.mark.slow
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CHILD_TIMEOUT_SECONDS = 300
-PUBLIC_OPS = ["pack", "unpack", "accumulate", "gather_chunks", "scatter_chunks", "abs_max"]
+SIMD_OPS = ["pack", "unpack", "accumulate", "gather_chunks", "scatter_chunks", "abs_max"]
+LOWRANK_OPS = ["lowrank_project", "lowrank_project_back", "lowrank_reconstruct"]
+PUBLIC_OPS = SIMD_OPS + LOWRANK_OPS
 REQUIRE_BAZEL = os.environ.get("GF_TF_REQUIRE_BAZEL") == "1"
 BUILD_HINT = ("build it with `.ci/bazel_build.sh $(which python)` (prints its path for "
               "GF_TF_BAZEL_LIBRARY) or `bazel build --repo_env=TF_PYTHON=$(which python) //:_gf_tf_ops.so`")
@@ -122,6 +125,21 @@ def _run_all_ops(np, tf, ops, wrap):
                 )(selected, indices)
                 for i, part in enumerate(parts):
                     results[f"scatter_{wkey}_{i}"] = part
+
+    rng = np.random.default_rng(1902)
+    for n, m, r in [(33, 17, 2), (1, 1, 1), (130, 70, 4)]:
+        for dtype in [tf.float32, tf.float16]:
+            key = f"{n}x{m}x{r}_{dtype.name}"
+            grad = tf.cast(tf.constant(rng.standard_normal([n, m]) * 300.0), dtype)
+            residual = tf.constant(rng.standard_normal([n, m]).astype(np.float32))
+            q, b = (tf.constant(rng.standard_normal([m, r]).astype(np.float32)) for _ in range(2))
+            matrix, p, bound = wrap("lowrank_project", ops.lowrank_project)(grad, residual, q)
+            back = wrap("lowrank_project_back", ops.lowrank_project_back)(matrix, p)
+            out, left = wrap("lowrank_reconstruct", _bind(ops.lowrank_reconstruct, dtype))(
+                matrix, p, b, p, back)
+            results.update({f"lowrank_{key}_{name}": value for name, value in [
+                ("matrix", matrix), ("p", p), ("bound", bound), ("back", back), ("out", out),
+                ("residual", left)]})
     return results
 
 
@@ -158,7 +176,8 @@ def _child_main(out_path):
 
     # The compiled kernels' portable scalar path (the public functions take the AVX2/F16C one here).
     scalar_ops = types.SimpleNamespace(**{
-        name: functools.partial(getattr(ops.compiled, name), simd=False) for name in PUBLIC_OPS})
+        name: functools.partial(getattr(ops.compiled, name), simd=False) for name in SIMD_OPS},
+        **{name: getattr(ops.compiled, name) for name in LOWRANK_OPS})
     report = {"results": {}, "gf_tf_file": ops.__file__}
     for mode, implementation in [("eager", ops), ("function", ops), ("scalar", scalar_ops)]:
         wrap.mode = "function" if mode == "function" else "eager"

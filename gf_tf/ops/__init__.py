@@ -322,7 +322,10 @@ def lowrank_reconstruct(matrix: tf.Tensor, a: tf.Tensor, b: tf.Tensor, c: tf.Ten
 
     Args:
       matrix: float32 [n, m] (what `lowrank_project` returned).
-      a, c: float32 [n, r]; b, d: float32 [m, r].
+      a: float32 [n, r], the reduced gradient's left factor.
+      b: float32 [m, r], its right factor.
+      c: float32 [n, r], the left factor of what is taken out of `matrix`.
+      d: float32 [m, r], its right factor.
       dtype: the output's floating dtype (the gradient's).
 
     Returns:
