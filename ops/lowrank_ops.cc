@@ -236,8 +236,9 @@ class GfLowRankProjectBackOp : public OpKernel {
     const float* pd = p.flat<float>().data();
     // Per block of rows, the columns' partial sums [r][m] in float; the blocks
     // are fixed (not the threads' shards) and added in order, in double.
-    // At most 256 blocks of at least 64 rows: the partial sums stay within 256 r m floats.
-    const int64_t block = std::max<int64_t>(64, NumChunks(n, 256));
+    // At most 256 blocks of at least max(64, 8 r) rows: the partial sums stay within
+    // 256 r m floats and an eighth of the matrix.
+    const int64_t block = std::max({int64_t{64}, 8 * r, NumChunks(n, 256)});
     const int64_t blocks = NumChunks(n, block);
     std::vector<float> partial(blocks * r * m, 0.0f);
     ParallelFor(ctx, blocks, RowCost(m, r) * block, [&](int64_t first, int64_t last) {

@@ -12,9 +12,8 @@ factor, and the residuals of all replicas add up to SUM_r M_r - out, as in the t
 form (`gf_tf.reducers.lowrank`). The phase is one `tf.cond` over the factors (the count moves
 together on every worker, so every worker issues the same one collective); out and the residual
 are then one pass over M_r (`ops.lowrank_reconstruct`), and the residual is written only on a
-finite step. On a
-scaled wire the bound of the phase's factor uses Q^'s (P^'s) unit columns: |P_r| <= max row
-norm of M_r, |Q_r| <= max column norm of M_r.
+finite step. On a scaled wire the bound of the phase's factor uses Q^'s (P^'s) unit columns:
+|P_r| <= max row norm of M_r, |Q_r| <= max column norm of M_r.
 
 Source: Zhang, Zhang, Shi, Chu and Li, "Evaluation and Optimization of Gradient Compression for
 Distributed Deep Learning" (ICDCS 2023), ACP-SGD (Alternate Compressed PowerSGD), Algorithm 2.

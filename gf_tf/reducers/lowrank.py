@@ -10,9 +10,9 @@ one step of power iteration with a warm-started Q (float32 [m, rank], equal on e
     Q'  = SUM_r Q_r                    (one all-reduce for the Q's)
     out = P^ Q'^T (Q' times 1/N for MEAN); residual_r = M_r - P^ Q_r^T; Q = Q' for the next step.
 
-Each matrix is read three times a step, by the three passes of `gf_tf.ops` (compiled kernels on
-the CPU): `lowrank_project` (M_r, P_r and M_r's largest column norm), `lowrank_project_back`
-(Q_r) and `lowrank_reconstruct` (out and residual_r).
+This form reads each matrix three times a step, in the three passes of `gf_tf.ops` (compiled
+kernels on the CPU): `lowrank_project` (M_r, P_r and M_r's largest column norm),
+`lowrank_project_back` (Q_r) and `lowrank_reconstruct` (out and residual_r).
 
 The residual is each replica's own share of what the approximation missed (error feedback,
 Vogels et al.'s Algorithm 2), so the residuals of all replicas add up to SUM_r M_r - P^ Q'^T.
@@ -305,10 +305,9 @@ class LowRank(Reducer):
                 comm) -> List[tf.Tensor]:
         """Per served replica float32 [2 k] for the k matrices of a wire (`ms`: per replica
         their M's; `local_ps`: per replica their (P_r, M_r's largest column norm), None in the
-        alternating form): the bounds
-        of their P's, then of their Q's (module docstring); [0] on an unscaled wire. Only the
-        Q's bound reads M (its column norms); the alternating form computes the bound of the
-        one factor its phase sends (`sends_p`) and 0 for the other."""
+        alternating form): the bounds of their P's, then of their Q's (module docstring); [0]
+        on an unscaled wire. The alternating form computes the bound of the one factor its
+        phase sends (`sends_p`) from M and 0 for the other."""
         if not wire_format.scaled:
             return no_control(comm)
         if self.alternate:
@@ -324,7 +323,8 @@ class LowRank(Reducer):
 
     def _factors(self, step: StepInput, group: List[Matrix], ms, local_ps, bounds, wire_format,
                  sums, outputs, finite, commits) -> Sent:
-        """The P and Q all-reduces of one wire's matrices (`local_ps`: per replica their P_r);
+        """The P and Q all-reduces of one wire's matrices (`local_ps`: per replica their
+        (P_r, M_r's largest column norm));
         fills `outputs`, ANDs the factors' finiteness into `finite` and appends the state's new
         values to `commits` (per replica)."""
         comm, k, rank = step.comm, len(group), self.rank
