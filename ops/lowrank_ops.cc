@@ -61,47 +61,6 @@ std::vector<float> Columns(const Tensor& factor, int64_t m, int64_t r) {
   return columns;
 }
 
-template <typename T>
-void RowToFloat(const void* grad, int64_t begin, int64_t m, const float* residual,
-                float* dst) {
-  const T* g = static_cast<const T*>(grad) + begin;
-  for (int64_t j = 0; j < m; ++j) dst[j] = static_cast<float>(g[j]) + residual[j];
-}
-
-// dst[j] = float(grad[begin + j]) + residual[j] for j < m.
-void AddRow(DataType dtype, const void* grad, int64_t begin, int64_t m,
-            const float* residual, float* dst) {
-  switch (dtype) {
-    case tensorflow::DT_HALF:
-      return RowToFloat<Eigen::half>(grad, begin, m, residual, dst);
-    case tensorflow::DT_BFLOAT16:
-      return RowToFloat<tensorflow::bfloat16>(grad, begin, m, residual, dst);
-    case tensorflow::DT_DOUBLE:
-      return RowToFloat<double>(grad, begin, m, residual, dst);
-    default:
-      return RowToFloat<float>(grad, begin, m, residual, dst);
-  }
-}
-
-template <typename T>
-void StoreRow(const float* src, int64_t m, void* out, int64_t begin) {
-  T* o = static_cast<T*>(out) + begin;
-  for (int64_t j = 0; j < m; ++j) o[j] = static_cast<T>(src[j]);
-}
-
-void StoreRow(DataType dtype, const float* src, int64_t m, void* out, int64_t begin) {
-  switch (dtype) {
-    case tensorflow::DT_HALF:
-      return StoreRow<Eigen::half>(src, m, out, begin);
-    case tensorflow::DT_BFLOAT16:
-      return StoreRow<tensorflow::bfloat16>(src, m, out, begin);
-    case tensorflow::DT_DOUBLE:
-      return StoreRow<double>(src, m, out, begin);
-    default:
-      return StoreRow<float>(src, m, out, begin);
-  }
-}
-
 std::string Dim(int64_t d) { return d < 0 ? "?" : std::to_string(d); }
 
 // Checks `t` is a 2-D [rows, cols] tensor (-1: any); names op and input.
@@ -176,10 +135,13 @@ class GfLowRankProjectOp : public OpKernel {
     std::vector<double> squares(m, 0.0);
     std::mutex mu;
     const bool stream = mat != res && StreamOutput(matrix->TotalBytes());
+    const char* grad_bytes = static_cast<const char*>(grad.data());
+    const int64_t grad_size = tensorflow::DataTypeSize(grad.dtype());
     ParallelFor(ctx, n, RowCost(m, r), [&](int64_t first, int64_t last) {
       std::vector<float> local(m, 0.0f), row(m);
       for (int64_t i = first; i < last; ++i) {
-        AddRow(grad.dtype(), grad.data(), i * m, m, res + i * m, row.data());
+        AccumulateSegment(res + i * m, grad.dtype(), grad_bytes + i * m * grad_size, nullptr,
+                          nullptr, 0.0f, row.data(), m, /*simd=*/true);
         for (int64_t j = 0; j < m; ++j) local[j] += row[j] * row[j];
         for (int64_t k = 0; k < r; ++k) {
           pd[i * r + k] = Dot(row.data(), columns.data() + k * m, m);
@@ -316,6 +278,8 @@ class GfLowRankReconstructOp : public OpKernel {
     const float* mat = matrix.flat<float>().data();
     float* res = residual->flat<float>().data();
     const DataType out_dtype = out->dtype();
+    char* out_bytes = static_cast<char*>(out->data());
+    const int64_t out_size = tensorflow::DataTypeSize(out_dtype);
     // Both outputs are written from a row in L1: streamed past the caches when large.
     const bool stream = StreamOutput(out->TotalBytes());
     ParallelFor(ctx, n, RowCost(m, 2 * r), [&](int64_t first, int64_t last) {
@@ -331,11 +295,8 @@ class GfLowRankReconstructOp : public OpKernel {
       };
       for (int64_t i = first; i < last; ++i) {
         product(a, b, i);
-        if (out_dtype == tensorflow::DT_FLOAT) {
-          CopyBytes(out->flat<float>().data() + i * m, row.data(), m * sizeof(float), stream);
-        } else {
-          StoreRow(out_dtype, row.data(), m, out->data(), i * m);
-        }
+        FromWire(tensorflow::DT_FLOAT, row.data(), out_dtype, out_bytes + i * m * out_size, m,
+                 1.0f, /*simd=*/true, stream);
         product(c, d, i);
         for (int64_t j = 0; j < m; ++j) row[j] = mat[i * m + j] - row[j];
         CopyBytes(res + i * m, row.data(), m * sizeof(float), stream);

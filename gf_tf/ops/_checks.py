@@ -136,8 +136,9 @@ def scale(value, count: Optional[int], what: str, items: str):
 
 
 def lowrank_factors(what: str, matrix, *factors, grad: bool = False) -> list:
-    """The low-rank ops' arguments as tensors: `matrix` 2-D (float32, or any GRAD_DTYPES dtype
-    with `grad`), each factor 2-D float32 with the rows it pairs with, known statically."""
+    """The low-rank ops' arguments as tensors, their dtypes checked (`matrix` float32, or any
+    GRAD_DTYPES dtype with `grad`; each (name, factor) float32) and, where known statically,
+    their rank (2). Whether the shapes pair is the kernels' check (or the composite's matmul)."""
     matrix = tf.convert_to_tensor(matrix)
     if matrix.dtype not in (GRAD_DTYPES if grad else (tf.float32,)):
         raise TypeError(f"{what}: the matrix has dtype {matrix.dtype.name}; "
