@@ -317,9 +317,9 @@ class LowRank(Reducer):
                                lambda: tf.concat([largest_norm(m_list, axis=1), zeros], 0),
                                lambda: tf.concat([zeros, largest_norm(m_list, axis=0)], 0))
             return comm.map(bounds, ms)
-        return comm.map(lambda r, m_list, projections: tf.concat(
+        return comm.map(lambda r, projections: tf.concat(
             [ops.abs_max([p for p, _ in projections]),
-             tf.stack([bound for _, bound in projections])], 0), ms, local_ps)
+             tf.stack([bound for _, bound in projections])], 0), local_ps)
 
     def _factors(self, step: StepInput, group: List[Matrix], ms, local_ps, bounds, wire_format,
                  sums, outputs, finite, commits) -> Sent:
